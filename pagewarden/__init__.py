@@ -1,0 +1,22 @@
+"""pagewarden: an LLM inference engine whose paged KV cache never silently serves corrupted KV."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pagewarden.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from pagewarden.engine.llm import LLM
+
+
+def __getattr__(name: str) -> Any:
+    # Importing torch is slow; `pagewarden.kv` and `pagewarden.sched` users never pay it.
+    if name == "LLM":
+        from pagewarden.engine.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

@@ -1,0 +1,98 @@
+"""The dataclasses that cross from the scheduler to the model runner and back.
+
+These are the whole contract between ``sched/`` (pure Python) and ``worker/`` (torch):
+a runner needs nothing but a ``SchedulerOutput`` to run a step, and the scheduler needs
+nothing but a ``ModelRunnerOutput`` to advance its requests.
+
+Slot arithmetic, for ``block_size = 4``::
+
+    block_table = [7, 3]            position p lives in block_table[p // 4], offset p % 4
+    positions   = range(5, 7)       tokens 5 and 6 are computed this step
+    slots       = [3*4 + 1, 3*4 + 2] = [13, 14]
+
+    physical slot s = block_id * block_size + offset   (block 0 is reserved padding)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagewarden.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    ``token_ids[i]`` sits at ``positions[i]`` and its K/V goes to ``slot_mapping[i]``.
+    Attention for these tokens reads positions ``[0, positions.stop)`` through
+    ``block_table``. ``prompt_token_ids`` and ``output_token_ids`` are read-only views for
+    penalties; the runner must not mutate them.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    positions: range
+    block_table: list[int]
+    slot_mapping: list[int]
+    # True when this chunk ends at the last known token, so a token is sampled from it.
+    sample: bool
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    # Seed for this request's sampling noise (the child index of n > 1 is already mixed
+    # in); None means "use the engine's generator".
+    seed: int | None = None
+
+    @property
+    def num_context_tokens(self) -> int:
+        """Tokens already in the KV cache before this step."""
+        return self.positions.start
+
+    @property
+    def sample_index(self) -> int:
+        """Index of the output token sampled this step (for seeded determinism)."""
+        return len(self.output_token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """Everything the model runner needs for one step.
+
+    ``copy_blocks`` are copy-on-write pairs ``(src_block_id, dst_block_id)`` to apply to
+    the physical cache before the forward pass.
+    """
+
+    step_id: int
+    requests: list[ScheduledRequest]
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)
+    # Requests that left since the last step (finished, aborted or preempted), so a
+    # runner holding per-request state can drop it.
+    finished_req_ids: list[str] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Total tokens computed this step."""
+        return sum(len(r.token_ids) for r in self.requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Log-probability of a sampled token and of the top-k alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token_id, logprob), best first
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRunnerOutput:
+    """What one step produced: a token for each request scheduled with ``sample=True``."""
+
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
