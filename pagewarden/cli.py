@@ -1,0 +1,121 @@
+"""Command line: ``pagewarden generate``, ``pagewarden chat`` and ``pagewarden serve``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+
+from pagewarden.engine.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags, named as vLLM names them."""
+    d = EngineConfig()
+    parser.add_argument("--model", default=None,
+                        help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default=d.dtype, help="bfloat16 | float32 | float16")
+    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--kv-cache-memory", default=None, help="e.g. 2GiB (default 1GiB)")
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=d.enable_prefix_caching)
+    parser.add_argument("--seed", type=int, default=d.seed)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    names = {f.name for f in fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--sample-seed", type=int, default=None, help="per-request seed")
+
+
+def _sampling(args: argparse.Namespace):
+    from pagewarden.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, seed=args.sample_seed)
+
+
+def _llm(args: argparse.Namespace):
+    from pagewarden.engine.llm import LLM
+
+    c = engine_config(args)
+    return LLM(model=c.model, dtype=c.dtype, block_size=c.block_size,
+               kv_cache_memory=c.kv_cache_memory, num_kv_blocks=c.num_kv_blocks,
+               max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+               max_model_len=c.max_model_len, enable_prefix_caching=c.enable_prefix_caching,
+               seed=c.seed)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm = _llm(args)
+    params = _sampling(args)
+    if args.chat_template:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    else:
+        out = llm.generate([args.prompt], params, use_tqdm=False)
+    print(out[0].outputs[0].text)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm = _llm(args)
+    params = _sampling(args)
+    history: list[dict[str, str]] = []
+    print("pagewarden chat: type a message, Ctrl-D or /exit to quit.")
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        reply = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text
+        print(reply)
+        history.append({"role": "assistant", "content": reply})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagewarden")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete one prompt and print the text")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat-template", action="store_true",
+                     help="wrap the prompt as a user message with the model's chat template")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="interactive chat in the terminal")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+    try:
+        from pagewarden.server.cli import add_serve_parser
+    except ImportError:
+        pass
+    else:
+        add_serve_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"pagewarden: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Engine configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+           "auto": torch.bfloat16}
+
+#: KV budget when neither ``kv_cache_memory`` nor ``num_kv_blocks`` is given.
+DEFAULT_KV_CACHE_MEMORY = "1GiB"
+
+
+class EngineConfigError(ValueError):
+    """An engine argument is out of range; the message names it."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Arguments of ``LLM(...)`` and of the CLI's engine flags (named as vLLM names them)."""
+
+    model: str | None = None
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise EngineConfigError(
+                f"dtype {self.dtype!r} is not supported; use one of {sorted(_DTYPES)}"
+            )
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise EngineConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise EngineConfigError(
+                f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}"
+            )
+        if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
+            raise EngineConfigError("give kv_cache_memory or num_kv_blocks, not both")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise EngineConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]

@@ -1,0 +1,94 @@
+"""Turns the scheduler's per-child token updates into ``RequestOutput`` objects.
+
+Owns detokenization and stop strings: a stop string found here is reported back so the
+engine core can finish that child in the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagewarden.engine.detokenizer import IncrementalDetokenizer
+from pagewarden.engine.outputs import CompletionOutput, RequestOutput
+from pagewarden.sampling_params import SamplingParams
+from pagewarden.sched.scheduler import RequestUpdate
+
+
+@dataclass
+class _RequestState:
+    output: RequestOutput
+    params: SamplingParams
+    detokenizers: list[IncrementalDetokenizer]
+    done: list[bool] = field(default_factory=list)
+
+
+class OutputProcessor:
+    """Per-request output state, keyed by the user's request id."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, _RequestState] = {}
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+            params: SamplingParams) -> None:
+        outputs = [
+            CompletionOutput(index=i, text="", token_ids=[],
+                             logprobs=[] if params.logprobs is not None else None)
+            for i in range(params.n)
+        ]
+        self._states[request_id] = _RequestState(
+            output=RequestOutput(request_id, prompt, prompt_token_ids, outputs),
+            params=params,
+            detokenizers=[IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+                          for _ in range(params.n)],
+            done=[False] * params.n,
+        )
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Mark every unfinished completion as aborted and forget the request."""
+        state = self._states.pop(request_id, None)
+        if state is None:
+            return None
+        for completion in state.output.outputs:
+            if completion.finish_reason is None:
+                completion.finish_reason = "abort"
+        state.output.finished = True
+        return state.output
+
+    def process(self, updates: list[RequestUpdate]) -> tuple[list[RequestOutput], list[str]]:
+        """Apply updates; returns the changed outputs and the child ids stopped by a string."""
+        changed: dict[str, RequestOutput] = {}
+        stopped_children: list[str] = []
+        for upd in updates:
+            request_id = upd.parent_id if upd.parent_id is not None else upd.req_id
+            state = self._states.get(request_id)
+            if state is None or state.done[upd.index]:
+                continue
+            completion = state.output.outputs[upd.index]
+            detok = state.detokenizers[upd.index]
+            completion.token_ids.extend(upd.new_token_ids)
+            if completion.logprobs is not None:
+                completion.logprobs.extend(upd.logprobs)
+            delta = detok.add_tokens(upd.new_token_ids)
+            finished = upd.finished
+            if delta.stopped and not upd.finished:
+                stopped_children.append(upd.req_id)
+                finished = True
+            if delta.stopped:
+                completion.finish_reason, completion.stop_reason = "stop", delta.stop_string
+            elif upd.finished:
+                detok.flush()
+                completion.finish_reason, completion.stop_reason = upd.finish_reason, upd.stop_reason
+            completion.text = detok.text
+            state.output.num_cached_tokens = max(state.output.num_cached_tokens,
+                                                 upd.num_cached_tokens)
+            if finished:
+                state.done[upd.index] = True
+            if all(state.done):
+                state.output.finished = True
+                del self._states[request_id]
+            changed[request_id] = state.output
+        return list(changed.values()), stopped_children

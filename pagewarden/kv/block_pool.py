@@ -1,0 +1,199 @@
+"""The block pool: free queue, hash index for prefix caching, quarantine.
+
+Invariant: every block except block 0 is in exactly one of
+FREE (in queue, no hash), CACHED_FREE (in queue, hashed, evictable), USED (ref_cnt > 0),
+QUARANTINED (out of the queue and the hash index; ref_cnt may still be > 0 until the
+holders free it). ``audit.check_invariants`` verifies this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from pagewarden.kv.block import RESERVED_BLOCK_ID, BlockHash, BlockId, BlockState, KVBlock
+from pagewarden.kv.errors import (
+    BlockPoolExhausted,
+    BlockStateError,
+    QuarantinedBlockError,
+)
+from pagewarden.kv.free_queue import FreeBlockQueue
+
+_FREE = BlockState.FREE
+_USED = BlockState.USED
+_CACHED_FREE = BlockState.CACHED_FREE
+_QUARANTINED = BlockState.QUARANTINED
+
+
+class BlockPool:
+    """``num_blocks`` blocks of ``block_size`` slots; block 0 reserved, never handed out."""
+
+    __slots__ = (
+        "num_blocks",
+        "block_size",
+        "blocks",
+        "free_queue",
+        "hash_index",
+        "quarantined",
+        "num_allocations",
+        "num_frees",
+        "num_evictions",
+    )
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.blocks[RESERVED_BLOCK_ID].state = BlockState.RESERVED
+        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.hash_index: dict[BlockHash, KVBlock] = {}
+        self.quarantined: set[BlockId] = set()
+        self.num_allocations = 0
+        self.num_frees = 0
+        self.num_evictions = 0
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (free or evictable cached-free)."""
+        return len(self.free_queue)
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
+        """The block indexed under ``block_hash``, or None."""
+        return self.hash_index.get(block_hash)
+
+    # ------------------------------------------------------------- allocation
+    def get_new_blocks(self, n: int) -> list[KVBlock]:
+        """Hand out ``n`` blocks with ref_cnt 1, evicting cached-free ones LRU-first."""
+        queue = self.free_queue
+        if n > len(queue):
+            raise BlockPoolExhausted(
+                f"asked for {n} blocks but only {len(queue)} are free; preempt a request "
+                f"or raise num_blocks"
+            )
+        out = []
+        for _ in range(n):
+            block = queue.popleft()
+            if block.block_hash is not None:
+                self._drop_hash(block)
+                self.num_evictions += 1
+            block.ref_cnt = 1
+            block.state = _USED
+            out.append(block)
+        self.num_allocations += n
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take one more reference on each block (a prefix hit or a fork)."""
+        queue = self.free_queue
+        for block in blocks:
+            state = block.state
+            if state is _CACHED_FREE or state is _FREE:
+                queue.remove(block)
+                block.state = _USED
+            elif state is _QUARANTINED:
+                raise QuarantinedBlockError(f"block {block.block_id} is quarantined")
+            elif state is not _USED:
+                raise BlockStateError(f"cannot reference {block}")
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference on each distinct block; the one idempotent free path.
+
+        ``blocks`` is in eviction order (a request passes its table reversed, so the end
+        of a chain is evicted before its start). A block listed twice is dropped once.
+        A block reaching ref_cnt 0 bumps its epoch and returns to the free queue, hashed
+        blocks at the tail (cached, evicted last), unhashed ones at the head (reused first).
+        """
+        seen: set[int] = set()
+        queue = self.free_queue
+        for block in blocks:
+            bid = block.block_id
+            if bid in seen:
+                continue
+            seen.add(bid)
+            if block.ref_cnt <= 0:
+                raise BlockStateError(f"double free of {block}: ref_cnt is already 0")
+            block.ref_cnt -= 1
+            if block.ref_cnt:
+                continue
+            block.epoch += 1
+            self.num_frees += 1
+            if block.state is _QUARANTINED:
+                continue
+            if block.block_hash is not None:
+                block.state = _CACHED_FREE
+                queue.append(block)
+            else:
+                block.state = _FREE
+                queue.appendleft(block)
+
+    # ----------------------------------------------------------------- caching
+    def seal(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
+        """Record that ``block`` is full with ``token_ids`` and index it under ``block_hash``.
+
+        The hash is set once; if another block already holds this content, the index keeps
+        that one and this block stays unindexed (it is still a correct, private copy).
+        """
+        if block.block_hash is not None:
+            if block.block_hash != block_hash:
+                raise BlockStateError(f"block {block.block_id} is already sealed with another hash")
+            return
+        if len(token_ids) != self.block_size:
+            raise BlockStateError(
+                f"only full blocks are sealed: {len(token_ids)} of {self.block_size} tokens"
+            )
+        if block.state is _QUARANTINED:
+            return
+        block.block_hash = block_hash
+        block.token_ids = tuple(token_ids)
+        self.hash_index.setdefault(block_hash, block)
+
+    def _drop_hash(self, block: KVBlock) -> None:
+        h = block.block_hash
+        if h is not None and self.hash_index.get(h) is block:
+            del self.hash_index[h]
+        block.block_hash = None
+        block.token_ids = None
+        block.checksum = None
+
+    # -------------------------------------------------------------- quarantine
+    def quarantine(self, block_id: int) -> None:
+        """Take a suspect block out of service: out of the hash index and the free queue.
+
+        Holders keep their references (they are rolled back by the caller); when the last
+        one frees it, it stays out of the queue until ``release_quarantine``.
+        """
+        if block_id == RESERVED_BLOCK_ID or not 0 < block_id < self.num_blocks:
+            raise BlockStateError(f"cannot quarantine block {block_id}")
+        block = self.blocks[block_id]
+        if block.state is _QUARANTINED:
+            return
+        self._drop_hash(block)
+        if block.state is _FREE or block.state is _CACHED_FREE:
+            self.free_queue.remove(block)
+        block.state = _QUARANTINED
+        self.quarantined.add(BlockId(block_id))
+
+    def release_quarantine(self, block_id: int) -> None:
+        """Return a quarantined block to service (to the free queue if nobody holds it)."""
+        block = self.blocks[block_id]
+        if block.state is not _QUARANTINED:
+            raise BlockStateError(f"block {block_id} is not quarantined")
+        self.quarantined.discard(BlockId(block_id))
+        if block.ref_cnt:
+            block.state = _USED
+        else:
+            block.state = _FREE
+            self.free_queue.appendleft(block)
+
+    # ------------------------------------------------------------------ counts
+    def state_counts(self) -> dict[BlockState, int]:
+        """How many blocks are in each state."""
+        counts = {s: 0 for s in BlockState}
+        for block in self.blocks:
+            counts[block.state] += 1
+        return counts

@@ -1,0 +1,86 @@
+"""Intrusive doubly linked free list with sentinel nodes.
+
+::
+
+    head <-> b7 <-> b3 <-> b9 <-> tail
+             ^ evicted first       ^ freed last (most recently used)
+
+``remove`` is O(1) because the links live in the blocks themselves: a cached-free block
+that gets a prefix hit is unlinked from the middle without a scan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from pagewarden.kv.block import KVBlock
+
+
+class FreeBlockQueue:
+    """Free blocks in eviction order (head first). A block is linked at most once."""
+
+    __slots__ = ("_head", "_tail", "_len")
+
+    def __init__(self, blocks: list[KVBlock] | None = None) -> None:
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-2)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self._len = 0
+        for block in blocks or []:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def popleft(self) -> KVBlock:
+        """Unlink and return the block evicted first. Raises IndexError when empty."""
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise IndexError("pop from an empty free queue")
+        nxt = block.next_free
+        self._head.next_free = nxt
+        nxt.prev_free = self._head  # type: ignore[union-attr]
+        block.prev_free = block.next_free = None
+        self._len -= 1
+        return block
+
+    def append(self, block: KVBlock) -> None:
+        """Link ``block`` at the tail (evicted last)."""
+        assert block.prev_free is None and block.next_free is None, f"{block} already queued"
+        last = self._tail.prev_free
+        last.next_free = block  # type: ignore[union-attr]
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self._len += 1
+
+    def appendleft(self, block: KVBlock) -> None:
+        """Link ``block`` at the head (handed out first)."""
+        assert block.prev_free is None and block.next_free is None, f"{block} already queued"
+        first = self._head.next_free
+        first.prev_free = block  # type: ignore[union-attr]
+        block.next_free = first
+        block.prev_free = self._head
+        self._head.next_free = block
+        self._len += 1
+
+    def remove(self, block: KVBlock) -> None:
+        """Unlink ``block`` from wherever it is, in O(1)."""
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise ValueError(f"{block} is not in the free queue")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self._len -= 1
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        node = self._head.next_free
+        while node is not None and node is not self._tail:
+            yield node
+            node = node.next_free
+
+    def ids(self) -> list[int]:
+        """Block ids in eviction order (for tests and debugging)."""
+        return [b.block_id for b in self]

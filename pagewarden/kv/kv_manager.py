@@ -1,0 +1,246 @@
+"""Per-request block tables over a ``BlockPool``: prefix lookup, allocation, fork, free.
+
+Slot arithmetic (``block_size = 4``)::
+
+    table = [7, 3]     position p -> slot table[p // 4] * 4 + p % 4
+    p = 5            -> 3 * 4 + 1 = 13
+
+A table owns one reference on each distinct block it lists. Forked children share the
+parent's blocks by reference count; the partially filled last block is copied on write
+when a child first appends to it (``allocate_slots`` returns the ``(src, dst)`` pair).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagewarden.kv import audit
+from pagewarden.kv.block import BlockHash, BlockRef, BlockState, KVBlock
+from pagewarden.kv.block_pool import BlockPool
+from pagewarden.kv.errors import (
+    DuplicateRequestError,
+    QuarantinedBlockError,
+    StaleBlockError,
+    UnknownRequestError,
+)
+from pagewarden.kv.prefix_hash import hash_block_tokens
+
+
+class RequestBlocks:
+    """One request's block table: ``refs[i]`` is logical block i; ``ids`` mirrors the ids.
+
+    ``hashes[i]`` is the chained hash of full block i, known for the first
+    ``len(hashes)`` blocks (computed at lookup or seal, never twice).
+    """
+
+    __slots__ = ("refs", "ids", "hashes", "num_sealed", "extra_keys")
+
+    def __init__(self, extra_keys: bytes) -> None:
+        self.refs: list[BlockRef] = []
+        self.ids: list[int] = []
+        self.hashes: list[BlockHash] = []
+        self.num_sealed = 0  # blocks [0, num_sealed) carry their hash in the pool
+        self.extra_keys = extra_keys
+
+
+class KVCacheManager:
+    """Owns the pool and every request's block table. Single-threaded by design."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
+        self.pool = BlockPool(num_blocks, block_size)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.tables: dict[str, RequestBlocks] = {}
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens served from cache
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def has_table(self, req_id: str) -> bool:
+        return req_id in self.tables
+
+    def block_ids(self, req_id: str) -> list[int]:
+        """A copy of the request's block table as plain block ids."""
+        return list(self._entry(req_id).ids)
+
+    def block_refs(self, req_id: str) -> list[BlockRef]:
+        return list(self._entry(req_id).refs)
+
+    def resolve(self, ref: BlockRef) -> KVBlock:
+        """The block ``ref`` names; raises ``StaleBlockError`` if it was freed since."""
+        block = self.pool.blocks[ref.block_id]
+        if block.epoch != ref.epoch or block.ref_cnt == 0:
+            raise StaleBlockError(
+                f"block {ref.block_id} epoch is {block.epoch}, the reference holds epoch "
+                f"{ref.epoch}: it was freed and possibly reused; recompute instead"
+            )
+        if block.state is BlockState.QUARANTINED:
+            raise QuarantinedBlockError(f"block {ref.block_id} is quarantined")
+        return block
+
+    def slot_mapping(self, req_id: str, start: int, end: int) -> list[int]:
+        """Physical slots of positions ``[start, end)``."""
+        ids = self._entry(req_id).ids
+        bs = self.block_size
+        return [ids[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _entry(self, req_id: str) -> RequestBlocks:
+        entry = self.tables.get(req_id)
+        if entry is None:
+            raise UnknownRequestError(f"no block table for request {req_id!r}")
+        return entry
+
+    # ------------------------------------------------------------ prefix cache
+    def lookup_prefix(
+        self, req_id: str, token_ids: Sequence[int], extra_keys: bytes, max_tokens: int
+    ) -> int:
+        """Create ``req_id``'s table and pin its cached prefix; return cached token count.
+
+        At most ``max_tokens`` tokens (rounded down to whole blocks) are served, so the
+        caller can always leave the last token to compute. Hit blocks are pinned (ref_cnt
+        incremented) at once, so no allocation in the same pass can evict them.
+        """
+        if req_id in self.tables:
+            raise DuplicateRequestError(f"request {req_id!r} already has a block table")
+        entry = RequestBlocks(extra_keys)
+        self.tables[req_id] = entry
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        max_blocks = max(0, max_tokens) // bs
+        self.prefix_cache_queries += max_blocks * bs
+        pool = self.pool
+        index = pool.hash_index
+        hits: list[KVBlock] = []
+        parent: BlockHash | None = None
+        for i in range(max_blocks):
+            chunk = token_ids[i * bs : (i + 1) * bs]
+            h = hash_block_tokens(parent, chunk, extra_keys)
+            entry.hashes.append(h)
+            block = index.get(h)
+            if block is None or block.token_ids != tuple(chunk):
+                break
+            hits.append(block)
+            parent = h
+        if hits:
+            pool.touch(hits)
+            for block in hits:
+                entry.refs.append(BlockRef(block.block_id, block.epoch))
+                entry.ids.append(block.block_id)
+        entry.num_sealed = len(hits)
+        self.prefix_cache_hits += len(hits) * bs
+        return len(hits) * bs
+
+    def create_table(self, req_id: str, extra_keys: bytes) -> None:
+        """An empty table (no prefix lookup)."""
+        if req_id in self.tables:
+            raise DuplicateRequestError(f"request {req_id!r} already has a block table")
+        self.tables[req_id] = RequestBlocks(extra_keys)
+
+    # -------------------------------------------------------------- allocation
+    def allocate_slots(
+        self, req_id: str, num_computed: int, num_new: int
+    ) -> list[tuple[int, int]] | None:
+        """Make positions ``[num_computed, num_computed + num_new)`` writable.
+
+        Returns the copy-on-write pairs ``(src, dst)`` to apply before the step (usually
+        empty; treat as read-only), or None (with nothing changed) when the pool has too few free blocks.
+        """
+        entry = self.tables[req_id]
+        ids = entry.ids
+        bs = self.block_size
+        pool = self.pool
+        need = (num_computed + num_new + bs - 1) // bs - len(ids)
+        cow_index = -1
+        if num_computed % bs:
+            idx = num_computed // bs
+            if idx < len(ids) and pool.blocks[ids[idx]].ref_cnt > 1:
+                cow_index = idx
+        total = (need if need > 0 else 0) + (cow_index >= 0)
+        if total == 0:
+            return _NO_COPIES
+        if total > len(pool.free_queue):
+            return None
+        copies: list[tuple[int, int]] = []
+        if cow_index >= 0:
+            src = pool.blocks[ids[cow_index]]
+            (dst,) = pool.get_new_blocks(1)
+            pool.free_blocks((src,))  # ref_cnt > 1, so this never frees the source
+            entry.refs[cow_index] = BlockRef(dst.block_id, dst.epoch)
+            ids[cow_index] = dst.block_id
+            copies.append((src.block_id, dst.block_id))
+        if need > 0:
+            for block in pool.get_new_blocks(need):
+                entry.refs.append(BlockRef(block.block_id, block.epoch))
+                ids.append(block.block_id)
+        return copies
+
+    def seal_full_blocks(self, req_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+        """Hash and index every block that ``num_computed`` computed tokens have filled."""
+        if not self.enable_prefix_caching:
+            return
+        entry = self.tables[req_id]
+        bs = self.block_size
+        num_full = num_computed // bs
+        if num_full <= entry.num_sealed:
+            return
+        hashes = entry.hashes
+        blocks = self.pool.blocks
+        ids = entry.ids
+        for i in range(entry.num_sealed, num_full):
+            chunk = token_ids[i * bs : (i + 1) * bs]
+            if i < len(hashes):  # computed at lookup (the first miss): never hash twice
+                h = hashes[i]
+            else:
+                h = hash_block_tokens(hashes[i - 1] if i else None, chunk, entry.extra_keys)
+                hashes.append(h)
+            self.pool.seal(blocks[ids[i]], h, chunk)
+        entry.num_sealed = num_full
+
+    # ------------------------------------------------------------ fork & free
+    def fork(self, parent_id: str, child_ids: Sequence[str]) -> None:
+        """Give each child a table sharing all of the parent's blocks; drop the parent's.
+
+        The parent's own references pass to the children, so each block's ref_cnt grows
+        by ``len(child_ids) - 1``.
+        """
+        entry = self.tables.pop(parent_id)
+        if not child_ids:
+            self.pool.free_blocks(self.pool.blocks[i] for i in reversed(entry.ids))
+            return
+        for cid in child_ids:
+            if cid in self.tables:
+                self.tables[parent_id] = entry
+                raise DuplicateRequestError(f"request {cid!r} already has a block table")
+        extra = len(child_ids) - 1
+        blocks = self.pool.blocks
+        for bid in entry.ids:
+            blocks[bid].ref_cnt += extra
+        for cid in child_ids:
+            child = RequestBlocks(entry.extra_keys)
+            child.refs = list(entry.refs)
+            child.ids = list(entry.ids)
+            child.hashes = list(entry.hashes)
+            child.num_sealed = entry.num_sealed
+            self.tables[cid] = child
+
+    def free(self, req_id: str) -> None:
+        """Release the request's table; a second call (or an unknown id) is a no-op."""
+        entry = self.tables.pop(req_id, None)
+        if entry is None:
+            return
+        blocks = self.pool.blocks
+        self.pool.free_blocks([blocks[i] for i in reversed(entry.ids)])
+
+    # ------------------------------------------------------------------- audit
+    def check_invariants(self) -> list[str]:
+        """Violations of the pool/table invariants; empty when sound."""
+        return audit.check_invariants(self.pool, {k: v.refs for k, v in self.tables.items()})
+
+
+_NO_COPIES: list[tuple[int, int]] = []

@@ -1,0 +1,88 @@
+"""Chained content hashes over full blocks, for prefix caching.
+
+::
+
+    h_0 = H(ROOT,  tokens[0:bs],   extra_keys)
+    h_1 = H(h_0,   tokens[bs:2bs], extra_keys)      a hit on h_1 implies the whole prefix
+
+H is blake2b-256 over a canonical byte encoding: the 32-byte parent, the tagged extra
+keys (self-delimiting), then the tokens as little-endian int64. A hit is still confirmed
+by an exact token compare (``KVBlock.token_ids``), so a collision can never serve KV.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+from hashlib import blake2b
+
+from pagewarden.kv.block import BlockHash
+
+_PERSON = b"pagewarden-kv1"
+_ROOT = b"\x00" * 32
+
+
+class ExtraKeyKind(enum.IntEnum):
+    """Tags that keep extra keys of different kinds from ever colliding."""
+
+    CACHE_SALT = 1
+    MODEL_ID = 2
+    ADAPTER = 3
+
+
+_extra_cache: dict[tuple[str | None, str | None, str | None], bytes] = {}
+
+
+def encode_extra_keys(
+    model_id: str | None = None, cache_salt: str | None = None, adapter: str | None = None
+) -> bytes:
+    """Canonical bytes for a request's extra keys: count, then (tag, length, utf-8) each.
+
+    ``None`` omits a key; ``""`` is a present, empty key (so they differ).
+    """
+    key = (model_id, cache_salt, adapter)
+    cached = _extra_cache.get(key)
+    if cached is not None:
+        return cached
+    items = [
+        (kind, value)
+        for kind, value in (
+            (ExtraKeyKind.CACHE_SALT, cache_salt),
+            (ExtraKeyKind.MODEL_ID, model_id),
+            (ExtraKeyKind.ADAPTER, adapter),
+        )
+        if value is not None
+    ]
+    parts = [struct.pack("<I", len(items))]
+    for kind, value in items:
+        raw = value.encode("utf-8")
+        parts.append(struct.pack("<BI", int(kind), len(raw)))
+        parts.append(raw)
+    out = b"".join(parts)
+    if len(_extra_cache) < 4096:
+        _extra_cache[key] = out
+    return out
+
+
+def hash_block_tokens(
+    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: bytes
+) -> BlockHash:
+    """``H(parent, token_ids, extra_keys)`` for one full block."""
+    h = blake2b(parent if parent is not None else _ROOT, digest_size=32, person=_PERSON)
+    h.update(extra_keys)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return BlockHash(h.digest())
+
+
+def hash_block_chain(
+    token_ids: Sequence[int], block_size: int, extra_keys: bytes, num_blocks: int | None = None
+) -> list[BlockHash]:
+    """Hashes of the first ``num_blocks`` full blocks of ``token_ids`` (all full ones if None)."""
+    n = len(token_ids) // block_size if num_blocks is None else num_blocks
+    out: list[BlockHash] = []
+    parent: BlockHash | None = None
+    for i in range(n):
+        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys)
+        out.append(parent)
+    return out

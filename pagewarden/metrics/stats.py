@@ -1,0 +1,103 @@
+"""Front-end statistics as plain dataclasses (no prometheus here; see ``prometheus.py``).
+
+The async engine records request latencies and outcomes into a ``FrontendStatsRecorder``;
+the exporter reads ``snapshot()`` at scrape time, so a scrape is always self-consistent.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass, field
+
+#: Latency buckets in seconds (vLLM-like spread, from sub-millisecond to minutes).
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)
+
+
+@dataclass(frozen=True)
+class HistogramSnapshot:
+    """Per-bucket (non-cumulative) counts; ``counts[-1]`` is the +Inf overflow bucket."""
+
+    buckets: tuple[float, ...]
+    counts: tuple[int, ...]
+    total: float
+    count: int
+
+
+@dataclass
+class Histogram:
+    """A fixed-bucket histogram; not thread-safe on its own (the recorder locks)."""
+
+    buckets: tuple[float, ...] = LATENCY_BUCKETS
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def snapshot(self) -> HistogramSnapshot:
+        return HistogramSnapshot(self.buckets, tuple(self.counts), self.total, self.count)
+
+
+@dataclass(frozen=True)
+class FrontendStats:
+    """A snapshot of what the async front end measured."""
+
+    admission_rejections: int
+    request_success: dict[str, int]  # finish reason -> finished requests
+    time_to_first_token: HistogramSnapshot
+    inter_token_latency: HistogramSnapshot
+    e2e_request_latency: HistogramSnapshot
+    request_queue_time: HistogramSnapshot
+
+
+class FrontendStatsRecorder:
+    """Thread-safe accumulation of front-end counters and latency histograms."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._admission_rejections = 0
+        self._success: dict[str, int] = {}
+        self._ttft = Histogram()
+        self._itl = Histogram()
+        self._e2e = Histogram()
+        self._queue = Histogram()
+
+    def admission_rejected(self) -> None:
+        with self._lock:
+            self._admission_rejections += 1
+
+    def first_token(self, ttft: float, queue_time: float) -> None:
+        with self._lock:
+            self._ttft.observe(ttft)
+            self._queue.observe(queue_time)
+
+    def inter_token(self, seconds: float) -> None:
+        with self._lock:
+            self._itl.observe(seconds)
+
+    def finished(self, reason: str, e2e: float) -> None:
+        with self._lock:
+            self._success[reason] = self._success.get(reason, 0) + 1
+            self._e2e.observe(e2e)
+
+    def snapshot(self) -> FrontendStats:
+        with self._lock:
+            return FrontendStats(
+                admission_rejections=self._admission_rejections,
+                request_success=dict(self._success),
+                time_to_first_token=self._ttft.snapshot(),
+                inter_token_latency=self._itl.snapshot(),
+                e2e_request_latency=self._e2e.snapshot(),
+                request_queue_time=self._queue.snapshot(),
+            )

@@ -1,0 +1,80 @@
+"""A model runner stand-in for scheduler tests and benchmarks (pure Python).
+
+It samples a deterministic token per request and position, and, with ``verify=True``,
+simulates the physical KV cache (one token id per slot) to check that every block table
+reads back exactly the request's own tokens: a wrong table entry, a missing copy-on-write
+or a bad prefix hit shows up as a ``FakeKVMismatch``.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from pagewarden.sched.output import ModelRunnerOutput, SchedulerOutput
+
+
+class FakeKVMismatch(AssertionError):
+    """The simulated KV cache does not hold the tokens a block table claims."""
+
+
+class FakeModelRunner:
+    """``execute(out)`` returns one token per request scheduled with ``sample=True``."""
+
+    def __init__(self, block_size: int, vocab_size: int = 32000, verify: bool = False) -> None:
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.verify = verify
+        self.slots: dict[int, int] = {}
+        self._seeds: dict[str, int] = {}
+        self.num_steps = 0
+
+    def token_for(self, req_id: str, position: int) -> int:
+        """The token sampled for ``req_id`` after ``position`` context tokens."""
+        seed = self._seeds.get(req_id)
+        if seed is None:
+            seed = self._seeds[req_id] = zlib.crc32(req_id.encode())
+        return (seed ^ (position * 2654435761)) % self.vocab_size
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.num_steps += 1
+        for rid in out.finished_req_ids:
+            self._seeds.pop(rid, None)
+        if self.verify:
+            self._apply(out)
+        sampled = {}
+        vocab = self.vocab_size
+        seeds = self._seeds
+        for sr in out.requests:
+            if sr.sample:
+                rid = sr.req_id
+                seed = seeds.get(rid)
+                if seed is None:
+                    seed = seeds[rid] = zlib.crc32(rid.encode())
+                sampled[rid] = (seed ^ (sr.positions.stop * 2654435761)) % vocab
+        return ModelRunnerOutput(sampled)
+
+    def _apply(self, out: SchedulerOutput) -> None:
+        bs = self.block_size
+        slots = self.slots
+        for src, dst in out.copy_blocks:
+            for off in range(bs):
+                s = src * bs + off
+                if s in slots:
+                    slots[dst * bs + off] = slots[s]
+                else:
+                    slots.pop(dst * bs + off, None)
+        for sr in out.requests:
+            for slot, tok in zip(sr.slot_mapping, sr.token_ids):
+                if slot < bs:
+                    raise FakeKVMismatch(f"{sr.req_id} wrote to reserved block 0")
+                slots[slot] = tok
+        for sr in out.requests:
+            expected = sr.prompt_token_ids + sr.output_token_ids
+            table = sr.block_table
+            for p in range(sr.positions.stop):
+                got = slots.get(table[p // bs] * bs + p % bs)
+                if got != expected[p]:
+                    raise FakeKVMismatch(
+                        f"step {out.step_id}: {sr.req_id} position {p} reads {got}, "
+                        f"expected {expected[p]} (table {table})"
+                    )

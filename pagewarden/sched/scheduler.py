@@ -1,0 +1,479 @@
+"""Token-budget continuous batching with chunked prefill, prefix caching and preemption.
+
+Each step closes, under ``max_num_batched_tokens`` and ``max_num_seqs``, the gap between
+each request's ``num_computed_tokens`` and its target (``num_tokens``; ``prompt[:-1]``
+for an ``n > 1`` parent that has not forked yet). Running requests go first (decode and
+unfinished prefill chunks), then waiting ones are admitted in order. When the pool runs
+dry, the most recently admitted running request is preempted (recompute: its blocks are
+freed, ``num_computed_tokens = 0``, it goes to the front of the waiting queue).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pagewarden.kv.block import BlockState
+from pagewarden.kv.kv_manager import KVCacheManager
+from pagewarden.kv.prefix_hash import encode_extra_keys
+from pagewarden.sched.config import SchedulerConfig
+from pagewarden.sched.output import (
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+from pagewarden.sched.request import Request, RequestStatus
+
+__all__ = [
+    "RequestRejectedError",
+    "RequestUpdate",
+    "Scheduler",
+    "SchedulerStats",
+]
+
+_RUNNING = RequestStatus.RUNNING
+_WAITING = RequestStatus.WAITING
+#: Child seed = parent seed * _SEED_MIX + child index (n > 1).
+_SEED_MIX = 1000003
+
+
+class RequestRejectedError(ValueError):
+    """A request that can never be served (too long for the model or the pool)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestUpdate:
+    """What one step produced for one request (only requests that sampled a token)."""
+
+    req_id: str
+    parent_id: str | None
+    index: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """A snapshot of scheduler and pool counters (token counts for the prefix cache)."""
+
+    num_steps: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    total_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    used_blocks: int
+    quarantined_blocks: int
+    block_allocations: int
+    block_frees: int
+
+
+class Scheduler:
+    """Owns the waiting queue, the running list and (through ``kv``) every block table.
+
+    Invariants (``check_invariants``): a request is live iff it is in exactly one of
+    ``waiting``/``running``; running requests hold a block table, waiting ones do not;
+    ``0 <= num_computed_tokens <= num_tokens``; plus the KV invariants.
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        # Fork parent id -> ids of its live children (so aborting the parent reaches them).
+        self._children: dict[str, set[str]] = {}
+        self._left_ids: list[str] = []
+        self._preempted_ids: list[str] = []
+        self._num_steps = 0
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------- admission
+    def add_request(self, request: Request) -> None:
+        """Queue ``request``; raises ``RequestRejectedError`` if it can never be served."""
+        cfg = self.config
+        rid = request.req_id
+        if rid in self.requests or rid in self._children:
+            raise RequestRejectedError(f"request id {rid!r} is already in use")
+        params = request.sampling_params
+        num_prompt = len(request.prompt_token_ids)
+        if num_prompt == 0:
+            raise RequestRejectedError(f"request {rid!r} has an empty prompt")
+        if params.max_tokens is None:
+            max_tokens = cfg.max_model_len - num_prompt
+            if max_tokens < 1:
+                raise RequestRejectedError(
+                    f"request {rid!r}: prompt of {num_prompt} tokens leaves no room to "
+                    f"generate within max_model_len={cfg.max_model_len}; shorten the prompt"
+                )
+        else:
+            max_tokens = params.max_tokens
+            if num_prompt + max_tokens > cfg.max_model_len:
+                raise RequestRejectedError(
+                    f"request {rid!r}: prompt ({num_prompt} tokens) + max_tokens "
+                    f"({max_tokens}) = {num_prompt + max_tokens} exceeds max_model_len="
+                    f"{cfg.max_model_len}; shorten the prompt or lower max_tokens"
+                )
+        bs = cfg.block_size
+        # The last sampled token is never computed, so K/V covers prompt + max_tokens - 1.
+        blocks_needed = (num_prompt + max_tokens - 1 + bs - 1) // bs
+        usable = cfg.num_blocks - 1
+        if blocks_needed > usable:
+            raise RequestRejectedError(
+                f"request {rid!r} needs up to {blocks_needed} KV blocks but the pool has "
+                f"only {usable} usable (num_blocks={cfg.num_blocks}, block 0 reserved); "
+                f"lower max_tokens or raise num_blocks"
+            )
+        if params.n > cfg.max_num_seqs:
+            raise RequestRejectedError(
+                f"request {rid!r}: n={params.n} exceeds max_num_seqs={cfg.max_num_seqs}"
+            )
+        request.max_tokens = max_tokens
+        request.extra_keys = encode_extra_keys(cfg.model_id, request.cache_salt)
+        request.seed = params.seed
+        request.status = _WAITING
+        if request.is_fork_parent and num_prompt == 1:
+            # prompt[:-1] is empty: nothing to share, the children start on their own.
+            children = self._make_children(request)
+            self._children[rid] = {c.req_id for c in children}
+            for child in children:
+                child.status = _WAITING
+                self.requests[child.req_id] = child
+                self.waiting.append(child)
+            return
+        self.requests[rid] = request
+        self.waiting.append(request)
+
+    def _make_children(self, parent: Request) -> list[Request]:
+        params = parent.sampling_params
+        children = []
+        for i in range(params.n):
+            child = Request(
+                f"{parent.req_id}#{i}",
+                parent.prompt_token_ids,
+                params,
+                parent.eos_token_ids,
+                parent.cache_salt,
+                parent.arrival_time,
+            )
+            child.parent_id = parent.req_id
+            child.index = i
+            child.max_tokens = parent.max_tokens
+            child.extra_keys = parent.extra_keys
+            child.seed = None if params.seed is None else params.seed * _SEED_MIX + i
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.num_computed_tokens = parent.num_computed_tokens
+            children.append(child)
+        return children
+
+    # ---------------------------------------------------------- abort/finish
+    def abort_requests(self, req_ids: Iterable[str]) -> None:
+        """Abort requests (a fork parent's id aborts all its children); unknown ids ignored."""
+        self._finish_many(req_ids, RequestStatus.FINISHED_ABORTED, "abort", None)
+
+    def finish_requests(self, req_ids: Iterable[str], stop_reason: str | None) -> None:
+        """The engine found a stop string: finish these requests with reason "stop"."""
+        self._finish_many(req_ids, RequestStatus.FINISHED_STOPPED, "stop", stop_reason)
+
+    def _finish_many(
+        self,
+        req_ids: Iterable[str],
+        status: RequestStatus,
+        reason: str,
+        stop_reason: int | str | None,
+    ) -> None:
+        for rid in list(req_ids):
+            targets = [rid] + sorted(self._children.get(rid, ()))
+            for tid in targets:
+                req = self.requests.get(tid)
+                if req is None:
+                    continue
+                if req.status is _WAITING:
+                    self.waiting.remove(req)
+                else:
+                    self.running.remove(req)
+                self._finish(req, status, reason, stop_reason)
+
+    def _finish(
+        self, req: Request, status: RequestStatus, reason: str, stop_reason: int | str | None
+    ) -> None:
+        """Mark finished, free blocks (full ones stay cached); caller unlinks the queues."""
+        req.status = status
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        self.kv.free(req.req_id)
+        del self.requests[req.req_id]
+        self._left_ids.append(req.req_id)
+        pid = req.parent_id
+        if pid is not None:
+            live = self._children.get(pid)
+            if live is not None:
+                live.discard(req.req_id)
+                if not live:
+                    del self._children[pid]
+
+    # -------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts; allocate their slots."""
+        self._num_steps += 1
+        cfg = self.config
+        kv = self.kv
+        budget = cfg.max_num_batched_tokens
+        max_seqs = cfg.max_num_seqs
+        running = self.running
+        scheduled: list[ScheduledRequest] = []
+        copies: list[tuple[int, int]] = []
+        preempted = False
+
+        i = 0
+        while i < len(running) and budget > 0 and len(scheduled) < max_seqs:
+            req = running[i]
+            target = req.num_tokens
+            if req.sampling_params.n > 1 and req.parent_id is None:
+                target = len(req.prompt_token_ids) - 1
+            num_new = target - req.num_computed_tokens
+            if num_new <= 0:
+                i += 1
+                continue
+            if num_new > budget:
+                num_new = budget
+            while True:
+                cow = kv.allocate_slots(req.req_id, req.num_computed_tokens, num_new)
+                if cow is not None:
+                    break
+                victim = running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if cow is None:
+                break
+            if cow:
+                copies.extend(cow)
+            scheduled.append(self._scheduled_request(req, num_new))
+            budget -= num_new
+            i += 1
+
+        if not preempted:
+            waiting = self.waiting
+            while waiting and budget > 0 and len(running) < max_seqs and len(scheduled) < max_seqs:
+                req = waiting[0]
+                target = req.num_tokens
+                if req.sampling_params.n > 1 and req.parent_id is None:
+                    target = len(req.prompt_token_ids) - 1
+                cached = kv.lookup_prefix(req.req_id, req.all_token_ids, req.extra_keys, target - 1)
+                num_new = target - cached
+                if num_new > budget:
+                    num_new = budget
+                cow = kv.allocate_slots(req.req_id, cached, num_new)
+                if cow is None:
+                    kv.free(req.req_id)  # unpin the prefix we looked up
+                    break
+                waiting.popleft()
+                if req.num_preemptions == 0:
+                    req.num_cached_tokens = min(cached, len(req.prompt_token_ids))
+                req.num_computed_tokens = cached
+                req.status = _RUNNING
+                running.append(req)
+                if cow:
+                    copies.extend(cow)
+                scheduled.append(self._scheduled_request(req, num_new))
+                budget -= num_new
+
+        left = self._left_ids
+        self._left_ids = []
+        pre = self._preempted_ids
+        self._preempted_ids = []
+        return SchedulerOutput(self._num_steps, scheduled, copies, left, pre)
+
+    def _scheduled_request(self, req: Request, num_new: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        end = start + num_new
+        ids = self.kv.tables[req.req_id].ids
+        bs = self.config.block_size
+        if num_new == 1:
+            slots = [ids[start // bs] * bs + start % bs]
+        else:
+            slots = [ids[p // bs] * bs + p % bs for p in range(start, end)]
+        tokens = req.all_token_ids
+        return ScheduledRequest(
+            req.req_id,
+            tokens[start:end],
+            range(start, end),
+            ids[:],
+            slots,
+            end == len(tokens),
+            req.sampling_params,
+            req.prompt_token_ids,
+            req.output_token_ids,
+            req.seed,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute preemption: free blocks, forget progress, go to the front of waiting."""
+        self.kv.free(req.req_id)
+        req.num_computed_tokens = 0
+        req.status = _WAITING
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+        self._preempted_ids.append(req.req_id)
+        self._left_ids.append(req.req_id)
+
+    # ---------------------------------------------------------------- update
+    def update(self, out: SchedulerOutput, res: ModelRunnerOutput) -> list[RequestUpdate]:
+        """Advance requests by what the step computed; append sampled tokens; finish/fork."""
+        kv = self.kv
+        requests = self.requests
+        sampled = res.sampled_token_ids
+        logprobs = res.logprobs
+        max_model_len = self.config.max_model_len
+        updates: list[RequestUpdate] = []
+        changed = False
+        forked: dict[str, list[Request]] = {}
+        for sr in out.requests:
+            rid = sr.req_id
+            req = requests.get(rid)
+            if req is None or req.status is not _RUNNING:
+                continue  # finished or aborted since this step was scheduled
+            positions = sr.positions
+            if positions.start != req.num_computed_tokens:
+                continue  # preempted and re-admitted since: this chunk is stale
+            computed = req.num_computed_tokens = positions.stop
+            tokens = req.all_token_ids
+            kv.seal_full_blocks(rid, tokens, computed)
+            if sr.sample:
+                token = sampled[rid]
+                req.output_token_ids.append(token)
+                tokens.append(token)
+                params = req.sampling_params
+                n_out = len(req.output_token_ids)
+                status = None
+                stop_reason: int | str | None = None
+                if n_out >= params.min_tokens:
+                    if token in params.stop_token_ids:  # type: ignore[operator]
+                        status, stop_reason = RequestStatus.FINISHED_STOPPED, token
+                    elif not params.ignore_eos and token in req.eos_token_ids:
+                        status = RequestStatus.FINISHED_STOPPED
+                if status is None and (n_out >= req.max_tokens or len(tokens) >= max_model_len):
+                    status = RequestStatus.FINISHED_LENGTH
+                lp = logprobs.get(rid)
+                if status is None:
+                    updates.append(
+                        RequestUpdate(
+                            rid, req.parent_id, req.index, [token], False, None, None,
+                            len(req.prompt_token_ids), req.num_cached_tokens,
+                            [lp] if lp is not None else [],
+                        )
+                    )
+                else:
+                    reason = "stop" if status is RequestStatus.FINISHED_STOPPED else "length"
+                    self._finish(req, status, reason, stop_reason)
+                    changed = True
+                    updates.append(
+                        RequestUpdate(
+                            rid, req.parent_id, req.index, [token], True, reason, stop_reason,
+                            len(req.prompt_token_ids), req.num_cached_tokens,
+                            [lp] if lp is not None else [],
+                        )
+                    )
+            elif (
+                req.sampling_params.n > 1
+                and req.parent_id is None
+                and computed == len(req.prompt_token_ids) - 1
+            ):
+                forked[rid] = self._fork(req)
+                changed = True
+        if changed:
+            new_running: list[Request] = []
+            for r in self.running:
+                if r.status is _RUNNING:
+                    kids = forked.get(r.req_id)
+                    if kids is None:
+                        new_running.append(r)
+                    else:
+                        new_running.extend(kids)
+            self.running = new_running
+        return updates
+
+    def _fork(self, parent: Request) -> list[Request]:
+        """Replace a parent that has prefilled ``prompt[:-1]`` by its ``n`` children."""
+        children = self._make_children(parent)
+        self.kv.fork(parent.req_id, [c.req_id for c in children])
+        del self.requests[parent.req_id]
+        self._children[parent.req_id] = {c.req_id for c in children}
+        for child in children:
+            child.status = _RUNNING
+            self.requests[child.req_id] = child
+        self._left_ids.append(parent.req_id)
+        return children
+
+    # --------------------------------------------------------------- queries
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stats(self) -> SchedulerStats:
+        pool = self.kv.pool
+        counts = pool.state_counts()
+        return SchedulerStats(
+            num_steps=self._num_steps,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            total_blocks=pool.num_blocks,
+            free_blocks=counts[BlockState.FREE],
+            cached_blocks=counts[BlockState.CACHED_FREE],
+            used_blocks=counts[BlockState.USED],
+            quarantined_blocks=counts[BlockState.QUARANTINED],
+            block_allocations=pool.num_allocations,
+            block_frees=pool.num_frees,
+        )
+
+    def check_invariants(self) -> list[str]:
+        """Scheduler + KV invariant violations; empty when sound."""
+        errors = self.kv.check_invariants()
+        running_ids = [r.req_id for r in self.running]
+        waiting_ids = [r.req_id for r in self.waiting]
+        if len(set(running_ids)) != len(running_ids):
+            errors.append("a request is listed twice in running")
+        if len(set(waiting_ids)) != len(waiting_ids):
+            errors.append("a request is listed twice in waiting")
+        both = set(running_ids) & set(waiting_ids)
+        if both:
+            errors.append(f"requests both running and waiting: {sorted(both)}")
+        live = set(running_ids) | set(waiting_ids)
+        if live != set(self.requests):
+            errors.append(
+                f"live requests {sorted(set(self.requests))} != running+waiting {sorted(live)}"
+            )
+        tables = set(self.kv.tables)
+        if tables != set(running_ids):
+            errors.append(
+                f"block tables {sorted(tables)} != running requests {sorted(running_ids)}"
+            )
+        for r in self.running:
+            if r.status is not _RUNNING:
+                errors.append(f"{r.req_id} in running with status {r.status.name}")
+        for r in self.waiting:
+            if r.status is not _WAITING:
+                errors.append(f"{r.req_id} in waiting with status {r.status.name}")
+        for r in self.requests.values():
+            if not 0 <= r.num_computed_tokens <= r.num_tokens:
+                errors.append(f"{r.req_id}: num_computed_tokens {r.num_computed_tokens} "
+                              f"outside [0, {r.num_tokens}]")
+            if r.all_token_ids != r.prompt_token_ids + r.output_token_ids:
+                errors.append(f"{r.req_id}: all_token_ids out of step with prompt + output")
+        return errors

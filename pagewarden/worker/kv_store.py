@@ -1,0 +1,100 @@
+"""Physical KV cache: one tensor per layer, written by slot and read by block table.
+
+Layout per layer::
+
+    cache[layer] : (2, num_blocks, block_size, num_kv_heads, head_dim)
+                    ^ 0 = K, 1 = V
+
+    flat slot s  = block_id * block_size + offset
+    cache[layer][0].view(-1, num_kv_heads, head_dim)[s]  is K of the token in slot s
+
+Block 0 is reserved: the scheduler never hands it out, so padding may write there.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class KVCacheSizeError(ValueError):
+    """The KV cache size is malformed or too small to hold a single sequence."""
+
+
+def parse_memory(value: int | str) -> int:
+    """Bytes from an int or a string like "2GiB", "512MB", "1.5 GiB"."""
+    if isinstance(value, int):
+        if value <= 0:
+            raise KVCacheSizeError(f"kv_cache_memory must be positive, got {value}")
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise KVCacheSizeError(
+            f"kv_cache_memory {value!r} is not a size; use bytes or e.g. '2GiB', '512MB'"
+        )
+    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise KVCacheSizeError(f"kv_cache_memory must be positive, got {value!r}")
+    return size
+
+
+@dataclass(frozen=True)
+class KVCacheShape:
+    """Geometry of the physical cache."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes across all layers, K and V."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    @classmethod
+    def from_budget(
+        cls, memory: int | str, *, num_layers: int, block_size: int, num_kv_heads: int,
+        head_dim: int, dtype: torch.dtype,
+    ) -> KVCacheShape:
+        """The largest cache that fits in ``memory`` bytes."""
+        probe = cls(num_layers, 1, block_size, num_kv_heads, head_dim, dtype)
+        num_blocks = parse_memory(memory) // probe.bytes_per_block
+        if num_blocks < 2:
+            raise KVCacheSizeError(
+                f"kv_cache_memory {memory!r} holds {num_blocks} blocks of "
+                f"{probe.bytes_per_block} bytes; at least 2 are needed (block 0 is reserved)"
+            )
+        return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype)
+
+
+class KVStore:
+    """Owns the per-layer cache tensors and applies copy-on-write copies."""
+
+    def __init__(self, shape: KVCacheShape, device: torch.device | str = "cpu") -> None:
+        if shape.num_blocks < 2:
+            raise KVCacheSizeError("the KV cache needs at least 2 blocks (block 0 is reserved)")
+        self.shape = shape
+        self.caches: list[torch.Tensor] = [
+            # (2, num_blocks, block_size, num_kv_heads, head_dim)
+            torch.zeros(2, shape.num_blocks, shape.block_size, shape.num_kv_heads,
+                        shape.head_dim, dtype=shape.dtype, device=device)
+            for _ in range(shape.num_layers)
+        ]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each ``src`` block into ``dst`` in every layer (copy-on-write)."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
+        for cache in self.caches:
+            cache[:, dst] = cache[:, src]

@@ -1,0 +1,72 @@
+"""Model runner: turns a ``SchedulerOutput`` into sampled tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from pagewarden.models.llama import LlamaForCausalLM
+from pagewarden.models.paged_attention import AttentionMetadata
+from pagewarden.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pagewarden.worker.kv_store import KVStore
+from pagewarden.worker.sampler import Sampler, SamplingRow
+
+
+class ModelRunner:
+    """Runs one step: copy-on-write copies, the forward pass over the paged cache, sampling."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_store: KVStore, vocab_size: int,
+                 seed: int = 0) -> None:
+        self.model = model
+        self.kv_store = kv_store
+        generator = torch.Generator().manual_seed(seed)
+        self.sampler = Sampler(vocab_size, generator)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Compute the step's tokens' K/V and sample for the requests that ask for it."""
+        self.kv_store.copy_blocks(out.copy_blocks)
+        if out.is_empty:
+            return ModelRunnerOutput(sampled_token_ids={})
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        sample_rows: list[int] = []  # flat index of each sampled request's last token
+        sampled = []
+        for req in out.requests:
+            input_ids.extend(req.token_ids)
+            positions.extend(req.positions)
+            slot_mapping.extend(req.slot_mapping)
+            query_lens.append(len(req.token_ids))
+            context_lens.append(req.num_context_tokens)
+            block_tables.append(req.block_table)
+            if req.sample:
+                sample_rows.append(len(input_ids) - 1)
+                sampled.append(req)
+        meta = AttentionMetadata.build(
+            query_lens=query_lens, context_lens=context_lens, block_tables=block_tables,
+            slot_mapping=slot_mapping, block_size=self.kv_store.shape.block_size,
+            device=self.kv_store.caches[0].device,
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long),  # (T,)
+            torch.tensor(positions, dtype=torch.long),  # (T,)
+            self.kv_store.caches, meta,
+        )  # (T, hidden)
+        if not sampled:
+            return ModelRunnerOutput(sampled_token_ids={})
+        logits = self.model.compute_logits(hidden[sample_rows])  # (S, vocab) float32
+        rows = [
+            SamplingRow(params=r.sampling_params, prompt_token_ids=r.prompt_token_ids,
+                        output_token_ids=r.output_token_ids, seed=r.seed,
+                        sample_index=r.sample_index)
+            for r in sampled
+        ]
+        result = self.sampler(logits, rows)
+        tokens = {r.req_id: t for r, t in zip(sampled, result.token_ids)}
+        logprobs: dict[str, TokenLogprobs] = {
+            r.req_id: lp for r, lp in zip(sampled, result.logprobs) if lp is not None
+        }
+        return ModelRunnerOutput(sampled_token_ids=tokens, logprobs=logprobs)

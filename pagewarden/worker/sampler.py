@@ -1,0 +1,244 @@
+"""Turn a step's logits into one token per sampled row, vectorized over the batch.
+
+Order of operations for each row (as vLLM v1 does it)::
+
+    logits[:, :vocab_size]                      drop padded vocab columns
+      -> repetition / presence / frequency penalties
+      -> logprobs (log_softmax of the penalized, untempered logits), when asked
+      -> greedy rows: argmax
+      -> other rows: / temperature -> top_k -> top_p -> min_p -> softmax
+                     -> argmax(probs / Exp(1) noise)
+
+``argmax(p / E)`` with ``E ~ Exp(1)`` draws from ``p`` (the exponential-race form of
+the Gumbel-max trick) and lets each row own its noise: a seeded row's noise is a pure
+function of ``(seed, sample_index)``, so the same request samples the same tokens
+whatever else is in the batch, and again after preemption and recomputation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from pagewarden.sampling_params import SamplingParams
+from pagewarden.sched.output import TokenLogprobs
+
+_MASK = float("-inf")
+_MIX_MULT = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """What the sampler needs to know about one row of the logits.
+
+    ``seed`` already has the child index of ``n > 1`` mixed in; ``None`` means "use the
+    sampler's generator". ``sample_index`` is the index of the output token being sampled
+    (``len(output_token_ids)``).
+    """
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    seed: int | None
+    sample_index: int
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """One token per row, and its logprobs where the row asked for them."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def mix_seed(seed: int, sample_index: int) -> int:
+    """A 63-bit generator seed that is a pure function of ``(seed, sample_index)``."""
+    # splitmix64 finaliser over a combination of the two, so nearby inputs diverge.
+    z = (seed * _MIX_MULT + sample_index + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return z & ((1 << 63) - 1)
+
+
+def _has_penalties(params: SamplingParams) -> bool:
+    return (
+        params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or params.repetition_penalty != 1.0
+    )
+
+
+def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> Tensor:
+    """Per-row token counts, (S, V) int64; ids outside the vocab are ignored."""
+    counts = torch.zeros(len(token_lists), vocab_size, dtype=torch.int64, device=device)
+    for row, ids in enumerate(token_lists):
+        if not ids:
+            continue
+        t = torch.tensor(ids, dtype=torch.int64, device=device)
+        t = t[(t >= 0) & (t < vocab_size)]
+        counts[row].scatter_add_(0, t, torch.ones_like(t))
+    return counts
+
+
+def apply_penalties(
+    logits: Tensor,
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    presence_penalty: Tensor,
+    frequency_penalty: Tensor,
+    repetition_penalty: Tensor,
+) -> Tensor:
+    """Return penalized logits (a new tensor).
+
+    ``logits`` is (S, V); the penalty tensors are (S,). Repetition penalty uses HF
+    semantics over prompt + output tokens (positive logits divided, negative multiplied);
+    presence and frequency penalties use OpenAI semantics over output tokens only:
+    ``logit -= frequency * count + presence * (count > 0)``.
+    """
+    num_rows, vocab_size = logits.shape
+    assert len(prompt_token_ids) == len(output_token_ids) == num_rows
+    out_counts = _token_counts(output_token_ids, vocab_size, logits.device)  # (S, V)
+    prompt_counts = _token_counts(prompt_token_ids, vocab_size, logits.device)  # (S, V)
+    rep = repetition_penalty.to(logits).unsqueeze(1)  # (S, 1)
+    seen = (out_counts > 0) | (prompt_counts > 0)  # (S, V)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    freq = frequency_penalty.to(logits).unsqueeze(1)  # (S, 1)
+    pres = presence_penalty.to(logits).unsqueeze(1)  # (S, 1)
+    return logits - freq * out_counts.to(logits) - pres * (out_counts > 0).to(logits)
+
+
+def apply_top_k_top_p_min_p(
+    logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor
+) -> Tensor:
+    """Mask (to -inf) tokens outside each row's top_k / top_p / min_p set.
+
+    ``logits`` is (S, V) already divided by temperature; ``top_k`` is (S,) int64 with
+    ``V`` meaning "off", ``top_p`` and ``min_p`` are (S,) float. The most likely token is
+    never masked, so every row keeps at least one candidate.
+    """
+    vocab_size = logits.shape[1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # (S, V)
+    ranks = torch.arange(vocab_size, device=logits.device).unsqueeze(0)  # (1, V)
+    remove = ranks >= top_k.unsqueeze(1)  # (S, V) top_k
+    sorted_logits = sorted_logits.masked_fill(remove, _MASK)
+    probs = sorted_logits.softmax(dim=-1)  # (S, V)
+    # top_p: drop a token when the mass strictly before it already reaches top_p.
+    mass_before = probs.cumsum(dim=-1) - probs
+    remove |= mass_before >= top_p.unsqueeze(1)
+    # min_p: drop tokens with prob < min_p * max prob (max prob is column 0).
+    remove |= probs < min_p.unsqueeze(1) * probs[:, :1]
+    remove[:, 0] = False
+    mask = torch.zeros_like(remove).scatter_(1, sorted_idx, remove)  # back to vocab order
+    return logits.masked_fill(mask, _MASK)
+
+
+def compute_logprobs(
+    logprobs: Tensor, token_ids: Tensor, num_top: list[int]
+) -> list[TokenLogprobs | None]:
+    """Logprob of each sampled token and of each row's ``num_top[i]`` best tokens.
+
+    ``logprobs`` is (S, V) log_softmax output; ``num_top[i] < 0`` means "not asked".
+    """
+    max_top = max(num_top)
+    sampled = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()  # (S,)
+    top_vals, top_ids = logprobs.topk(max(max_top, 0), dim=-1)  # (S, max_top), sorted
+    top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+    tokens = token_ids.tolist()
+    result: list[TokenLogprobs | None] = []
+    for i, k in enumerate(num_top):
+        if k < 0:
+            result.append(None)
+            continue
+        top = list(zip(top_ids_l[i][:k], top_vals_l[i][:k]))
+        result.append(TokenLogprobs(token_id=tokens[i], logprob=sampled[i], top=top))
+    return result
+
+
+class Sampler:
+    """Samples one token per row of a (S, V) logits tensor.
+
+    Invariant: every returned token id lies in ``[0, vocab_size)``, even when the logits
+    carry padded vocab columns.
+    """
+
+    def __init__(self, vocab_size: int, generator: torch.Generator | None = None) -> None:
+        assert vocab_size >= 1
+        self.vocab_size = vocab_size
+        self.generator = generator
+
+    def __call__(self, logits: Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """Sample a token for each row of ``logits`` (S, V >= vocab_size)."""
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (
+            f"logits {tuple(logits.shape)} does not match {len(rows)} rows"
+        )
+        assert logits.shape[1] >= self.vocab_size, (
+            f"logits have {logits.shape[1]} columns, fewer than vocab_size {self.vocab_size}"
+        )
+        logits = logits[:, : self.vocab_size].float()  # (S, V)
+        if not rows:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        params = [r.params for r in rows]
+        if all(p.greedy and not _has_penalties(p) and p.logprobs is None for p in params):
+            greedy_ids = logits.argmax(dim=-1).tolist()  # (S,)
+            return SamplerOutput(token_ids=greedy_ids, logprobs=[None] * len(rows))
+
+        device = logits.device
+        if any(_has_penalties(p) for p in params):
+            logits = apply_penalties(
+                logits,
+                [r.prompt_token_ids for r in rows],
+                [r.output_token_ids for r in rows],
+                torch.tensor([p.presence_penalty for p in params], device=device),
+                torch.tensor([p.frequency_penalty for p in params], device=device),
+                torch.tensor([p.repetition_penalty for p in params], device=device),
+            )
+        # Logprobs come from the penalized logits before temperature/top-k/top-p.
+        raw_logprobs = (
+            logits.log_softmax(dim=-1) if any(p.logprobs is not None for p in params) else None
+        )
+
+        token_ids = logits.argmax(dim=-1)  # (S,) correct for greedy rows
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            idx = torch.tensor(random_rows, device=device)
+            sub = [params[i] for i in random_rows]
+            temps = torch.tensor([p.temperature for p in sub], device=device)
+            scaled = logits[idx] / temps.unsqueeze(1)  # (R, V)
+            scaled = apply_top_k_top_p_min_p(
+                scaled,
+                torch.tensor([p.top_k or self.vocab_size for p in sub], device=device),
+                torch.tensor([p.top_p for p in sub], device=device),
+                torch.tensor([p.min_p for p in sub], device=device),
+            )
+            probs = scaled.softmax(dim=-1)  # (R, V)
+            noise = self._exponential_noise([rows[i] for i in random_rows], device)  # (R, V)
+            token_ids[idx] = (probs / noise).argmax(dim=-1)
+
+        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        if raw_logprobs is not None:
+            num_top = [-1 if p.logprobs is None else p.logprobs for p in params]
+            logprobs = compute_logprobs(raw_logprobs, token_ids, num_top)
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+    def _exponential_noise(self, rows: list[SamplingRow], device: torch.device) -> Tensor:
+        """Exp(1) noise, (R, V); a seeded row's noise depends only on (seed, sample_index)."""
+        noise = torch.empty(len(rows), self.vocab_size, device=device)
+        unseeded = [i for i, r in enumerate(rows) if r.seed is None]
+        if unseeded:
+            # One draw for all unseeded rows: their noise is independent anyway.
+            block = torch.empty(len(unseeded), self.vocab_size, device=device)
+            block.exponential_(generator=self.generator)
+            noise[torch.tensor(unseeded, device=device)] = block
+        for i, row in enumerate(rows):
+            if row.seed is None:
+                continue
+            gen = torch.Generator(device=device)
+            gen.manual_seed(mix_seed(row.seed, row.sample_index))
+            noise[i].exponential_(generator=gen)
+        # exponential_ can return exactly 0 in float32; keep the division finite.
+        return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
