@@ -193,7 +193,7 @@ def test_n_gt_1_with_single_token_prompt() -> None:
 
 
 def test_stop_rules() -> None:
-    s = _sched()
+    s = _sched(num_blocks=20)
     eos = frozenset({42})
     # The fake runner's tokens are fixed: find the first two for request "x".
     runner = FakeModelRunner(4)
