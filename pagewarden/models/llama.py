@@ -30,6 +30,7 @@ class LlamaConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    o_proj_bias: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = field(default=None, hash=False)
 
@@ -62,6 +63,7 @@ class LlamaConfig:
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", d.get("model_type") == "qwen2")),
+            o_proj_bias=bool(d.get("attention_bias", False)) and d.get("model_type") != "qwen2",
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
         )
@@ -112,7 +114,7 @@ class LlamaAttention(nn.Module):
         self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=c.o_proj_bias)
         self.scale = self.head_dim**-0.5
 
     def forward(self, x, cos, sin, cache, meta: AttentionMetadata) -> torch.Tensor:

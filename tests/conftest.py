@@ -1,0 +1,64 @@
+"""Shared fixtures: a tiny random Llama saved as an HF directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = [
+    "Hello world! The quick brown fox jumps over the lazy dog. 0123456789",
+    "def f(x):\n    return x * 2  # code\n",
+    "Paged attention stores keys and values in blocks. ünïcödé 日本語 🙂",
+] * 20
+
+
+def make_tiny_tokenizer(path: Path, vocab_size: int = 512) -> int:
+    """Train a byte-level BPE tokenizer into `path`; returns its vocab size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE,
+    }))
+    return tok.get_vocab_size()
+
+
+def make_tiny_llama(path: str | Path, **config_overrides) -> Path:
+    """Save a seeded random transformers Llama (+ tokenizer) to `path` and return it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = make_tiny_tokenizer(path)
+    kw = dict(
+        vocab_size=max(vocab, 512), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )
+    kw.update(config_overrides)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**kw)).float().eval()
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))

@@ -1,0 +1,101 @@
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pagewarden.models.llama import LlamaConfig
+from pagewarden.models.loader import ModelLoadError, load_model
+from pagewarden.models.paged_attention import AttentionMetadata
+from conftest import make_tiny_llama
+
+BS = 4
+
+
+def new_caches(cfg, num_blocks=16):
+    return [torch.zeros(2, num_blocks, BS, cfg.num_key_value_heads, cfg.head_dim) for _ in range(cfg.num_hidden_layers)]
+
+
+def slots(table, start, n):
+    return [table[p // BS] * BS + p % BS for p in range(start, start + n)]
+
+
+def hf_logits(path, ids):
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return ref(torch.tensor([ids])).logits[0]
+
+
+def run_full(lm, ids, table):
+    caches = new_caches(lm.config)
+    meta = AttentionMetadata.build([len(ids)], [0], [table], slots(table, 0, len(ids)), BS, "cpu")
+    h = lm.model(torch.tensor(ids), torch.arange(len(ids)), caches, meta)
+    return lm.model.compute_logits(h)
+
+
+def test_full_prompt_matches_transformers(tiny_llama_dir):
+    lm = load_model(tiny_llama_dir, torch.float32)
+    ids = [5, 17, 99, 3, 250, 7, 8, 9, 11, 400]
+    ours = run_full(lm, ids, [5, 2, 7])
+    torch.testing.assert_close(ours, hf_logits(tiny_llama_dir, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_mixed_batch_matches_per_sequence(tiny_llama_dir):
+    lm = load_model(tiny_llama_dir, torch.float32)
+    g = torch.Generator().manual_seed(1)
+    # (context already cached, new tokens this step)
+    plan = [(3, 5), (4, 2), (6, 1), (9, 1), (1, 1)]
+    seqs = [torch.randint(3, 500, (c + q,), generator=g).tolist() for c, q in plan]
+    tables = [[1, 2, 3], [4, 5], [6, 7, 8], [9, 10, 11], [12]]
+    caches = new_caches(lm.config)
+    # Step 1: prefill the cached contexts, all in one batch.
+    meta = AttentionMetadata.build([c for c, _ in plan], [0] * 5, tables,
+                                   sum((slots(t, 0, c) for t, (c, _) in zip(tables, plan)), []), BS, "cpu")
+    ids = sum((s[:c] for s, (c, _) in zip(seqs, plan)), [])
+    pos = sum((list(range(c)) for c, _ in plan), [])
+    lm.model(torch.tensor(ids), torch.tensor(pos), caches, meta)
+    # Step 2: 2 prefill chunks + 3 decodes on top of the cache.
+    meta = AttentionMetadata.build([q for _, q in plan], [c for c, _ in plan], tables,
+                                   sum((slots(t, c, q) for t, (c, q) in zip(tables, plan)), []), BS, "cpu")
+    ids = sum((s[c:] for s, (c, _) in zip(seqs, plan)), [])
+    pos = sum((list(range(c, c + q)) for c, q in plan), [])
+    logits = lm.model.compute_logits(lm.model(torch.tensor(ids), torch.tensor(pos), caches, meta))
+    ref = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    start = 0
+    for s, (c, q) in zip(seqs, plan):
+        with torch.no_grad():
+            want = ref(torch.tensor([s])).logits[0, c:]
+        torch.testing.assert_close(logits[start:start + q], want, atol=1e-4, rtol=1e-4)
+        start += q
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(tie_word_embeddings=True),
+    dict(num_key_value_heads=1, num_hidden_layers=3),
+    dict(num_key_value_heads=4, rope_theta=500.0),
+    dict(attention_bias=True),
+])
+def test_variants_match_transformers(tmp_path, overrides):
+    path = make_tiny_llama(tmp_path / "m", **overrides)
+    lm = load_model(path, torch.float32)
+    ids = [9, 8, 7, 6, 5, 4, 3, 100, 200]
+    torch.testing.assert_close(run_full(lm, ids, [3, 1, 6]), hf_logits(path, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_rope_theta_both_spellings():
+    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+    assert LlamaConfig.from_hf_dict({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}).rope_theta == 5e5
+    assert LlamaConfig.from_hf_dict({**base, "rope_theta": 1234.0}).rope_theta == 1234.0
+    assert LlamaConfig.from_hf_dict(base).rope_theta == 10000.0
+    assert LlamaConfig.from_hf_dict({**base, "rope_theta": 1234.0}).num_key_value_heads == 2
+
+
+def test_bad_paths_raise(tmp_path):
+    with pytest.raises(ModelLoadError, match="expected"):
+        load_model(tmp_path / "nope", torch.float32)
+    (tmp_path / "d").mkdir()
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_model(tmp_path / "d", torch.float32)
+    (tmp_path / "bad.gguf").write_bytes(b"not gguf")
+    with pytest.raises(ModelLoadError, match="bad.gguf"):
+        load_model(tmp_path / "bad.gguf", torch.float32)
