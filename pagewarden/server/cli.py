@@ -1,0 +1,53 @@
+"""``pagewarden serve``: the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+logger = logging.getLogger("pagewarden.server")
+
+
+def add_serve_parser(subparsers) -> None:
+    from pagewarden.cli import add_engine_args
+
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", action="append", default=None, help="repeat for several keys")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-waiting-requests", type=int, default=None)
+    p.add_argument("--max-queued-tokens", type=int, default=None)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagewarden.cli import engine_config
+    from pagewarden.engine.async_engine import AsyncEngine
+    from pagewarden.server.api import build_app
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    engine = AsyncEngine(engine_config(args), max_waiting_requests=args.max_waiting_requests,
+                         max_queued_tokens=args.max_queued_tokens)
+    name = args.served_model_name or engine.core.loaded.name
+    app = build_app(engine, name, args.api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level="warning"))
+
+    async def serve() -> None:
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            logger.info("pagewarden: serving %s on http://%s:%d", name, args.host, args.port)
+        await task
+
+    try:
+        asyncio.run(serve())  # uvicorn handles SIGINT/SIGTERM and drains connections
+    finally:
+        engine.shutdown()
+    return 0
