@@ -2,8 +2,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF")
-
 from pagewarden.models.loader import default_model_path, load_model
 from pagewarden.models.paged_attention import AttentionMetadata
 from pagewarden.models.tokenizer import Tokenizer
@@ -51,6 +49,7 @@ def greedy(lm, prompt, steps):
 
 @pytest.mark.slow
 def test_greedy_matches_transformers(ours):
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF")
     p = default_model_path()
     ref = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).eval()
     tok = ours.tokenizer
