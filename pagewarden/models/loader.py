@@ -80,9 +80,6 @@ def _load_hf_dir(p: Path, dtype: torch.dtype) -> LoadedModel:
         config = LlamaConfig.from_hf_dict(d)
     except (ValueError, KeyError) as e:
         raise ModelLoadError(f"{cfg_path}: malformed Llama config: {e}") from e
-    if config.tie_word_embeddings is False and not any("lm_head" in k for f in files for k in load_file(f)):
-        pass
-
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for f in files:
             yield from load_file(f).items()
