@@ -73,6 +73,9 @@ class OutputProcessor:
             if completion.logprobs is not None:
                 completion.logprobs.extend(upd.logprobs)
             delta = detok.add_tokens(upd.new_token_ids)
+            # completion.text only ever grows by released text: text held back because it
+            # may start a stop string is not shown until it is known not to be one.
+            completion.text += delta.text
             finished = upd.finished
             if delta.stopped and not upd.finished:
                 stopped_children.append(upd.req_id)
@@ -80,9 +83,8 @@ class OutputProcessor:
             if delta.stopped:
                 completion.finish_reason, completion.stop_reason = "stop", delta.stop_string
             elif upd.finished:
-                detok.flush()
+                completion.text += detok.flush()
                 completion.finish_reason, completion.stop_reason = upd.finish_reason, upd.stop_reason
-            completion.text = detok.text
             state.output.num_cached_tokens = max(state.output.num_cached_tokens,
                                                  upd.num_cached_tokens)
             if finished:

@@ -13,6 +13,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -292,12 +293,16 @@ def build_app(engine: AsyncEngine, served_model_name: str,
             "owned_by": "pagewarden", "root": served_model_name,
             "max_model_len": engine.max_model_len}]}
 
+    async def read_request(request: Request, model: type) -> tuple[str | None, Any]:
+        """Authorize, read and validate a body; returns (cache salt, parsed request)."""
+        salt = srv.authorize(request)
+        req = _parse(model, await _read_body(request, max_body_bytes))
+        srv.check_model(req.model)
+        return salt, req
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        salt = srv.authorize(request)
-        req: CompletionRequest = _parse(CompletionRequest, await _read_body(
-            request, max_body_bytes))  # type: ignore[assignment]
-        srv.check_model(req.model)
+        salt, req = await read_request(request, CompletionRequest)
         if req.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
         p = req.prompt
@@ -381,10 +386,7 @@ def build_app(engine: AsyncEngine, served_model_name: str,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        salt = srv.authorize(request)
-        req: ChatCompletionRequest = _parse(ChatCompletionRequest, await _read_body(
-            request, max_body_bytes))  # type: ignore[assignment]
-        srv.check_model(req.model)
+        salt, req = await read_request(request, ChatCompletionRequest)
         if req.tools:
             raise APIError(400, "tools are not supported", "tools")
         rf = req.response_format

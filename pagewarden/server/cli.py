@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import signal
+import threading
 
 logger = logging.getLogger("pagewarden.server")
 
@@ -23,6 +26,39 @@ def add_serve_parser(subparsers) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def _graceful_server(config):
+    """A uvicorn server whose SIGINT/SIGTERM start a drain and then let ``serve`` return.
+
+    uvicorn re-raises a captured signal once it has drained, which under SIGTERM kills the
+    process before the engine thread is shut down; here the signal only sets
+    ``should_exit`` (a second SIGINT forces the exit), so the caller's cleanup always runs.
+    """
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+
+            def on_signal(sig, _frame) -> None:
+                logger.info("pagewarden: %s received, draining", signal.Signals(sig).name)
+                if self.should_exit and sig == signal.SIGINT:
+                    self.force_exit = True
+                self.should_exit = True
+
+            previous = {sig: signal.signal(sig, on_signal)
+                        for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return _Server(config)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -35,8 +71,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          max_queued_tokens=args.max_queued_tokens)
     name = args.served_model_name or engine.core.loaded.name
     app = build_app(engine, name, args.api_key)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level="warning"))
+    server = _graceful_server(uvicorn.Config(app, host=args.host, port=args.port,
+                                             log_level="warning",
+                                             timeout_graceful_shutdown=10))
 
     async def serve() -> None:
         task = asyncio.create_task(server.serve())
@@ -47,7 +84,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         await task
 
     try:
-        asyncio.run(serve())  # uvicorn handles SIGINT/SIGTERM and drains connections
+        asyncio.run(serve())
     finally:
-        engine.shutdown()
+        engine.shutdown()  # aborts what is still in flight and joins the engine thread
+        logger.info("pagewarden: stopped")
     return 0

@@ -169,3 +169,80 @@ def test_api_key_and_429(tiny_llama_dir):
     finally:
         s.stop()
 
+
+
+def _stop_from(text: str) -> tuple[str, str]:
+    """A stop string taken from the second half of ``text`` and the text expected before it.
+
+    Windows holding U+FFFD (a token that ends inside a UTF-8 character) are skipped: the
+    text there is still being decoded when the stop check runs.
+    """
+    for start in range(len(text) // 2, len(text) - 1):
+        stop = text[start:start + 2]
+        if "\ufffd" not in stop:
+            return stop, text[:text.index(stop)]
+    raise AssertionError(f"no usable stop string in {text!r}")
+
+
+def test_stop_string_completion_stream_and_nonstream(client):
+    kw = dict(model=MODEL, prompt="stop strings", max_tokens=24, temperature=0,
+              extra_body={"ignore_eos": True})
+    greedy = client.completions.create(**kw).choices[0].text
+    stop, want = _stop_from(greedy)
+    r = client.completions.create(stop=[stop], **kw)
+    assert r.choices[0].text == want
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 24
+    chunks = list(client.completions.create(stop=[stop], stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_chat_stream_stop_and_logprobs(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "tell me"}],
+              max_completion_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(logprobs=True, top_logprobs=2, **kw)
+    text = full.choices[0].message.content
+    content = full.choices[0].logprobs.content
+    assert len(content) == full.usage.completion_tokens == 40
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    # Greedy: the chosen token is the most likely one.
+    assert all(t.logprob >= max(x.logprob for x in t.top_logprobs) - 1e-4 for t in content)
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    stop, want = _stop_from(text)
+    r = client.chat.completions.create(stop=stop, **kw)
+    assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(stop=stop, stream=True, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+
+
+def test_completion_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="abc", max_tokens=5, temperature=0,
+                                  logprobs=3, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 5
+    assert all(len(d) >= 1 and len(d) <= 4 for d in lp.top_logprobs)
+    assert "".join(lp.tokens) == r.choices[0].text
+
+
+def test_max_queued_tokens_429(tiny_llama_dir):
+    # A request is admitted when nothing waits (so a large one is never starved); past
+    # that, the prompt tokens of requests without a first token are capped at 24.
+    s = _Running(_engine(tiny_llama_dir, max_queued_tokens=24))
+    try:
+        body = {"model": MODEL, "prompt": list(range(1, 20)), "max_tokens": 2}
+        with concurrent.futures.ThreadPoolExecutor(16) as ex:
+            codes = list(ex.map(lambda _: httpx.post(s.url + "/v1/completions", json=body,
+                                                     timeout=60), range(16)))
+        statuses = [r.status_code for r in codes]
+        assert set(statuses) <= {200, 429} and 429 in statuses and 200 in statuses
+        rejected = [r for r in codes if r.status_code == 429]
+        assert all("retry-after" in r.headers and "prompt tokens waiting"
+                   in r.json()["error"]["message"] for r in rejected)
+        metrics = httpx.get(s.url + "/metrics").text
+        m = re.search(r'^pagewarden:admission_rejections_total\S* (\S+)$', metrics, re.M)
+        assert m and float(m.group(1)) == len(rejected)
+        assert _used_blocks(s.url) == 0
+    finally:
+        s.stop()
