@@ -91,8 +91,33 @@ class TokenLogprobs:
 
 
 @dataclass(frozen=True, slots=True)
+class KVFault:
+    """One integrity check that failed in the worker.
+
+    ``kind`` is "checksum" (stored K/V bytes changed) or "slot_tag" (a slot holds another
+    token chain's K/V: wrong block id, wrong slot, or corrupted tag). ``block_ids`` are the
+    physical blocks that failed; ``rollback`` maps each request whose reads went through
+    a failed block this step to the token position it must be recomputed from (the start
+    of the first failed block in its table). ``found_by`` names the check: "read"
+    (verified before use in this step), "reuse" (a prefix-cache hit), "seal" (a block's
+    slots at seal time) or "scrub" (the background scrubber).
+    """
+
+    kind: str
+    block_ids: tuple[int, ...]
+    rollback: dict[str, int]
+    found_by: str
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
-    """What one step produced: a token for each request scheduled with ``sample=True``."""
+    """What one step produced: a token for each request scheduled with ``sample=True``.
+
+    A request listed in any ``faults[i].rollback`` read corrupted KV: it has no sampled
+    token this step (none is ever released from bad KV) and the scheduler recomputes it.
+    """
 
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    faults: list[KVFault] = field(default_factory=list)
