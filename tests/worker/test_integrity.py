@@ -28,7 +28,7 @@ def _caches(dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
 
 def _reference_block_sum(caches: list[torch.Tensor], block_id: int) -> int:
     """Pure-Python mod 2^64 evaluation of the documented scheme."""
-    limbs_per_row = caches[0][0, 0, 0].numel() * caches[0].element_size() // 2
+    limbs_per_row = caches[0][0, 0, 0].numel() * caches[0].element_size() // 4
     keys = [[[k & MASK64 for k in row] for row in layer]
             for layer in _limb_keys(len(caches), limbs_per_row, torch.device("cpu")).tolist()]
     okeys = [k & MASK64 for k in _offset_keys(BLOCK_SIZE, torch.device("cpu")).tolist()]
@@ -37,9 +37,9 @@ def _reference_block_sum(caches: list[torch.Tensor], block_id: int) -> int:
         slot = 0
         for layer, cache in enumerate(caches):
             for kv in range(2):
-                row = cache[kv, block_id, o].contiguous().view(torch.int16).reshape(-1)
+                row = cache[kv, block_id, o].contiguous().view(torch.int32).reshape(-1)
                 for i, x in enumerate(row.tolist()):
-                    slot += keys[layer][kv][i] * (x & 0xFFFF)
+                    slot += keys[layer][kv][i] * x
         total += okeys[o] * (slot & MASK64)
     total &= MASK64
     return total - (1 << 64) if total >> 63 else total
