@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagewarden.worker.kv_guard import INTEGRITY_LEVELS
+
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
@@ -33,6 +35,10 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
+    # off | audit | standard | strict (see README, "Integrity levels")
+    integrity: str = "standard"
+    audit_interval: int = 64           # steps between check_invariants() runs
+    scrub_blocks_per_step: int = 4     # sealed blocks the scrubber re-verifies each step
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -49,6 +55,15 @@ class EngineConfig:
             )
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise EngineConfigError("give kv_cache_memory or num_kv_blocks, not both")
+        if self.integrity not in INTEGRITY_LEVELS:
+            raise EngineConfigError(
+                f"integrity {self.integrity!r} is not one of {', '.join(INTEGRITY_LEVELS)}")
+        if not isinstance(self.audit_interval, int) or self.audit_interval < 1:
+            raise EngineConfigError(
+                f"audit_interval must be a positive integer, got {self.audit_interval!r}")
+        if not isinstance(self.scrub_blocks_per_step, int) or self.scrub_blocks_per_step < 0:
+            raise EngineConfigError(f"scrub_blocks_per_step must be an integer >= 0, got "
+                                    f"{self.scrub_blocks_per_step!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise EngineConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

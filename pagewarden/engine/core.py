@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pagewarden.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from pagewarden.engine.integrity import IntegrityMonitor, IntegrityStats
 from pagewarden.engine.output_processor import OutputProcessor
 from pagewarden.engine.outputs import RequestOutput
 from pagewarden.models.loader import LoadedModel, load_model
@@ -54,6 +55,7 @@ class EngineStats:
     block_frees: int
     prompt_tokens: int
     generation_tokens: int
+    integrity: IntegrityStats
 
     @property
     def kv_cache_usage(self) -> float:
@@ -88,7 +90,11 @@ class EngineCore:
             model_id=self.loaded.name,
         ))
         self.runner = ModelRunner(self.loaded.model, self.kv_store, mcfg.vocab_size,
-                                  seed=config.seed)
+                                  seed=config.seed, integrity=config.integrity,
+                                  scrub_blocks_per_step=config.scrub_blocks_per_step)
+        self.integrity = IntegrityMonitor(self.scheduler, self.runner.guard, config.integrity,
+                                          config.audit_interval)
+        self._owner_claimed = False
         self.outputs = OutputProcessor(self.tokenizer)
         self._lock = threading.Lock()
         self._pending_adds: deque[tuple[Request, str | None]] = deque()
@@ -163,18 +169,33 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns the outputs that changed."""
-        aborted = self._apply_pending()
+        """One engine step; returns the outputs that changed.
+
+        The first call makes the calling thread the owner of scheduler and KV state:
+        a mutation from any other thread afterwards raises ``KVOwnershipError``.
+        """
+        if not self._owner_claimed:
+            self.scheduler.claim_ownership()
+            self._owner_claimed = True
+        finished = self._apply_pending()
+        self.integrity.before_schedule()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty and not sched_out.copy_blocks:
-            return aborted
+            return finished
         result = self.runner.execute(sched_out)
+        if result.faults:
+            sched_out, report = self.integrity.recover(sched_out, result)
+            for request_id in report.failed:
+                out = self.outputs.abort(request_id, reason="error")
+                if out is not None:
+                    finished.append(out)
         updates = self.scheduler.update(sched_out, result)
+        self.integrity.after_step()
         self.generation_tokens += sum(len(u.new_token_ids) for u in updates)
         changed, stopped = self.outputs.process(updates)
         if stopped:
             self.scheduler.finish_requests(stopped, None)
-        return aborted + changed
+        return finished + changed
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()
@@ -185,5 +206,5 @@ class EngineCore:
             num_preemptions=s.num_preemptions, num_steps=s.num_steps, num_running=s.num_running,
             num_waiting=s.num_waiting, block_allocations=s.block_allocations,
             block_frees=s.block_frees, prompt_tokens=self.prompt_tokens,
-            generation_tokens=self.generation_tokens,
+            generation_tokens=self.generation_tokens, integrity=self.integrity.stats(),
         )

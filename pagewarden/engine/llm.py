@@ -30,12 +30,14 @@ class LLM:
                  kv_cache_memory: int | str | None = None, num_kv_blocks: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 seed: int = 0) -> None:
+                 seed: int = 0, integrity: str = "standard", audit_interval: int = 64,
+                 scrub_blocks_per_step: int = 4) -> None:
         self.config = EngineConfig(
             model=model, dtype=dtype, block_size=block_size, kv_cache_memory=kv_cache_memory,
             num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching, seed=seed,
+            enable_prefix_caching=enable_prefix_caching, seed=seed, integrity=integrity,
+            audit_interval=audit_interval, scrub_blocks_per_step=scrub_blocks_per_step,
         )
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()
@@ -111,5 +113,5 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def stats(self) -> EngineStats:
-        """Block counts, prefix-cache counters, preemptions and steps."""
+        """Block counts, prefix-cache counters, preemptions, steps and integrity counters."""
         return self.engine.stats()

@@ -47,14 +47,14 @@ class OutputProcessor:
     def has(self, request_id: str) -> bool:
         return request_id in self._states
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Mark every unfinished completion as aborted and forget the request."""
+    def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
+        """Finish every unfinished completion with ``reason`` and forget the request."""
         state = self._states.pop(request_id, None)
         if state is None:
             return None
         for completion in state.output.outputs:
             if completion.finish_reason is None:
-                completion.finish_reason = "abort"
+                completion.finish_reason = reason
         state.output.finished = True
         return state.output
 

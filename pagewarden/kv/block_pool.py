@@ -4,16 +4,21 @@ Invariant: every block except block 0 is in exactly one of
 FREE (in queue, no hash), CACHED_FREE (in queue, hashed, evictable), USED (ref_cnt > 0),
 QUARANTINED (out of the queue and the hash index; ref_cnt may still be > 0 until the
 holders free it). ``audit.check_invariants`` verifies this.
+
+Ownership: once ``claim_ownership()`` has named a thread, every mutating method raises
+``KVOwnershipError`` (and counts it) when called from any other thread.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 
 from pagewarden.kv.block import RESERVED_BLOCK_ID, BlockHash, BlockId, BlockState, KVBlock
 from pagewarden.kv.errors import (
     BlockPoolExhausted,
     BlockStateError,
+    KVOwnershipError,
     QuarantinedBlockError,
 )
 from pagewarden.kv.free_queue import FreeBlockQueue
@@ -22,6 +27,9 @@ _FREE = BlockState.FREE
 _USED = BlockState.USED
 _CACHED_FREE = BlockState.CACHED_FREE
 _QUARANTINED = BlockState.QUARANTINED
+
+#: A block quarantined this many times is retired: it never returns to service.
+MAX_BLOCK_FAILURES = 3
 
 
 class BlockPool:
@@ -37,6 +45,10 @@ class BlockPool:
         "num_allocations",
         "num_frees",
         "num_evictions",
+        "owner_thread",
+        "ownership_violations",
+        "failure_counts",
+        "retired",
     )
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -54,6 +66,27 @@ class BlockPool:
         self.num_allocations = 0
         self.num_frees = 0
         self.num_evictions = 0
+        self.owner_thread: int | None = None
+        self.ownership_violations = 0
+        # block id -> checks it failed; a block failing MAX_BLOCK_FAILURES times is retired
+        # (stays quarantined for good, like a remapped bad sector).
+        self.failure_counts: dict[int, int] = {}
+        self.retired: set[BlockId] = set()
+
+    # --------------------------------------------------------------- ownership
+    def claim_ownership(self, thread_id: int | None = None) -> None:
+        """Make ``thread_id`` (default: the calling thread) the only one allowed to mutate."""
+        self.owner_thread = threading.get_ident() if thread_id is None else thread_id
+
+    def check_owner(self) -> None:
+        """Raise ``KVOwnershipError`` if the calling thread does not own the pool."""
+        owner = self.owner_thread
+        if owner is not None and threading.get_ident() != owner:
+            self.ownership_violations += 1
+            raise KVOwnershipError(
+                f"block pool mutated from thread {threading.get_ident()}, but it is owned "
+                f"by the engine-core thread {owner}; submit through the engine's queues"
+            )
 
     # ----------------------------------------------------------------- queries
     @property
@@ -68,6 +101,7 @@ class BlockPool:
     # ------------------------------------------------------------- allocation
     def get_new_blocks(self, n: int) -> list[KVBlock]:
         """Hand out ``n`` blocks with ref_cnt 1, evicting cached-free ones LRU-first."""
+        self.check_owner()
         queue = self.free_queue
         if n > len(queue):
             raise BlockPoolExhausted(
@@ -88,6 +122,7 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take one more reference on each block (a prefix hit or a fork)."""
+        self.check_owner()
         queue = self.free_queue
         for block in blocks:
             state = block.state
@@ -108,6 +143,7 @@ class BlockPool:
         A block reaching ref_cnt 0 bumps its epoch and returns to the free queue, hashed
         blocks at the tail (cached, evicted last), unhashed ones at the head (reused first).
         """
+        self.check_owner()
         seen: set[int] = set()
         queue = self.free_queue
         for block in blocks:
@@ -138,6 +174,7 @@ class BlockPool:
         The hash is set once; if another block already holds this content, the index keeps
         that one and this block stays unindexed (it is still a correct, private copy).
         """
+        self.check_owner()
         if block.block_hash is not None:
             if block.block_hash != block_hash:
                 raise BlockStateError(f"block {block.block_id} is already sealed with another hash")
@@ -167,8 +204,12 @@ class BlockPool:
         Holders keep their references (they are rolled back by the caller); when the last
         one frees it, it stays out of the queue until ``release_quarantine``.
         """
+        self.check_owner()
         if block_id == RESERVED_BLOCK_ID or not 0 < block_id < self.num_blocks:
             raise BlockStateError(f"cannot quarantine block {block_id}")
+        self.failure_counts[block_id] = self.failure_counts.get(block_id, 0) + 1
+        if self.failure_counts[block_id] >= MAX_BLOCK_FAILURES:
+            self.retired.add(BlockId(block_id))
         block = self.blocks[block_id]
         if block.state is _QUARANTINED:
             return
@@ -179,10 +220,18 @@ class BlockPool:
         self.quarantined.add(BlockId(block_id))
 
     def release_quarantine(self, block_id: int) -> None:
-        """Return a quarantined block to service (to the free queue if nobody holds it)."""
+        """Return a quarantined block to service (to the free queue if nobody holds it).
+
+        Call it only after the block was scrubbed and re-verified; a retired block (one
+        that failed ``MAX_BLOCK_FAILURES`` checks) never returns.
+        """
+        self.check_owner()
         block = self.blocks[block_id]
         if block.state is not _QUARANTINED:
             raise BlockStateError(f"block {block_id} is not quarantined")
+        if block_id in self.retired:
+            raise BlockStateError(f"block {block_id} failed {MAX_BLOCK_FAILURES} checks "
+                                  f"and is retired for good")
         self.quarantined.discard(BlockId(block_id))
         if block.ref_cnt:
             block.state = _USED

@@ -29,3 +29,11 @@ class UnknownRequestError(KVError):
 
 class DuplicateRequestError(KVError):
     """A block table already exists for this request id."""
+
+
+class KVOwnershipError(KVError):
+    """KV or scheduler state was mutated from a thread that does not own it.
+
+    Only the engine-core thread may change the block pool and block tables; submit work
+    through the engine's queues (``EngineCore.add_request`` / ``abort_request``) instead.
+    """

@@ -31,6 +31,10 @@ class RequestBlocks:
 
     ``hashes[i]`` is the chained hash of full block i, known for the first
     ``len(hashes)`` blocks (computed at lookup or seal, never twice).
+
+    ``ids`` is handed to the model runner as ``ScheduledRequest.block_table`` without a
+    copy (and shared between forked children), so it is never mutated in place: every
+    change assigns a new list. ``refs`` and ``hashes`` are private and grow in place.
     """
 
     __slots__ = ("refs", "ids", "hashes", "num_sealed", "extra_keys")
@@ -117,21 +121,21 @@ class KVCacheManager:
         pool = self.pool
         index = pool.hash_index
         hits: list[KVBlock] = []
+        hashes = entry.hashes
         parent: BlockHash | None = None
         for i in range(max_blocks):
-            chunk = token_ids[i * bs : (i + 1) * bs]
+            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
             h = hash_block_tokens(parent, chunk, extra_keys)
-            entry.hashes.append(h)
+            hashes.append(h)
             block = index.get(h)
-            if block is None or block.token_ids != tuple(chunk):
+            if block is None or block.token_ids != chunk:
                 break
             hits.append(block)
             parent = h
         if hits:
             pool.touch(hits)
-            for block in hits:
-                entry.refs.append(BlockRef(block.block_id, block.epoch))
-                entry.ids.append(block.block_id)
+            entry.refs = [BlockRef(block.block_id, block.epoch) for block in hits]
+            entry.ids = [block.block_id for block in hits]
         entry.num_sealed = len(hits)
         self.prefix_cache_hits += len(hits) * bs
         return len(hits) * bs
@@ -172,12 +176,16 @@ class KVCacheManager:
             (dst,) = pool.get_new_blocks(1)
             pool.free_blocks((src,))  # ref_cnt > 1, so this never frees the source
             entry.refs[cow_index] = BlockRef(dst.block_id, dst.epoch)
+            ids = ids[:]  # never mutate a list a ScheduledRequest may hold
             ids[cow_index] = dst.block_id
+            entry.ids = ids
             copies.append((src.block_id, dst.block_id))
         if need > 0:
-            for block in pool.get_new_blocks(need):
-                entry.refs.append(BlockRef(block.block_id, block.epoch))
-                ids.append(block.block_id)
+            new_blocks = pool.get_new_blocks(need)
+            refs = entry.refs
+            for block in new_blocks:
+                refs.append(BlockRef(block.block_id, block.epoch))
+            entry.ids = ids + [block.block_id for block in new_blocks]
         return copies
 
     def seal_full_blocks(self, req_id: str, token_ids: Sequence[int], num_computed: int) -> None:
@@ -193,7 +201,7 @@ class KVCacheManager:
         blocks = self.pool.blocks
         ids = entry.ids
         for i in range(entry.num_sealed, num_full):
-            chunk = token_ids[i * bs : (i + 1) * bs]
+            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
             if i < len(hashes):  # computed at lookup (the first miss): never hash twice
                 h = hashes[i]
             else:
@@ -224,7 +232,7 @@ class KVCacheManager:
         for cid in child_ids:
             child = RequestBlocks(entry.extra_keys)
             child.refs = list(entry.refs)
-            child.ids = list(entry.ids)
+            child.ids = entry.ids  # shared: ids is replaced, never mutated
             child.hashes = list(entry.hashes)
             child.num_sealed = entry.num_sealed
             self.tables[cid] = child
@@ -236,6 +244,49 @@ class KVCacheManager:
             return
         blocks = self.pool.blocks
         self.pool.free_blocks([blocks[i] for i in reversed(entry.ids)])
+
+    # --------------------------------------------------------------- integrity
+    def first_unsound_block(self, req_id: str) -> int | None:
+        """Index of the first table entry that no longer names a live block, or None.
+
+        An entry is unsound when its ``BlockRef`` epoch no longer matches the block (the
+        block was freed while this table still listed it: use after free) or when the
+        plain id list disagrees with the refs (a corrupted table entry).
+        """
+        entry = self._entry(req_id)
+        blocks = self.pool.blocks
+        for i, (ref, bid) in enumerate(zip(entry.refs, entry.ids)):
+            if bid != ref.block_id or blocks[bid].epoch != ref.epoch:
+                return i
+        return None
+
+    def holders(self, block_ids: set[int]) -> dict[str, int]:
+        """Each request whose table lists one of ``block_ids`` -> index of the first one."""
+        found: dict[str, int] = {}
+        for req_id, entry in self.tables.items():
+            for i, ref in enumerate(entry.refs):
+                if ref.block_id in block_ids:
+                    found[req_id] = i
+                    break
+        return found
+
+    def truncate(self, req_id: str, num_blocks: int) -> None:
+        """Keep logical blocks ``[0, num_blocks)`` of the table and drop the rest.
+
+        Dropped entries whose ref is still live release their reference; a stale one
+        (freed under the table already) is dropped without touching the block, which now
+        belongs to someone else.
+        """
+        entry = self._entry(req_id)
+        dropped = entry.refs[num_blocks:]
+        del entry.refs[num_blocks:]
+        entry.ids = entry.ids[:num_blocks]  # replaced, never mutated (see RequestBlocks)
+        entry.num_sealed = min(entry.num_sealed, num_blocks)
+        blocks = self.pool.blocks
+        live = [blocks[r.block_id] for r in reversed(dropped)
+                if blocks[r.block_id].epoch == r.epoch and blocks[r.block_id].ref_cnt > 0]
+        if live:
+            self.pool.free_blocks(live)
 
     # ------------------------------------------------------------------- audit
     def check_invariants(self) -> list[str]:

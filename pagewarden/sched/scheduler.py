@@ -19,6 +19,7 @@ from pagewarden.kv.kv_manager import KVCacheManager
 from pagewarden.kv.prefix_hash import encode_extra_keys
 from pagewarden.sched.config import SchedulerConfig
 from pagewarden.sched.output import (
+    KVFault,
     ModelRunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
@@ -27,6 +28,8 @@ from pagewarden.sched.output import (
 from pagewarden.sched.request import Request, RequestStatus
 
 __all__ = [
+    "IntegrityEvent",
+    "RecoveryReport",
     "RequestRejectedError",
     "RequestUpdate",
     "Scheduler",
@@ -76,6 +79,37 @@ class SchedulerStats:
     quarantined_blocks: int
     block_allocations: int
     block_frees: int
+    retired_blocks: int = 0
+    ownership_violations: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class IntegrityEvent:
+    """A metadata fault the scheduler caught itself, before the step that would read it.
+
+    ``kind`` is "stale_ref" (a table entry's block was freed under it: use after free) or
+    "table_mismatch" (a table's block id disagrees with its epoch-tagged reference).
+    """
+
+    kind: str
+    req_id: str
+    block_id: int
+    position: int  # the request recomputes from here
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryReport:
+    """What ``Scheduler.recover`` did."""
+
+    quarantined: tuple[int, ...]
+    rolled_back: dict[str, int]          # req_id -> position it recomputes from
+    recomputed_tokens: int               # computed tokens thrown away
+    # Requests that cannot be served any more, by top-level id (a child's parent id).
+    failed: tuple[str, ...] = ()
+
+    @property
+    def unrecoverable(self) -> bool:
+        return bool(self.failed)
 
 
 class Scheduler:
@@ -102,6 +136,7 @@ class Scheduler:
     # ------------------------------------------------------------- admission
     def add_request(self, request: Request) -> None:
         """Queue ``request``; raises ``RequestRejectedError`` if it can never be served."""
+        self.kv.pool.check_owner()
         cfg = self.config
         rid = request.req_id
         if rid in self.requests or rid in self._children:
@@ -193,6 +228,7 @@ class Scheduler:
         reason: str,
         stop_reason: int | str | None,
     ) -> None:
+        self.kv.pool.check_owner()
         for rid in list(req_ids):
             targets = [rid] + sorted(self._children.get(rid, ()))
             for tid in targets:
@@ -226,6 +262,7 @@ class Scheduler:
     # -------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts; allocate their slots."""
+        self.kv.pool.check_owner()
         self._num_steps += 1
         cfg = self.config
         kv = self.kv
@@ -334,6 +371,7 @@ class Scheduler:
     # ---------------------------------------------------------------- update
     def update(self, out: SchedulerOutput, res: ModelRunnerOutput) -> list[RequestUpdate]:
         """Advance requests by what the step computed; append sampled tokens; finish/fork."""
+        self.kv.pool.check_owner()
         kv = self.kv
         requests = self.requests
         sampled = res.sampled_token_ids
@@ -440,6 +478,8 @@ class Scheduler:
             quarantined_blocks=counts[BlockState.QUARANTINED],
             block_allocations=pool.num_allocations,
             block_frees=pool.num_frees,
+            retired_blocks=len(pool.retired),
+            ownership_violations=pool.ownership_violations,
         )
 
     def check_invariants(self) -> list[str]:
@@ -477,3 +517,100 @@ class Scheduler:
             if r.all_token_ids != r.prompt_token_ids + r.output_token_ids:
                 errors.append(f"{r.req_id}: all_token_ids out of step with prompt + output")
         return errors
+
+    # ------------------------------------------------------------- integrity
+    def claim_ownership(self) -> None:
+        """Make the calling thread the only one allowed to mutate scheduler and KV state."""
+        self.kv.pool.claim_ownership()
+
+    def verify_block_tables(self) -> list[IntegrityEvent]:
+        """Roll back every running request whose table names a freed or altered block.
+
+        Run before ``schedule()``: a table entry whose epoch-tagged reference no longer
+        matches its block would let the request read (and write into) a block that now
+        belongs to someone else. The request recomputes from the start of that block.
+        """
+        self.kv.pool.check_owner()
+        events: list[IntegrityEvent] = []
+        kv = self.kv
+        bs = self.config.block_size
+        for req in self.running:
+            index = kv.first_unsound_block(req.req_id)
+            if index is None:
+                continue
+            entry = kv.tables[req.req_id]
+            ref = entry.refs[index]
+            kind = "stale_ref" if entry.ids[index] == ref.block_id else "table_mismatch"
+            events.append(IntegrityEvent(kind, req.req_id, ref.block_id, index * bs))
+            self._roll_back(req, index * bs)
+        return events
+
+    def recover(self, faults: list[KVFault]) -> RecoveryReport:
+        """Quarantine the failed blocks and roll back every request that holds one.
+
+        Each request recomputes from the start of the first failed block in its table
+        (or the rollback position a fault names, if earlier); KV is a pure function of
+        the tokens, so the output is what it would have been without the fault. A request
+        that no longer fits in the healthy (non-retired) blocks is failed.
+        """
+        self.kv.pool.check_owner()
+        pool = self.kv.pool
+        bs = self.config.block_size
+        bad = {b for f in faults for b in f.block_ids if b != 0}
+        targets: dict[str, int] = {}
+        for f in faults:
+            for rid, pos in f.rollback.items():
+                targets[rid] = min(targets.get(rid, pos), pos)
+        for rid, index in self.kv.holders(bad).items():
+            targets[rid] = min(targets.get(rid, index * bs), index * bs)
+        for block_id in sorted(bad):
+            pool.quarantine(block_id)
+        rolled_back: dict[str, int] = {}
+        recomputed = 0
+        for rid, pos in targets.items():
+            req = self.requests.get(rid)
+            if req is None or req.status is not _RUNNING:
+                continue
+            before = req.num_computed_tokens
+            rolled_back[rid] = self._roll_back(req, pos)
+            recomputed += before - rolled_back[rid]
+        failed = self._fail_unservable(rolled_back)
+        return RecoveryReport(tuple(sorted(bad)), rolled_back, recomputed, failed)
+
+    def _roll_back(self, req: Request, position: int) -> int:
+        """Forget computed tokens from the block holding ``position`` on; returns the
+        block-aligned position the request recomputes from."""
+        bs = self.config.block_size
+        keep = min(req.num_computed_tokens, position) // bs
+        req.num_computed_tokens = keep * bs
+        self.kv.truncate(req.req_id, keep)
+        return keep * bs
+
+    def _fail_unservable(self, req_ids: Iterable[str]) -> tuple[str, ...]:
+        """Abort requests that can no longer fit in the pool's healthy blocks."""
+        bs = self.config.block_size
+        healthy = self.config.num_blocks - 1 - len(self.kv.pool.retired)
+        failed: list[str] = []
+        top_ids: set[str] = set()
+        for rid in req_ids:
+            req = self.requests[rid]
+            need = (len(req.prompt_token_ids) + req.max_tokens - 1 + bs - 1) // bs
+            if need > healthy:
+                failed.append(rid)
+                top_ids.add(req.parent_id if req.parent_id is not None else rid)
+        if failed:
+            self._finish_many(failed, RequestStatus.FINISHED_ABORTED, "error", None)
+        return tuple(sorted(top_ids))
+
+    def quarantined_block_ids(self) -> list[int]:
+        """Quarantined blocks nobody holds any more and that are not retired: ready to be
+        scrubbed, re-verified and released."""
+        pool = self.kv.pool
+        blocks = pool.blocks
+        return sorted(b for b in pool.quarantined
+                      if blocks[b].ref_cnt == 0 and b not in pool.retired)
+
+    def release_quarantined(self, block_ids: Iterable[int]) -> None:
+        """Return scrubbed and re-verified blocks to service."""
+        for block_id in block_ids:
+            self.kv.pool.release_quarantine(block_id)

@@ -6,18 +6,26 @@ import torch
 
 from pagewarden.models.llama import LlamaForCausalLM
 from pagewarden.models.paged_attention import AttentionMetadata
-from pagewarden.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pagewarden.sched.output import KVFault, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pagewarden.worker.kv_guard import KVGuard
 from pagewarden.worker.kv_store import KVStore
 from pagewarden.worker.sampler import Sampler, SamplingRow
 
 
 class ModelRunner:
-    """Runs one step: copy-on-write copies, the forward pass over the paged cache, sampling."""
+    """Runs one step: copy-on-write copies, integrity checks, the forward pass, sampling.
+
+    Requests named by a fault of ``KVGuard`` get no sampled token: they read KV that failed
+    a check, and the scheduler recomputes them.
+    """
 
     def __init__(self, model: LlamaForCausalLM, kv_store: KVStore, vocab_size: int,
-                 seed: int = 0) -> None:
+                 seed: int = 0, integrity: str = "standard",
+                 scrub_blocks_per_step: int = 4) -> None:
         self.model = model
         self.kv_store = kv_store
+        self.guard = KVGuard(kv_store.caches, kv_store.shape.block_size, integrity,
+                             scrub_blocks_per_step)
         generator = torch.Generator().manual_seed(seed)
         self.sampler = Sampler(vocab_size, generator)
 
@@ -25,8 +33,13 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Compute the step's tokens' K/V and sample for the requests that ask for it."""
         self.kv_store.copy_blocks(out.copy_blocks)
+        guard = self.guard
+        guard.copy_blocks(out.copy_blocks)
+        guard.forget(out.finished_req_ids)
+        guard.forget(out.preempted_req_ids)
+        faults = guard.check_reads(out)
         if out.is_empty:
-            return ModelRunnerOutput(sampled_token_ids={})
+            return ModelRunnerOutput(sampled_token_ids={}, faults=faults)
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -55,8 +68,17 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.long),  # (T,)
             self.kv_store.caches, meta,
         )  # (T, hidden)
+        if guard.tags_on:
+            faulted = _faulted(faults)
+            faults = faults + guard.after_write(
+                out, torch.tensor(slot_mapping, dtype=torch.long), faulted)
+            if faults:
+                faulted = _faulted(faults)
+                keep = [i for i, r in enumerate(sampled) if r.req_id not in faulted]
+                sample_rows = [sample_rows[i] for i in keep]
+                sampled = [sampled[i] for i in keep]
         if not sampled:
-            return ModelRunnerOutput(sampled_token_ids={})
+            return ModelRunnerOutput(sampled_token_ids={}, faults=faults)
         logits = self.model.compute_logits(hidden[sample_rows])  # (S, vocab) float32
         rows = [
             SamplingRow(params=r.sampling_params, prompt_token_ids=r.prompt_token_ids,
@@ -69,4 +91,9 @@ class ModelRunner:
         logprobs: dict[str, TokenLogprobs] = {
             r.req_id: lp for r, lp in zip(sampled, result.logprobs) if lp is not None
         }
-        return ModelRunnerOutput(sampled_token_ids=tokens, logprobs=logprobs)
+        return ModelRunnerOutput(sampled_token_ids=tokens, logprobs=logprobs, faults=faults)
+
+
+def _faulted(faults: list[KVFault]) -> set[str]:
+    """Requests whose reads went through a failed block this step."""
+    return {rid for f in faults for rid in f.rollback}

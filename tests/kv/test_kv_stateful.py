@@ -12,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from pagewarden.kv import BlockRef, KVCacheManager, StaleBlockError
 from pagewarden.kv.block import BlockState
+from pagewarden.kv.errors import BlockStateError
 from pagewarden.kv.prefix_hash import encode_extra_keys
 
 BS = 2
@@ -133,6 +134,12 @@ class KVMachine(RuleBasedStateMachine):
     def quarantine_toggle(self, block_id: int) -> None:
         pool = self.kv.pool
         if pool.blocks[block_id].state is BlockState.QUARANTINED:
+            if block_id in pool.retired:  # failed MAX_BLOCK_FAILURES times: out for good
+                try:
+                    pool.release_quarantine(block_id)
+                except BlockStateError:
+                    return
+                raise AssertionError(f"retired block {block_id} was released")
             pool.release_quarantine(block_id)
         elif len(pool.quarantined) < 2:
             pool.quarantine(block_id)

@@ -1,0 +1,160 @@
+"""Engine-side integrity: recovery from detected faults, periodic audits, counters.
+
+The monitor runs on the engine-core thread around each step::
+
+    before_schedule()   scheduler.verify_block_tables(): a table entry whose epoch-tagged
+                        ref no longer matches its block (use after free) or whose id was
+                        altered is caught before any step reads it; the request rolls back
+    runner.execute()    the worker's KVGuard checks tags and checksums (KVFault list)
+    recover(out, res)   scheduler.recover(): quarantine the failed blocks, drop their
+                        prefix-cache entries, roll every holder back to the start of the
+                        bad block; the step's output loses the rolled-back requests, so
+                        no token computed from bad KV is appended or released
+    after_step()        every ``audit_interval`` steps: scheduler.check_invariants();
+                        quarantined blocks nobody holds are zeroed and read back by the
+                        worker, then released (the pool retires a block that keeps failing)
+
+Every detection and recovery is logged with the request ids and block ids involved and
+counted by kind; ``IntegrityStats`` is the snapshot ``llm.stats()`` reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+from pagewarden.sched.output import ModelRunnerOutput, SchedulerOutput
+from pagewarden.sched.scheduler import RecoveryReport, Scheduler
+from pagewarden.worker.kv_guard import KVGuard
+
+logger = logging.getLogger("pagewarden.integrity")
+
+
+@dataclass(frozen=True)
+class IntegrityStats:
+    """Integrity counters (monotonic)."""
+
+    level: str
+    tag_checks: int                 # context positions whose slot tag was compared
+    block_verifies: int             # block checksums recomputed and compared
+    slot_verifies: int              # slot checksums recomputed and compared
+    seals: int                      # blocks sealed with a checksum
+    scrubbed_blocks: int            # sealed blocks re-verified by the scrubber
+    audits: int                     # check_invariants() runs
+    invariant_violations: int
+    # "<kind>/<found_by>" -> count: checksum/read|reuse|seal|scrub, slot_tag/read,
+    # stale_ref/schedule, table_mismatch/schedule
+    failures: dict[str, int] = field(default_factory=dict)
+    recoveries: int = 0             # faults recovered (holders rolled back, none failed)
+    rolled_back_requests: int = 0
+    recomputed_tokens: int = 0
+    quarantined_blocks: int = 0     # blocks quarantined (cumulative)
+    quarantine_releases: int = 0    # blocks scrubbed, re-verified and returned to service
+    retired_blocks: int = 0         # blocks out for good after repeated failures
+    ownership_violations: int = 0   # pool/scheduler mutations refused on a foreign thread
+    failed_requests: int = 0        # requests failed by an unrecoverable fault
+
+    @property
+    def detections(self) -> int:
+        """Faults detected, all kinds (ownership violations included)."""
+        return sum(self.failures.values()) + self.ownership_violations
+
+
+class IntegrityMonitor:
+    """Runs recovery and audits for one engine; engine-core thread only."""
+
+    def __init__(self, scheduler: Scheduler, guard: KVGuard, level: str,
+                 audit_interval: int) -> None:
+        self.scheduler = scheduler
+        self.guard = guard
+        self.level = level
+        self.on = level != "off"
+        self.audit_interval = audit_interval
+        self.audits = 0
+        self.invariant_violations = 0
+        self.recoveries = 0
+        self.rolled_back_requests = 0
+        self.recomputed_tokens = 0
+        self.quarantined_blocks = 0
+        self.quarantine_releases = 0
+        self.failed_requests = 0
+        self.failures: dict[str, int] = {}   # scheduler-found kinds (worker's in guard)
+        self._steps = 0
+
+    def before_schedule(self) -> None:
+        """Catch stale or altered block-table entries before a step can read them."""
+        if not self.on:
+            return
+        for event in self.scheduler.verify_block_tables():
+            key = f"{event.kind}/schedule"
+            self.failures[key] = self.failures.get(key, 0) + 1
+            self.recoveries += 1
+            self.rolled_back_requests += 1
+            logger.warning("integrity: %s: request %s, block %d; recomputing from position %d",
+                           event.kind, event.req_id, event.block_id, event.position)
+
+    def recover(self, out: SchedulerOutput,
+                result: ModelRunnerOutput) -> tuple[SchedulerOutput, RecoveryReport]:
+        """Apply the step's faults; returns the output without the rolled-back requests."""
+        faults = result.faults
+        report = self.scheduler.recover(faults)
+        for f in faults:
+            logger.warning("integrity: %s fault found by %s in blocks %s (%s); rolling back %s",
+                           f.kind, f.found_by, list(f.block_ids), f.detail,
+                           dict(sorted(f.rollback.items())))
+        self.quarantined_blocks += len(report.quarantined)
+        self.rolled_back_requests += len(report.rolled_back)
+        self.recomputed_tokens += report.recomputed_tokens
+        if report.failed:
+            self.failed_requests += len(report.failed)
+            logger.error("integrity: no healthy KV blocks left for requests %s; they fail",
+                         list(report.failed))
+        else:
+            self.recoveries += len(faults)
+        gone = set(report.rolled_back)
+        kept = [r for r in out.requests if r.req_id not in gone]
+        return dataclasses.replace(out, requests=kept), report
+
+    def after_step(self) -> None:
+        """Periodic audit; scrub and release quarantined blocks nobody holds."""
+        if not self.on:
+            return
+        self._steps += 1
+        if self._steps % self.audit_interval == 0:
+            self.audit()
+        ready = self.scheduler.quarantined_block_ids()
+        if ready:
+            verified = self.guard.scrub_quarantined(ready)
+            if verified:
+                self.scheduler.release_quarantined(verified)
+                self.quarantine_releases += len(verified)
+                logger.info("integrity: blocks %s scrubbed, re-verified and released", verified)
+
+    def audit(self) -> list[str]:
+        """Check metadata invariants now; returns (and counts) the violations."""
+        self.audits += 1
+        violations = self.scheduler.check_invariants()
+        if violations:
+            self.invariant_violations += len(violations)
+            logger.error("integrity: %d invariant violation(s): %s", len(violations),
+                         "; ".join(violations[:5]))
+        return violations
+
+    def stats(self) -> IntegrityStats:
+        c = self.guard.counters
+        s = self.scheduler.stats()
+        failures = dict(c.failures)
+        for key, n in self.failures.items():
+            failures[key] = failures.get(key, 0) + n
+        return IntegrityStats(
+            level=self.level, tag_checks=c.tag_checks, block_verifies=c.block_verifies,
+            slot_verifies=c.slot_verifies, seals=c.seals, scrubbed_blocks=c.scrubbed_blocks,
+            audits=self.audits, invariant_violations=self.invariant_violations,
+            failures=failures, recoveries=self.recoveries,
+            rolled_back_requests=self.rolled_back_requests,
+            recomputed_tokens=self.recomputed_tokens,
+            quarantined_blocks=self.quarantined_blocks,
+            quarantine_releases=self.quarantine_releases, retired_blocks=s.retired_blocks,
+            ownership_violations=s.ownership_violations, failed_requests=self.failed_requests,
+        )

@@ -1,0 +1,358 @@
+"""The worker's integrity checks around each step, by integrity level.
+
+``KVGuard`` owns the integrity state of the physical cache and runs the checks of
+``worker/integrity.py`` at the points of a step where they matter::
+
+    execute(out):
+        guard.copy_blocks(out.copy_blocks)       # COW copies carry tags, sums and seals
+        faults = guard.check_reads(out)          # before the forward pass: what it will read
+        model forward (writes the step's K/V)
+        faults += guard.after_write(out)         # tags + write-time sums, seal full blocks
+        drop the sampled tokens of every request a fault names
+
+What each level checks (each includes the one before):
+
+========  ==================================================================================
+off       nothing
+audit     slot tags: every context position of every scheduled request, read through its
+          block table, must hold the tag of that request's token chain at that position
+standard  write-time slot checksums; block checksums at seal (from slots that still
+          verify); verification of a request's context blocks the first time it reads them
+          (prefix-cache reuse, return after preemption or rollback); a scrubber re-verifying
+          ``scrub_blocks_per_step`` sealed blocks per step, round robin
+strict    every block a step reads is verified before the forward pass (sealed blocks by
+          block checksum, the open block by its slots' write-time sums)
+========  ==================================================================================
+
+A failed check never raises: it becomes a ``KVFault`` naming the blocks and, for every
+scheduled request that reads one of them, the position to recompute from. The scheduler
+quarantines the blocks and rolls those requests back; no token is sampled from them in
+this step, so nothing computed from bad KV is released by a check that caught it.
+
+State per physical block: ``sealed[b]`` and ``block_sums[b]`` (valid while sealed);
+per slot: ``slot_sums`` (write-time checksum) and the slot tag. A write at offset 0 of a
+block starts that block's new life and unseals it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from pagewarden.sched.output import KVFault, SchedulerOutput, ScheduledRequest
+from pagewarden.worker.integrity import (
+    ROOT_TAG,
+    SlotTags,
+    block_checksums,
+    combine_slot_checksums,
+    mix64,
+    slot_checksums,
+)
+
+IntegrityLevel = Literal["off", "audit", "standard", "strict"]
+INTEGRITY_LEVELS: tuple[str, ...] = ("off", "audit", "standard", "strict")
+_RANK = {name: i for i, name in enumerate(INTEGRITY_LEVELS)}
+
+
+@dataclass
+class GuardCounters:
+    """Checks run and failures found, by kind. Monotonic."""
+
+    tag_checks: int = 0          # context positions whose tag was compared
+    block_verifies: int = 0      # block checksums recomputed and compared
+    slot_verifies: int = 0       # slot checksums recomputed and compared (open blocks, seal)
+    seals: int = 0
+    scrubbed_blocks: int = 0
+    failures: dict[str, int] = field(default_factory=dict)  # "<kind>/<found_by>" -> count
+
+
+class KVGuard:
+    """Integrity state and checks for one ``KVStore``; used only by the model runner."""
+
+    def __init__(self, caches: list[torch.Tensor], block_size: int, level: str = "standard",
+                 scrub_blocks_per_step: int = 4, root_tag: int = ROOT_TAG) -> None:
+        if level not in _RANK:
+            raise ValueError(f"integrity level {level!r} is not one of {INTEGRITY_LEVELS}")
+        self.caches = caches
+        self.level = level
+        self.block_size = block_size
+        self.num_blocks = caches[0].shape[1]
+        self.scrub_blocks_per_step = scrub_blocks_per_step
+        self.root_tag = root_tag
+        self.tags_on = _RANK[level] >= _RANK["audit"]
+        self.sums_on = _RANK[level] >= _RANK["standard"]
+        self.strict = level == "strict"
+        self.counters = GuardCounters()
+        device = caches[0].device
+        self.tags = SlotTags(self.num_blocks, block_size, device)
+        n_slots = self.num_blocks * block_size
+        self.slot_sums = torch.zeros(n_slots, dtype=torch.int64, device=device)
+        self.block_sums = torch.zeros(self.num_blocks, dtype=torch.int64, device=device)
+        self.sealed = torch.zeros(self.num_blocks, dtype=torch.bool, device=device)
+        self._chains: dict[str, list[int]] = {}   # req_id -> tag of each position
+        self._chain_tensors: dict[str, torch.Tensor] = {}
+        self._seen: set[str] = set()               # requests whose context was verified
+        self._scrub_cursor = 1
+
+    # ------------------------------------------------------------ request state
+    def forget(self, req_ids) -> None:
+        """Drop per-request state (finished, preempted or rolled back requests)."""
+        for rid in req_ids:
+            self._chains.pop(rid, None)
+            self._chain_tensors.pop(rid, None)
+            self._seen.discard(rid)
+
+    def _chain_tensor(self, req: ScheduledRequest, upto: int) -> torch.Tensor:
+        """``_chain`` as an int64 tensor, (upto,); converted once per position."""
+        chain = self._chain(req, upto)
+        cached = self._chain_tensors.get(req.req_id)
+        if cached is None or cached.numel() < upto:
+            have = 0 if cached is None else cached.numel()
+            extra = torch.tensor(chain[have:], dtype=torch.int64)
+            cached = extra if cached is None else torch.cat([cached, extra])
+            self._chain_tensors[req.req_id] = cached
+        return cached[:upto]
+
+    def _chain(self, req: ScheduledRequest, upto: int) -> list[int]:
+        """Tags of ``req``'s token chain for positions ``[0, upto)`` (cached, extended)."""
+        chain = self._chains.get(req.req_id)
+        if chain is None:
+            chain = self._chains[req.req_id] = []
+        if len(chain) < upto:
+            prompt, output = req.prompt_token_ids, req.output_token_ids
+            n_prompt = len(prompt)
+            tag = chain[-1] if chain else self.root_tag
+            for p in range(len(chain), upto):
+                token = prompt[p] if p < n_prompt else output[p - n_prompt]
+                tag = mix64(tag, token, p)
+                chain.append(tag)
+        return chain
+
+    # ------------------------------------------------------------ copy-on-write
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Mirror ``KVStore.copy_blocks``: the copy carries tags, slot sums and seal."""
+        if not pairs or not self.tags_on:
+            return
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
+        self.tags.tags[dst] = self.tags.tags[src]
+        sums = self.slot_sums.view(self.num_blocks, self.block_size)
+        sums[dst] = sums[src]
+        self.sealed[dst] = self.sealed[src]
+        self.block_sums[dst] = self.block_sums[src]
+
+    # ------------------------------------------------------------ before forward
+    def check_reads(self, out: SchedulerOutput) -> list[KVFault]:
+        """Verify the contents this step's attention will read; returns the faults found.
+
+        Tags are checked after the write (``after_write``), where they also cover the
+        positions written in this step.
+        """
+        if not self.sums_on:
+            return []
+        reqs = [r for r in out.requests if r.positions.start > 0]
+        faults = self._check_contents(reqs) + self._scrub()
+        # From now on a request's context grows only by blocks it wrote and sealed itself.
+        self._seen.update(r.req_id for r in out.requests)
+        return self._attach_readers(faults, out.requests)
+
+    def _check_tags(self, reqs: list[ScheduledRequest]) -> list[KVFault]:
+        """Every position ``[0, stop)`` of each request, read through its block table,
+        must hold the tag of that request's token chain at that position."""
+        bs = self.block_size
+        lens = [r.positions.stop for r in reqs]
+        max_len = max(lens)
+        max_blocks = (max_len + bs - 1) // bs
+        expected = torch.zeros(len(reqs), max_len, dtype=torch.int64)
+        tables = torch.zeros(len(reqs), max_blocks, dtype=torch.int64)
+        for i, r in enumerate(reqs):
+            n = lens[i]
+            expected[i, :n] = self._chain_tensor(r, n)
+            nb = (n + bs - 1) // bs
+            tables[i, :nb] = torch.tensor(r.block_table[:nb], dtype=torch.int64)
+        self.counters.tag_checks += sum(lens)
+        bad = self.tags.verify(tables, lens, expected)
+        if not bad:
+            return []
+        rollback: dict[str, int] = {}
+        blocks: set[int] = set()
+        for m in bad:
+            rid = reqs[m.seq_index].req_id
+            start = (m.position // bs) * bs
+            rollback[rid] = min(rollback.get(rid, start), start)
+            blocks.add(m.block_id)
+        first = bad[0]
+        detail = (f"{len(bad)} position(s) read a slot holding another token's K/V; first: "
+                  f"request {reqs[first.seq_index].req_id} position {first.position} in "
+                  f"block {first.block_id}")
+        return [KVFault("slot_tag", tuple(sorted(blocks)), rollback, "read", detail)]
+
+    def _check_contents(self, reqs: list[ScheduledRequest]) -> list[KVFault]:
+        """Reuse verification (standard) or every read (strict) of context blocks."""
+        bs = self.block_size
+        full: set[int] = set()
+        open_slots: list[int] = []
+        for r in reqs:
+            if not self.strict and r.req_id in self._seen:
+                continue
+            n = r.positions.start
+            n_full = n // bs
+            full.update(r.block_table[:n_full])
+            if self.strict and n % bs:
+                base = r.block_table[n_full] * bs
+                open_slots.extend(range(base, base + n % bs))
+        faults: list[KVFault] = []
+        full.discard(0)
+        if full:
+            ids = torch.tensor(sorted(full), dtype=torch.int64)
+            sealed = self.sealed[ids]
+            sealed_ids, unsealed_ids = ids[sealed], ids[~sealed]
+            bad = self._verify_sealed(sealed_ids)
+            # A full block the guard never sealed (sealing failed or was skipped): check
+            # its slots against their write-time sums instead.
+            if unsealed_ids.numel():
+                slots = (unsealed_ids.unsqueeze(1) * bs + torch.arange(bs)).reshape(-1)
+                bad += self._verify_slots(slots)
+            found_by = "read" if self.strict else "reuse"
+            if bad:
+                faults.append(KVFault("checksum", tuple(sorted(set(bad))), {}, found_by,
+                                      "context block content changed since it was sealed"))
+        if open_slots:
+            bad = self._verify_slots(torch.tensor(open_slots, dtype=torch.int64))
+            if bad:
+                faults.append(KVFault("checksum", tuple(sorted(set(bad))), {}, "read",
+                                      "an open block's slot changed since it was written"))
+        return faults
+
+    def _verify_sealed(self, ids: torch.Tensor) -> list[int]:
+        if not ids.numel():
+            return []
+        self.counters.block_verifies += ids.numel()
+        actual = block_checksums(self.caches, ids)
+        bad = actual != self.block_sums[ids]
+        return ids[bad].tolist() if bad.any() else []
+
+    def _verify_slots(self, slots: torch.Tensor) -> list[int]:
+        if not slots.numel():
+            return []
+        self.counters.slot_verifies += slots.numel()
+        bad = slot_checksums(self.caches, slots) != self.slot_sums[slots]
+        return sorted({s // self.block_size for s in slots[bad].tolist()}) if bad.any() else []
+
+    def _scrub(self) -> list[KVFault]:
+        """Re-verify the next ``scrub_blocks_per_step`` sealed blocks (round robin)."""
+        if self.scrub_blocks_per_step <= 0:
+            return []
+        sealed_ids = self.sealed.nonzero().view(-1)
+        if not sealed_ids.numel():
+            return []
+        after = sealed_ids[sealed_ids >= self._scrub_cursor]
+        picked = torch.cat([after, sealed_ids])[: min(self.scrub_blocks_per_step,
+                                                      sealed_ids.numel())]
+        self._scrub_cursor = int(picked[-1]) + 1
+        self.counters.scrubbed_blocks += picked.numel()
+        bad = self._verify_sealed(picked)
+        if not bad:
+            return []
+        return [KVFault("checksum", tuple(bad), {}, "scrub",
+                        "the scrubber found a sealed block whose content changed")]
+
+    def _attach_readers(self, faults: list[KVFault],
+                        reqs: list[ScheduledRequest]) -> list[KVFault]:
+        """Add every scheduled request that reads a failed block to its fault's rollback."""
+        if not faults:
+            return faults
+        bs = self.block_size
+        result = []
+        for f in faults:
+            bad = set(f.block_ids)
+            rollback = dict(f.rollback)
+            for r in reqs:
+                n_read = (r.positions.stop + bs - 1) // bs
+                for i, b in enumerate(r.block_table[:n_read]):
+                    if b in bad:
+                        rollback[r.req_id] = min(rollback.get(r.req_id, i * bs), i * bs)
+                        break
+            result.append(KVFault(f.kind, f.block_ids, rollback, f.found_by, f.detail))
+            self._count(f)
+        self.forget({rid for f in result for rid in f.rollback})
+        return result
+
+    def _count(self, fault: KVFault) -> None:
+        key = f"{fault.kind}/{fault.found_by}"
+        self.counters.failures[key] = self.counters.failures.get(key, 0) + 1
+
+    # ------------------------------------------------------------ after forward
+    def after_write(self, out: SchedulerOutput, slot_mapping: torch.Tensor,
+                    skip: set[str]) -> list[KVFault]:
+        """Record the step's tags and write-time sums, check every read, seal full blocks.
+
+        ``slot_mapping`` is the flat (T,) slot tensor the forward pass scattered into;
+        requests in ``skip`` (already faulted this step) are neither checked nor sealed.
+        Checking tags after the write covers this step's own positions too, so a wrong
+        slot index (K/V scattered elsewhere) shows up as a missing tag where the block
+        table says the token lives.
+        """
+        if not self.tags_on or out.is_empty:
+            return []
+        bs = self.block_size
+        tags: list[torch.Tensor] = []
+        new_blocks: list[int] = []
+        to_seal: list[int] = []
+        for r in out.requests:
+            start, stop = r.positions.start, r.positions.stop
+            tags.append(self._chain_tensor(r, stop)[start:stop])
+            first = (start + bs - 1) // bs   # blocks that start inside this step
+            new_blocks.extend(r.block_table[first:(stop + bs - 1) // bs])
+            if r.req_id not in skip:
+                to_seal.extend(r.block_table[start // bs:stop // bs])
+        if new_blocks:
+            self.sealed[torch.tensor(new_blocks, dtype=torch.int64)] = False
+        self.tags.write(slot_mapping, torch.cat(tags))
+        checked = [r for r in out.requests if r.req_id not in skip]
+        faults = self._check_tags(checked) if checked else []
+        if self.sums_on:
+            self.slot_sums[slot_mapping] = slot_checksums(self.caches, slot_mapping)
+            bad_blocks = {b for f in faults for b in f.block_ids}
+            to_seal = sorted(set(to_seal) - {0} - bad_blocks)
+            if to_seal:
+                faults += self._seal(to_seal)
+        return self._attach_readers(faults, out.requests)
+
+    def _seal(self, block_ids: list[int]) -> list[KVFault]:
+        """Seal full blocks from their write-time slot sums, after re-reading them."""
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        recorded = combine_slot_checksums(
+            self.slot_sums.view(self.num_blocks, self.block_size)[ids])
+        actual = block_checksums(self.caches, ids)
+        ok = actual == recorded
+        self.counters.seals += int(ok.sum())
+        self.counters.slot_verifies += ids.numel() * self.block_size
+        self.block_sums[ids[ok]] = recorded[ok]
+        self.sealed[ids[ok]] = True
+        if bool(ok.all()):
+            return []
+        bad = ids[~ok].tolist()
+        return [KVFault("checksum", tuple(bad), {}, "seal",
+                        "a slot changed between its write and the block's seal")]
+
+    # ------------------------------------------------------------ quarantine
+    def scrub_quarantined(self, block_ids: list[int]) -> list[int]:
+        """Zero quarantined blocks and read them back; returns the ids that verified.
+
+        A block that reads back as written can return to service; one that does not
+        stays quarantined (the pool retires a block after repeated failures).
+        """
+        if not block_ids:
+            return []
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        for cache in self.caches:
+            cache[:, ids] = 0
+        self.tags.tags[ids] = 0
+        self.sealed[ids] = False
+        # All-zero content has checksum 0 (a sum of key * 0 terms).
+        actual = block_checksums(self.caches, ids)
+        self.counters.block_verifies += ids.numel()
+        return ids[actual == 0].tolist()
