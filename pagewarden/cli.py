@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import fields
+from dataclasses import asdict, fields
 
 from pagewarden.engine.config import EngineConfig
 
@@ -24,6 +24,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=d.enable_prefix_caching)
     parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--integrity", default=d.integrity,
+                        choices=("off", "audit", "standard", "strict"),
+                        help="KV integrity checks (default standard; see README)")
+    parser.add_argument("--audit-interval", type=int, default=d.audit_interval,
+                        help="steps between metadata invariant audits")
+    parser.add_argument("--scrub-blocks-per-step", type=int, default=d.scrub_blocks_per_step,
+                        help="sealed blocks the scrubber re-verifies each step")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -49,12 +56,8 @@ def _sampling(args: argparse.Namespace):
 def _llm(args: argparse.Namespace):
     from pagewarden.engine.llm import LLM
 
-    c = engine_config(args)
-    return LLM(model=c.model, dtype=c.dtype, block_size=c.block_size,
-               kv_cache_memory=c.kv_cache_memory, num_kv_blocks=c.num_kv_blocks,
-               max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
-               max_model_len=c.max_model_len, enable_prefix_caching=c.enable_prefix_caching,
-               seed=c.seed)
+    # LLM takes exactly EngineConfig's fields as keyword arguments.
+    return LLM(**asdict(engine_config(args)))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -89,6 +92,17 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": reply})
 
 
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from pagewarden.faults.chaos import run_chaos
+
+    report = run_chaos(model=args.model, num_faults=args.faults, integrity=args.integrity,
+                       num_requests=args.requests, max_tokens=args.max_tokens, seed=args.seed,
+                       dtype=args.dtype, num_kv_blocks=args.num_kv_blocks,
+                       block_size=args.block_size)
+    print(report.table())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagewarden")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -103,6 +117,21 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+    chaos = sub.add_parser("chaos", help="inject KV faults into a mixed workload and report "
+                                         "detection, recovery and output equality")
+    chaos.add_argument("--model", default=None, help="HF model directory or .gguf file")
+    chaos.add_argument("--faults", type=int, default=20, help="faults to inject")
+    chaos.add_argument("--integrity", default="strict",
+                       choices=("off", "audit", "standard", "strict"))
+    chaos.add_argument("--requests", type=int, default=16)
+    chaos.add_argument("--max-tokens", type=int, default=24)
+    chaos.add_argument("--dtype", default="float32",
+                       help="float32 by default so recomputed KV is bit-identical")
+    chaos.add_argument("--block-size", type=int, default=8)
+    chaos.add_argument("--num-kv-blocks", type=int, default=None,
+                       help="default: about a third of what the workload needs (preemption)")
+    chaos.add_argument("--seed", type=int, default=0)
+    chaos.set_defaults(func=cmd_chaos)
     try:
         from pagewarden.server.cli import add_serve_parser
     except ImportError:

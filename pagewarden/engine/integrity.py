@@ -24,7 +24,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 
-from pagewarden.sched.output import ModelRunnerOutput, SchedulerOutput
+from pagewarden.sched.output import KVFault, ModelRunnerOutput, SchedulerOutput
 from pagewarden.sched.scheduler import RecoveryReport, Scheduler
 from pagewarden.worker.kv_guard import KVGuard
 
@@ -115,6 +115,21 @@ class IntegrityMonitor:
         gone = set(report.rolled_back)
         kept = [r for r in out.requests if r.req_id not in gone]
         return dataclasses.replace(out, requests=kept), report
+
+    def scrub_idle(self, num_blocks: int) -> list[KVFault]:
+        """Scrub ``num_blocks`` sealed blocks outside a step and recover what it finds."""
+        faults = self.guard.scrub(num_blocks)
+        if faults:
+            report = self.scheduler.recover(faults)
+            for f in faults:
+                logger.warning("integrity: %s fault found by idle scrub in blocks %s (%s)",
+                               f.kind, list(f.block_ids), f.detail)
+            self.quarantined_blocks += len(report.quarantined)
+            self.rolled_back_requests += len(report.rolled_back)
+            self.recomputed_tokens += report.recomputed_tokens
+            self.recoveries += len(faults)
+            self.after_step()
+        return faults
 
     def after_step(self) -> None:
         """Periodic audit; scrub and release quarantined blocks nobody holds."""

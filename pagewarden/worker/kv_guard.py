@@ -241,6 +241,20 @@ class KVGuard:
         bad = slot_checksums(self.caches, slots) != self.slot_sums[slots]
         return sorted({s // self.block_size for s in slots[bad].tolist()}) if bad.any() else []
 
+    def scrub(self, num_blocks: int) -> list[KVFault]:
+        """Re-verify the next ``num_blocks`` sealed blocks now, outside a step (idle time)."""
+        if not self.sums_on:
+            return []
+        saved, self.scrub_blocks_per_step = self.scrub_blocks_per_step, num_blocks
+        try:
+            return self._attach_readers(self._scrub(), [])
+        finally:
+            self.scrub_blocks_per_step = saved
+
+    @property
+    def num_sealed(self) -> int:
+        return int(self.sealed.sum())
+
     def _scrub(self) -> list[KVFault]:
         """Re-verify the next ``scrub_blocks_per_step`` sealed blocks (round robin)."""
         if self.scrub_blocks_per_step <= 0:
