@@ -99,6 +99,7 @@ class IntegrityMonitor:
         """Apply the step's faults; returns the output without the rolled-back requests."""
         faults = result.faults
         report = self.scheduler.recover(faults)
+        self.guard.unseal(report.quarantined)
         for f in faults:
             logger.warning("integrity: %s fault found by %s in blocks %s (%s); rolling back %s",
                            f.kind, f.found_by, list(f.block_ids), f.detail,
@@ -121,6 +122,7 @@ class IntegrityMonitor:
         faults = self.guard.scrub(num_blocks)
         if faults:
             report = self.scheduler.recover(faults)
+            self.guard.unseal(report.quarantined)
             for f in faults:
                 logger.warning("integrity: %s fault found by idle scrub in blocks %s (%s)",
                                f.kind, list(f.block_ids), f.detail)

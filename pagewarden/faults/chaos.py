@@ -133,7 +133,7 @@ def _run(config: EngineConfig, loaded: LoadedModel, workload, injector_seed: int
             if steps > limit:
                 raise RuntimeError(f"the run did not finish within {limit} steps")
         if injector is not None:
-            _scrub_until_covered(engine, injector)
+            scrub_until_covered(engine, injector)
     except Exception as exc:  # an undetected fault may break the engine: report it
         if injector is None:
             raise
@@ -141,8 +141,9 @@ def _run(config: EngineConfig, loaded: LoadedModel, workload, injector_seed: int
     return engine, injector, outputs, failed, steps, crash
 
 
-def _scrub_until_covered(engine: EngineCore, injector: FaultInjector) -> None:
-    """Idle scrubbing until every sealed block was re-verified once (scrubber budget)."""
+def scrub_until_covered(engine: EngineCore, injector: FaultInjector) -> None:
+    """Idle scrubbing until every sealed block was re-verified once, at the scrubber's
+    per-step budget; detections are attributed to the injector's faults."""
     guard = engine.runner.guard
     if not guard.sums_on:
         return

@@ -70,6 +70,9 @@ class InjectedFault:
     detected_step: int | None = None
     found_by: str | None = None
     live_blocks: set[int] = field(default_factory=set)  # altered and still reachable
+    # block -> (epoch, hash) when altered: a block whose hash changed, or that was freed
+    # without one, was handed out again and rewritten, which erased the alteration.
+    origins: dict[int, tuple] = field(default_factory=dict)
 
     @property
     def detected(self) -> bool:
@@ -187,9 +190,11 @@ class FaultInjector:
                 continue
             for b in list(f.live_blocks):
                 block = blocks[b]
-                gone = block.state is BlockState.QUARANTINED or (
-                    block.ref_cnt == 0 and block.block_hash is None)
-                if gone:
+                epoch, block_hash = f.origins.get(b, (block.epoch, block.block_hash))
+                rewritten = block.block_hash != block_hash or (
+                    block_hash is None and block.epoch != epoch)
+                unreachable = block.ref_cnt == 0 and block.block_hash is None
+                if block.state is BlockState.QUARANTINED or rewritten or unreachable:
                     f.live_blocks.discard(b)
 
     # --------------------------------------------------------------- inject
@@ -227,6 +232,8 @@ class FaultInjector:
                 continue
             fault.step = self.steps
             fault.live_blocks = set(fault.blocks) if fault.kind in _ALTERS_KV else set()
+            blocks = self.engine.scheduler.kv.pool.blocks
+            fault.origins = {b: (blocks[b].epoch, blocks[b].block_hash) for b in fault.blocks}
             if fault.kind == "table_redirect":
                 fault.live_blocks = {-1}   # live for this step only (see _after_step)
         self._pending = still

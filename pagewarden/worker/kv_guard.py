@@ -153,7 +153,9 @@ class KVGuard:
         if not self.sums_on:
             return []
         reqs = [r for r in out.requests if r.positions.start > 0]
-        faults = self._check_contents(reqs) + self._scrub()
+        faults = self._check_contents(reqs)
+        found = {b for f in faults for b in f.block_ids}
+        faults += [f for f in self._scrub() if not found.issuperset(f.block_ids)]
         # From now on a request's context grows only by blocks it wrote and sealed itself.
         self._seen.update(r.req_id for r in out.requests)
         return self._attach_readers(faults, out.requests)
@@ -353,6 +355,12 @@ class KVGuard:
                         "a slot changed between its write and the block's seal")]
 
     # ------------------------------------------------------------ quarantine
+    def unseal(self, block_ids) -> None:
+        """Forget the seals of quarantined blocks: their content is no longer trusted, and
+        the scrubber must not keep re-finding a block that is already out of service."""
+        if block_ids:
+            self.sealed[torch.tensor(list(block_ids), dtype=torch.int64)] = False
+
     def scrub_quarantined(self, block_ids: list[int]) -> list[int]:
         """Zero quarantined blocks and read them back; returns the ids that verified.
 
