@@ -90,13 +90,47 @@ class PagewardenCollector:
         yield from self._integrity_metrics(s)
 
     def _integrity_metrics(self, s: object) -> Iterator[Metric]:
-        """Integrity checks/failures by kind, recoveries, audit violations.
-
-        Placeholder: add them here from ``EngineStats`` fields once the integrity layer
-        publishes them (names: ``integrity_checks_total{kind}``,
-        ``integrity_failures_total{kind}``, ``recoveries_total``, ...).
-        """
-        return iter(())
+        """Integrity checks and failures by kind, recoveries, quarantine, audits."""
+        i, m = s.integrity, self._model
+        level = GaugeMetricFamily(P + "integrity_level", "Integrity level in force (1 = this).",
+                                  labels=["model_name", "level"])
+        for name in ("off", "audit", "standard", "strict"):
+            level.add_metric([m, name], 1.0 if i.level == name else 0.0)
+        yield level
+        checks = CounterMetricFamily(P + "integrity_checks", "Integrity checks run, by kind.",
+                                     labels=["model_name", "kind"])
+        for kind, value in (("slot_tag", i.tag_checks), ("block_checksum", i.block_verifies),
+                            ("slot_checksum", i.slot_verifies), ("scrub", i.scrubbed_blocks),
+                            ("audit", i.audits)):
+            checks.add_metric([m, kind], value)
+        yield checks
+        failures = CounterMetricFamily(
+            P + "integrity_failures", "Integrity checks that failed, by kind and finder.",
+            labels=["model_name", "kind", "found_by"])
+        known = {"checksum/read", "checksum/reuse", "checksum/seal", "checksum/scrub",
+                 "slot_tag/read", "stale_ref/schedule", "table_mismatch/schedule"}
+        for key in sorted(known | set(i.failures)):
+            kind, _, found_by = key.partition("/")
+            failures.add_metric([m, kind, found_by], i.failures.get(key, 0))
+        failures.add_metric([m, "ownership", "owner_check"], i.ownership_violations)
+        failures.add_metric([m, "invariant", "audit"], i.invariant_violations)
+        yield failures
+        yield _counter("integrity_recoveries", "Faults recovered by rollback and recompute.",
+                       i.recoveries, m)
+        yield _counter("integrity_rolled_back_requests", "Requests rolled back by recovery.",
+                       i.rolled_back_requests, m)
+        yield _counter("integrity_recomputed_tokens", "Computed tokens discarded by recovery.",
+                       i.recomputed_tokens, m)
+        yield _counter("integrity_failed_requests",
+                       "Requests failed by an unrecoverable fault (no healthy blocks).",
+                       i.failed_requests, m)
+        yield _counter("kv_blocks_quarantine_events", "Blocks put in quarantine.",
+                       i.quarantined_blocks, m)
+        yield _counter("kv_blocks_quarantine_releases",
+                       "Quarantined blocks scrubbed, re-verified and returned to service.",
+                       i.quarantine_releases, m)
+        yield _gauge("kv_blocks_retired", "Blocks retired for good after repeated failures.",
+                     i.retired_blocks, m)
 
 
 def build_registry(engine_stats: Callable[[], object],

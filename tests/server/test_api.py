@@ -246,3 +246,20 @@ def test_max_queued_tokens_429(tiny_llama_dir):
         assert _used_blocks(s.url) == 0
     finally:
         s.stop()
+
+
+def test_integrity_metrics_are_exported(srv, client):
+    client.completions.create(model=MODEL, prompt="integrity", max_tokens=20, temperature=0,
+                              extra_body={"ignore_eos": True})
+    text = httpx.get(srv.url + "/metrics").text
+
+    def value(pattern: str) -> float:
+        return float(re.search(r"^" + pattern + r" (\S+)$", text, re.M).group(1))
+
+    assert value(r'pagewarden:integrity_level\{[^}]*level="standard"[^}]*\}') == 1.0
+    assert value(r'pagewarden:integrity_checks_total\{[^}]*kind="slot_tag"[^}]*\}') > 20
+    assert value(r'pagewarden:integrity_checks_total\{[^}]*kind="block_checksum"[^}]*\}') >= 0
+    failures = re.findall(r'^pagewarden:integrity_failures_total\{[^}]*\} (\S+)$', text, re.M)
+    assert len(failures) >= 9 and all(float(v) == 0.0 for v in failures)
+    assert value(r'pagewarden:integrity_recoveries_total\{[^}]*\}') == 0.0
+    assert value(r'pagewarden:kv_blocks_retired\{[^}]*\}') == 0.0
