@@ -8,6 +8,22 @@ Slot arithmetic (block_size = 4, block table of one sequence = [5, 2, 7]):
 
 Each layer's cache is `[2, num_blocks, block_size, num_kv_heads, head_dim]` (0 = K,
 1 = V). Block 0 is reserved: padding entries of the block tables point at it.
+
+Reads gather whole blocks by the padded block tables, once per layer, K and V together:
+
+    cache (2, num_blocks, bs, n_kv, D) --index_select(dim 1, block_index)-->
+          (2, S * max_blocks, bs, n_kv, D) --view--> (2, S, max_blocks * bs, n_kv, D)
+          --narrow to kv_len, permute--> K, V (S, n_kv, kv_len, D)
+
+Grouped-query attention without copying K/V per query head. In a decode step (one new
+token per sequence) the G = n_heads / n_kv query heads that share a kv head (heads
+kv * G .. kv * G + G - 1, the `repeat_interleave` convention) are folded into that kv
+head's query rows, a free view:
+
+    q (T = S, n_heads, D) --view--> (S, n_kv, G, D)        SDPA over K, V (S, n_kv, K, D)
+    mask (S, 1, 1, K) broadcasts over the G rows
+
+Steps with longer queries pad them to (S, n_heads, Q, D) and use SDPA's `enable_gqa`.
 """
 
 from __future__ import annotations
@@ -17,23 +33,34 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+# SDPA grew `enable_gqa` in torch 2.5; older versions get K/V repeated per query head.
+_SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
 
 @dataclass
 class AttentionMetadata:
-    """Everything one step's attention needs, shared by all layers.
+    """Everything one step's attention needs, built once and shared by all layers.
 
     Invariant: sequence i owns the flat tokens [cu_q[i], cu_q[i] + query_lens[i]),
     and its keys are the context_lens[i] cached tokens followed by those new tokens.
+    `kv_len` is the longest of those key ranges; keys past a sequence's own range are
+    masked out by `attn_mask`, which is None when no key and no query row is padding.
     """
 
     slot_mapping: torch.Tensor  # (T,) int64 slot of each new token
     block_index: torch.Tensor  # (S * max_blocks,) int64 padded block tables, flat
-    token_to_padded: torch.Tensor  # (T,) int64 index into the (S * Q) padded queries
-    attn_mask: torch.Tensor  # (S, 1, Q, K) bool, True = may attend
+    token_to_padded: torch.Tensor | None  # (T,) int64 index into the (S * Q) padded queries; None when T == S * Q
+    attn_mask: torch.Tensor | None  # (S, 1, Q, kv_len) bool, True = may attend; None = all allowed
     num_seqs: int
     max_query_len: int
     max_blocks: int
     block_size: int
+    kv_len: int
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence brings exactly one new token."""
+        return self.max_query_len == 1
 
     @staticmethod
     def build(
@@ -49,36 +76,48 @@ class AttentionMetadata:
         assert len(context_lens) == num_seqs == len(block_tables)
         assert len(slot_mapping) == sum(query_lens)
         max_q = max(query_lens)
-        max_blocks = max(len(t) for t in block_tables)
-        for q, c, t in zip(query_lens, context_lens, block_tables):
-            assert len(t) * block_size >= q + c, "block table too short for its tokens"
-        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+        seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
+        kv_len = max(seq_lens)
+        max_blocks = -(-kv_len // block_size)
+        for s, t in zip(seq_lens, block_tables):
+            assert len(t) * block_size >= s, "block table too short for its tokens"
+        # Only the blocks that hold keys are read; padding entries point at block 0.
+        padded = [t[:max_blocks] + [0] * (max_blocks - len(t)) for t in block_tables]
         block_index = torch.tensor(padded, dtype=torch.long).view(-1)  # (S * max_blocks,)
-        q_lens = torch.tensor(query_lens, dtype=torch.long)  # (S,)
-        ctx = torch.tensor(context_lens, dtype=torch.long)  # (S,)
-        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), q_lens)  # (T,)
-        starts = torch.cumsum(q_lens, 0) - q_lens  # (S,)
-        offset = torch.arange(len(slot_mapping)) - starts[seq_of_token]  # (T,)
-        token_to_padded = seq_of_token * max_q + offset  # (T,)
-        kv_len = max_blocks * block_size
-        j = torch.arange(max_q).view(1, max_q, 1)  # (1, Q, 1)
-        k = torch.arange(kv_len).view(1, 1, kv_len)  # (1, 1, K)
-        ctx3 = ctx.view(-1, 1, 1)  # (S, 1, 1)
-        # Causal inside the chunk, full view of the cached prefix.
-        mask = (k <= ctx3 + j) & (k < ctx3 + q_lens.view(-1, 1, 1))  # (S, Q, K)
-        # Padded query rows see key 0 only, so softmax never meets an all-masked row.
-        pad_rows = j >= q_lens.view(-1, 1, 1)  # (S, Q, 1)
-        mask = mask | (pad_rows & (k == 0))
+        uniform_q = all(q == max_q for q in query_lens)
+        token_to_padded = None
+        if not uniform_q:
+            q_lens = torch.tensor(query_lens, dtype=torch.long)  # (S,)
+            seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), q_lens)  # (T,)
+            starts = torch.cumsum(q_lens, 0) - q_lens  # (S,)
+            offset = torch.arange(len(slot_mapping)) - starts[seq_of_token]  # (T,)
+            token_to_padded = (seq_of_token * max_q + offset).to(device)  # (T,)
+        mask = None
+        if max_q > 1 or any(s != kv_len for s in seq_lens):
+            mask = _attention_mask(query_lens, context_lens, max_q, kv_len).to(device)
         return AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
             block_index=block_index.to(device),
-            token_to_padded=token_to_padded.to(device),
-            attn_mask=mask.unsqueeze(1).to(device),  # (S, 1, Q, K)
+            token_to_padded=token_to_padded,
+            attn_mask=mask,
             num_seqs=num_seqs,
             max_query_len=max_q,
             max_blocks=max_blocks,
             block_size=block_size,
+            kv_len=kv_len,
         )
+
+
+def _attention_mask(query_lens: list[int], context_lens: list[int], max_q: int, kv_len: int) -> torch.Tensor:
+    """(S, 1, Q, K) bool: causal inside each chunk, full view of its cached prefix."""
+    q_lens = torch.tensor(query_lens, dtype=torch.long).view(-1, 1, 1)  # (S, 1, 1)
+    ctx = torch.tensor(context_lens, dtype=torch.long).view(-1, 1, 1)  # (S, 1, 1)
+    j = torch.arange(max_q).view(1, max_q, 1)  # (1, Q, 1)
+    k = torch.arange(kv_len).view(1, 1, kv_len)  # (1, 1, K)
+    mask = (k <= ctx + j) & (k < ctx + q_lens)  # (S, Q, K)
+    # Padded query rows see key 0 only, so softmax never meets an all-masked row.
+    mask = mask | ((j >= q_lens) & (k == 0))
+    return mask.unsqueeze(1)  # (S, 1, Q, K)
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -89,23 +128,44 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping
     flat[1].index_copy_(0, slot_mapping, v.to(cache.dtype))
 
 
+def gather_kv(cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V (S, n_kv, kv_len, D) of every sequence, read through its block table."""
+    _, _, block_size, n_kv, head_dim = cache.shape
+    kv = cache.index_select(1, meta.block_index)  # (2, S * max_blocks, bs, n_kv, D)
+    kv = kv.view(2, meta.num_seqs, meta.max_blocks * block_size, n_kv, head_dim)
+    kv = kv[:, :, : meta.kv_len].permute(0, 1, 3, 2, 4)  # (2, S, n_kv, kv_len, D)
+    return kv[0], kv[1]
+
+
 def paged_attention(
     q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """Attention of new queries q (T, n_heads, D) over cached K/V; returns (T, n_heads, D)."""
     num_tokens, n_heads, head_dim = q.shape
-    _, _, block_size, n_kv, _ = cache.shape
+    n_kv = cache.shape[3]
+    group = n_heads // n_kv
     s, qlen = meta.num_seqs, meta.max_query_len
-    kv_len = meta.max_blocks * block_size
-    kv = cache.index_select(1, meta.block_index)  # (2, S * max_blocks, block_size, n_kv, D)
-    kv = kv.view(2, s, kv_len, n_kv, head_dim).permute(0, 1, 3, 2, 4)  # (2, S, n_kv, K, D)
-    if n_heads != n_kv:
-        kv = kv.repeat_interleave(n_heads // n_kv, dim=2)  # (2, S, n_heads, K, D)
-    qp = q.new_zeros(s * qlen, n_heads, head_dim)  # (S * Q, n_heads, D)
-    qp.index_copy_(0, meta.token_to_padded, q)
-    qp = qp.view(s, qlen, n_heads, head_dim).transpose(1, 2)  # (S, n_heads, Q, D)
+    k, v = gather_kv(cache, meta)  # (S, n_kv, K, D)
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    if meta.token_to_padded is not None:
+        qp = q.new_zeros(s * qlen, n_heads, head_dim)  # (S * Q, n_heads, D)
+        qp.index_copy_(0, meta.token_to_padded, q)
+    else:
+        qp = q  # already (S * Q, n_heads, D)
+    if qlen == 1:
+        # Decode: fold each kv head's G query heads into its query rows (module docstring).
+        qf = qp.view(s, n_kv, group, head_dim)  # (S, n_kv, G, D), a free view
+        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=meta.attn_mask, scale=scale)
+        return out.view(num_tokens, n_heads, head_dim)  # (T, n_heads, D); T == S
+    qh = qp.view(s, qlen, n_heads, head_dim).transpose(1, 2)  # (S, n_heads, Q, D)
+    if group > 1 and not _SDPA_HAS_GQA:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (S, n_heads, K, D)
+    gqa = {"enable_gqa": True} if group > 1 and _SDPA_HAS_GQA else {}
     out = F.scaled_dot_product_attention(
-        qp, kv[0].to(q.dtype), kv[1].to(q.dtype), attn_mask=meta.attn_mask, scale=scale
+        qh, k, v, attn_mask=meta.attn_mask, scale=scale, **gqa
     )  # (S, n_heads, Q, D)
     out = out.transpose(1, 2).reshape(s * qlen, n_heads, head_dim)  # (S * Q, n_heads, D)
-    return out.index_select(0, meta.token_to_padded)  # (T, n_heads, D)
+    if meta.token_to_padded is not None:
+        out = out.index_select(0, meta.token_to_padded)
+    return out  # (T, n_heads, D)

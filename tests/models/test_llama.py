@@ -69,6 +69,73 @@ def test_mixed_batch_matches_per_sequence(tiny_llama_dir):
         start += q
 
 
+def naive_attention(q, cache, query_lens, context_lens, tables, scale):
+    """Reference: per sequence, per head, keys read slot by slot, explicit causal mask."""
+    n_heads, n_kv = q.shape[1], cache.shape[3]
+    flat = cache.view(2, -1, n_kv, cache.shape[4])  # (2, slots, n_kv, D)
+    out, start = [], 0
+    for ql, cl, table in zip(query_lens, context_lens, tables):
+        idx = torch.tensor(slots(table, 0, cl + ql))
+        k, v = flat[0][idx].float(), flat[1][idx].float()  # (K, n_kv, D)
+        for i in range(ql):
+            row = []
+            for h in range(n_heads):
+                kh, vh = k[: cl + i + 1, h * n_kv // n_heads], v[: cl + i + 1, h * n_kv // n_heads]
+                w = torch.softmax(kh @ q[start + i, h].float() * scale, dim=0)  # (keys,)
+                row.append(w @ vh)
+            out.append(torch.stack(row))
+        start += ql
+    return torch.stack(out)  # (T, n_heads, D)
+
+
+@pytest.mark.parametrize("n_heads,n_kv", [(4, 4), (4, 2), (6, 2), (4, 1)])
+@pytest.mark.parametrize("plan", [
+    [(5, 1), (9, 1), (1, 1), (12, 1)],  # decode, unequal lengths
+    [(7, 1), (7, 1), (7, 1)],  # decode, equal lengths (no mask)
+    [(8, 1), (8, 1)],  # decode, lengths a multiple of the block size
+    [(0, 6), (3, 2), (0, 1), (9, 1)],  # prefill, chunk and decode mixed
+    [(0, 5), (0, 5)],  # prefill, equal lengths
+])
+def test_paged_attention_matches_naive(n_heads, n_kv, plan):
+    from pagewarden.models.paged_attention import paged_attention
+
+    g = torch.Generator().manual_seed(3)
+    head_dim = 8
+    cache = torch.randn(2, 16, BS, n_kv, head_dim, generator=g)
+    tables = [[1, 2, 3, 4], [5, 6, 7], [8, 9], [10, 11, 12, 13]][: len(plan)]
+    ql, cl = [q for _, q in plan], [c for c, _ in plan]
+    t = sum(ql)
+    q = torch.randn(t, n_heads, head_dim, generator=g)
+    slot_mapping = sum((slots(tb, c, n) for tb, (c, n) in zip(tables, plan)), [])
+    meta = AttentionMetadata.build(ql, cl, tables, slot_mapping, BS, "cpu")
+    got = paged_attention(q, cache, meta, 0.3)
+    torch.testing.assert_close(got, naive_attention(q, cache, ql, cl, tables, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_steps_match_transformers(tiny_llama_dir):
+    """Prefill, then decode-only steps with unequal context lengths, token by token."""
+    lm = load_model(tiny_llama_dir, torch.float32)
+    g = torch.Generator().manual_seed(2)
+    lens = [3, 8, 5, 1]
+    seqs = [torch.randint(3, 500, (n + 4,), generator=g).tolist() for n in lens]
+    tables = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]]
+    caches = new_caches(lm.config)
+    meta = AttentionMetadata.build(lens, [0] * 4, tables, sum((slots(t, 0, n) for t, n in zip(tables, lens)), []), BS, "cpu")
+    lm.model(torch.tensor(sum((s[:n] for s, n in zip(seqs, lens)), [])),
+             torch.tensor(sum((list(range(n)) for n in lens), [])), caches, meta)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    for step in range(4):
+        ctx = [n + step for n in lens]
+        meta = AttentionMetadata.build([1] * 4, ctx, tables, [slots(t, c, 1)[0] for t, c in zip(tables, ctx)], BS, "cpu")
+        assert meta.is_decode
+        h = lm.model(torch.tensor([s[c] for s, c in zip(seqs, ctx)]), torch.tensor(ctx), caches, meta)
+        logits = lm.model.compute_logits(h)
+        for i, (s, c) in enumerate(zip(seqs, ctx)):
+            with torch.no_grad():
+                want = ref(torch.tensor([s[: c + 1]])).logits[0, -1]
+            torch.testing.assert_close(logits[i], want, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("overrides", [
     dict(tie_word_embeddings=True),
     dict(num_key_value_heads=1, num_hidden_layers=3),
