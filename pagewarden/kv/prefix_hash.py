@@ -65,13 +65,24 @@ def encode_extra_keys(
     return out
 
 
+#: Compiled ``<{n}q`` packers by token count (one per block size in practice).
+_token_packers: dict[int, struct.Struct] = {}
+
+
+def _token_packer(n: int) -> struct.Struct:
+    packer = _token_packers.get(n)
+    if packer is None:
+        packer = _token_packers[n] = struct.Struct(f"<{n}q")
+    return packer
+
+
 def hash_block_tokens(
     parent: BlockHash | None, token_ids: Sequence[int], extra_keys: bytes
 ) -> BlockHash:
     """``H(parent, token_ids, extra_keys)`` for one full block."""
     h = blake2b(parent if parent is not None else _ROOT, digest_size=32, person=_PERSON)
     h.update(extra_keys)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    h.update(_token_packer(len(token_ids)).pack(*token_ids))
     return BlockHash(h.digest())
 
 
