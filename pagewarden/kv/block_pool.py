@@ -92,7 +92,7 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now (free or evictable cached-free)."""
-        return len(self.free_queue)
+        return self.free_queue.num_free
 
     def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         """The block indexed under ``block_hash``, or None."""
@@ -103,20 +103,22 @@ class BlockPool:
         """Hand out ``n`` blocks with ref_cnt 1, evicting cached-free ones LRU-first."""
         self.check_owner()
         queue = self.free_queue
-        if n > len(queue):
+        if n > queue.num_free:
             raise BlockPoolExhausted(
-                f"asked for {n} blocks but only {len(queue)} are free; preempt a request "
-                f"or raise num_blocks"
+                f"asked for {n} blocks but only {queue.num_free} are free; preempt a "
+                f"request or raise num_blocks"
             )
-        out = []
-        for _ in range(n):
-            block = queue.popleft()
-            if block.block_hash is not None:
-                self._drop_hash(block)
+        out = queue.popleft_many(n)
+        index = self.hash_index
+        for block in out:
+            h = block.block_hash
+            if h is not None:  # evict: as _drop_hash, inlined for the allocation path
+                if index.get(h) is block:
+                    del index[h]
+                block.block_hash = block.token_ids = block.checksum = None
                 self.num_evictions += 1
             block.ref_cnt = 1
             block.state = _USED
-            out.append(block)
         self.num_allocations += n
         return out
 
@@ -146,26 +148,32 @@ class BlockPool:
         self.check_owner()
         seen: set[int] = set()
         queue = self.free_queue
-        for block in blocks:
-            bid = block.block_id
-            if bid in seen:
-                continue
-            seen.add(bid)
-            if block.ref_cnt <= 0:
-                raise BlockStateError(f"double free of {block}: ref_cnt is already 0")
-            block.ref_cnt -= 1
-            if block.ref_cnt:
-                continue
-            block.epoch += 1
-            self.num_frees += 1
-            if block.state is _QUARANTINED:
-                continue
-            if block.block_hash is not None:
-                block.state = _CACHED_FREE
-                queue.append(block)
-            else:
-                block.state = _FREE
-                queue.appendleft(block)
+        cached: list[KVBlock] = []  # linked at the tail together, in order
+        try:
+            for block in blocks:
+                bid = block.block_id
+                if bid in seen:
+                    continue
+                seen.add(bid)
+                ref_cnt = block.ref_cnt
+                if ref_cnt <= 0:
+                    raise BlockStateError(f"double free of {block}: ref_cnt is already 0")
+                block.ref_cnt = ref_cnt = ref_cnt - 1
+                if ref_cnt:
+                    continue
+                block.epoch += 1
+                self.num_frees += 1
+                if block.state is _QUARANTINED:
+                    continue
+                if block.block_hash is not None:
+                    block.state = _CACHED_FREE
+                    cached.append(block)
+                else:
+                    block.state = _FREE
+                    queue.appendleft(block)
+        finally:  # a double free raises mid-way: still link what was freed
+            if cached:
+                queue.extend(cached)
 
     # ----------------------------------------------------------------- caching
     def seal(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> None:

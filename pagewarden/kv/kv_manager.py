@@ -134,7 +134,7 @@ class KVCacheManager:
             parent = h
         if hits:
             pool.touch(hits)
-            entry.refs = [BlockRef(block.block_id, block.epoch) for block in hits]
+            entry.refs = [_ref(block) for block in hits]
             entry.ids = [block.block_id for block in hits]
         entry.num_sealed = len(hits)
         self.prefix_cache_hits += len(hits) * bs
@@ -168,23 +168,21 @@ class KVCacheManager:
         total = (need if need > 0 else 0) + (cow_index >= 0)
         if total == 0:
             return _NO_COPIES
-        if total > len(pool.free_queue):
+        if total > pool.free_queue.num_free:
             return None
         copies: list[tuple[int, int]] = []
         if cow_index >= 0:
             src = pool.blocks[ids[cow_index]]
             (dst,) = pool.get_new_blocks(1)
             pool.free_blocks((src,))  # ref_cnt > 1, so this never frees the source
-            entry.refs[cow_index] = BlockRef(dst.block_id, dst.epoch)
+            entry.refs[cow_index] = _ref(dst)
             ids = ids[:]  # never mutate a list a ScheduledRequest may hold
             ids[cow_index] = dst.block_id
             entry.ids = ids
             copies.append((src.block_id, dst.block_id))
         if need > 0:
             new_blocks = pool.get_new_blocks(need)
-            refs = entry.refs
-            for block in new_blocks:
-                refs.append(BlockRef(block.block_id, block.epoch))
+            entry.refs += [_ref(block) for block in new_blocks]
             entry.ids = ids + [block.block_id for block in new_blocks]
         return copies
 
@@ -295,3 +293,11 @@ class KVCacheManager:
 
 
 _NO_COPIES: list[tuple[int, int]] = []
+
+_new_tuple = tuple.__new__
+
+
+def _ref(block: KVBlock) -> BlockRef:
+    """``BlockRef(block.block_id, block.epoch)``, without the NamedTuple's Python-level
+    ``__new__`` (half the cost; tables take one per allocated block)."""
+    return _new_tuple(BlockRef, (block.block_id, block.epoch))

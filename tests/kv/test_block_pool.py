@@ -167,3 +167,16 @@ def test_free_queue_remove_and_errors() -> None:
     assert [q.popleft().block_id for _ in range(4)] == [2, 0, 1, 3]
     with pytest.raises(IndexError):
         q.popleft()
+
+
+def test_free_queue_popleft_many_and_extend_keep_order() -> None:
+    blocks = [KVBlock(i) for i in range(6)]
+    q = FreeBlockQueue(blocks[:4])
+    assert [b.block_id for b in q.popleft_many(2)] == [0, 1]
+    assert q.ids() == [2, 3] and len(q) == 2 == q.num_free
+    q.extend([blocks[5], blocks[0]])
+    assert q.ids() == [2, 3, 5, 0] and len(q) == 4
+    with pytest.raises(IndexError):
+        q.popleft_many(5)
+    assert q.ids() == [2, 3, 5, 0]  # nothing unlinked by the failed pop
+    assert [b.block_id for b in q.popleft_many(4)] == [2, 3, 5, 0] and q.ids() == []
