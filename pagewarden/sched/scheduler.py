@@ -18,6 +18,7 @@ from pagewarden.kv.block import BlockState
 from pagewarden.kv.kv_manager import KVCacheManager
 from pagewarden.kv.prefix_hash import encode_extra_keys
 from pagewarden.sched.config import SchedulerConfig
+from pagewarden.sched.fast_dataclass import fast_constructor
 from pagewarden.sched.output import (
     KVFault,
     ModelRunnerOutput,
@@ -110,6 +111,53 @@ class RecoveryReport:
     @property
     def unrecoverable(self) -> bool:
         return bool(self.failed)
+
+
+_new_scheduled_request = fast_constructor(ScheduledRequest)
+_new_request_update = fast_constructor(RequestUpdate)
+_new_scheduler_output = fast_constructor(SchedulerOutput)
+
+
+#: ``_UNIT_RANGES[p] == range(p, p + 1)``: the ``positions`` of a decode step. Ranges are
+#: immutable, so one object per position serves every request (building one costs about
+#: as much as the rest of a decode step's bookkeeping). Grown up to max_model_len,
+#: capped at _MAX_UNIT_RANGES.
+_UNIT_RANGES: list[range] = []
+_MAX_UNIT_RANGES = 1 << 15
+
+
+def _unit_ranges(max_model_len: int) -> list[range]:
+    """``_UNIT_RANGES``, grown to cover ``max_model_len`` positions (up to the cap)."""
+    want = min(max_model_len, _MAX_UNIT_RANGES)
+    if len(_UNIT_RANGES) < want:
+        _UNIT_RANGES.extend(range(p, p + 1) for p in range(len(_UNIT_RANGES), want))
+    return _UNIT_RANGES
+
+
+def _target(req: Request) -> int:
+    """How many of ``req``'s tokens should be computed: all of them, or ``prompt[:-1]`` for
+    an ``n > 1`` parent (each child computes the last prompt token itself)."""
+    if req.sampling_params.n > 1 and req.parent_id is None:
+        return len(req.prompt_token_ids) - 1
+    return len(req.all_token_ids)
+
+
+def _slot_mapping(block_ids: list[int], block_size: int, start: int, end: int) -> list[int]:
+    """Physical slots of positions ``[start, end)``, one contiguous run per block::
+
+        block_size = 4, block_ids = [7, 3], positions 2..6
+        block 7 (slots 28..31): 30, 31        offsets 2, 3
+        block 3 (slots 12..15): 12, 13, 14    offsets 0, 1, 2
+    """
+    slots: list[int] = []
+    pos = start
+    while pos < end:
+        index, offset = divmod(pos, block_size)
+        n = min(block_size - offset, end - pos)
+        first = block_ids[index] * block_size + offset
+        slots.extend(range(first, first + n))
+        pos += n
+    return slots
 
 
 class Scheduler:
@@ -264,29 +312,65 @@ class Scheduler:
         """Pick this step's requests and token counts; allocate their slots."""
         self.kv.pool.check_owner()
         self._num_steps += 1
+        scheduled: list[ScheduledRequest] = []
+        copies: list[tuple[int, int]] = []
+        budget, preempted = self._schedule_running(scheduled, copies)
+        if not preempted:  # a pool that just ran dry admits nobody new
+            self._schedule_waiting(budget, scheduled, copies)
+        left = self._left_ids
+        self._left_ids = []
+        pre = self._preempted_ids
+        self._preempted_ids = []
+        return _new_scheduler_output(self._num_steps, scheduled, copies, left, pre)
+
+    def _schedule_running(
+        self, scheduled: list[ScheduledRequest], copies: list[tuple[int, int]]
+    ) -> tuple[int, bool]:
+        """Schedule running requests in order, preempting from the back when the pool runs
+        dry; returns the token budget left and whether anything was preempted."""
         cfg = self.config
         kv = self.kv
+        tables = kv.tables
+        blocks = kv.pool.blocks
+        bs = cfg.block_size
         budget = cfg.max_num_batched_tokens
         max_seqs = cfg.max_num_seqs
         running = self.running
-        scheduled: list[ScheduledRequest] = []
-        copies: list[tuple[int, int]] = []
+        new_scheduled_request = _new_scheduled_request
+        unit_ranges = _unit_ranges(cfg.max_model_len)
+        num_unit_ranges = len(unit_ranges)
         preempted = False
-
-        i = 0
-        while i < len(running) and budget > 0 and len(scheduled) < max_seqs:
-            req = running[i]
-            target = req.num_tokens
-            if req.sampling_params.n > 1 and req.parent_id is None:
-                target = len(req.prompt_token_ids) - 1
-            num_new = target - req.num_computed_tokens
+        # Preemption pops from the back of ``running``; the iterator stops short of it.
+        for req in running:
+            if budget <= 0 or len(scheduled) >= max_seqs:
+                break
+            start = req.num_computed_tokens
+            tokens = req.all_token_ids
+            if len(tokens) - start == 1 and start % bs:
+                # Decode fast path: the one new token goes into the last block, which
+                # exists already; unless a fork still shares it (copy on write, left to
+                # allocate_slots) there is nothing to allocate. A fork parent never gets
+                # here: it always has at least two prompt tokens to go.
+                ids = tables[req.req_id].ids
+                block_id = ids[start // bs]
+                if blocks[block_id].ref_cnt == 1:
+                    positions = (
+                        unit_ranges[start] if start < num_unit_ranges else range(start, start + 1)
+                    )
+                    scheduled.append(new_scheduled_request(
+                        req.req_id, tokens[start:], positions, ids,
+                        [block_id * bs + start % bs], True, req.sampling_params,
+                        req.prompt_token_ids, req.output_token_ids, req.seed,
+                    ))
+                    budget -= 1
+                    continue
+            num_new = _target(req) - start
             if num_new <= 0:
-                i += 1
                 continue
             if num_new > budget:
                 num_new = budget
             while True:
-                cow = kv.allocate_slots(req.req_id, req.num_computed_tokens, num_new)
+                cow = kv.allocate_slots(req.req_id, start, num_new)
                 if cow is not None:
                     break
                 victim = running.pop()
@@ -300,56 +384,50 @@ class Scheduler:
                 copies.extend(cow)
             scheduled.append(self._scheduled_request(req, num_new))
             budget -= num_new
-            i += 1
+        return budget, preempted
 
-        if not preempted:
-            waiting = self.waiting
-            while waiting and budget > 0 and len(running) < max_seqs and len(scheduled) < max_seqs:
-                req = waiting[0]
-                target = req.num_tokens
-                if req.sampling_params.n > 1 and req.parent_id is None:
-                    target = len(req.prompt_token_ids) - 1
-                cached = kv.lookup_prefix(req.req_id, req.all_token_ids, req.extra_keys, target - 1)
-                num_new = target - cached
-                if num_new > budget:
-                    num_new = budget
-                cow = kv.allocate_slots(req.req_id, cached, num_new)
-                if cow is None:
-                    kv.free(req.req_id)  # unpin the prefix we looked up
-                    break
-                waiting.popleft()
-                if req.num_preemptions == 0:
-                    req.num_cached_tokens = min(cached, len(req.prompt_token_ids))
-                req.num_computed_tokens = cached
-                req.status = _RUNNING
-                running.append(req)
-                if cow:
-                    copies.extend(cow)
-                scheduled.append(self._scheduled_request(req, num_new))
-                budget -= num_new
-
-        left = self._left_ids
-        self._left_ids = []
-        pre = self._preempted_ids
-        self._preempted_ids = []
-        return SchedulerOutput(self._num_steps, scheduled, copies, left, pre)
+    def _schedule_waiting(
+        self, budget: int, scheduled: list[ScheduledRequest], copies: list[tuple[int, int]]
+    ) -> None:
+        """Admit waiting requests in order while budget, seats and free blocks last."""
+        kv = self.kv
+        max_seqs = self.config.max_num_seqs
+        running = self.running
+        waiting = self.waiting
+        while waiting and budget > 0 and len(running) < max_seqs and len(scheduled) < max_seqs:
+            req = waiting[0]
+            target = _target(req)
+            cached = kv.lookup_prefix(req.req_id, req.all_token_ids, req.extra_keys, target - 1)
+            num_new = target - cached
+            if num_new > budget:
+                num_new = budget
+            cow = kv.allocate_slots(req.req_id, cached, num_new)
+            if cow is None:
+                kv.free(req.req_id)  # unpin the prefix we looked up
+                break
+            waiting.popleft()
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = min(cached, len(req.prompt_token_ids))
+            req.num_computed_tokens = cached
+            req.status = _RUNNING
+            running.append(req)
+            if cow:
+                copies.extend(cow)
+            scheduled.append(self._scheduled_request(req, num_new))
+            budget -= num_new
 
     def _scheduled_request(self, req: Request, num_new: int) -> ScheduledRequest:
+        """``req``'s share of this step: ``num_new`` tokens from ``num_computed_tokens`` on."""
         start = req.num_computed_tokens
         end = start + num_new
-        ids = self.kv.tables[req.req_id].ids
-        bs = self.config.block_size
-        if num_new == 1:
-            slots = [ids[start // bs] * bs + start % bs]
-        else:
-            slots = [ids[p // bs] * bs + p % bs for p in range(start, end)]
+        ids = self.kv.tables[req.req_id].ids  # handed out as is: never mutated in place
         tokens = req.all_token_ids
-        return ScheduledRequest(
+        return _new_scheduled_request(
             req.req_id,
             tokens[start:end],
             range(start, end),
-            ids[:],
-            slots,
+            ids,
+            _slot_mapping(ids, self.config.block_size, start, end),
             end == len(tokens),
             req.sampling_params,
             req.prompt_token_ids,
@@ -370,13 +448,18 @@ class Scheduler:
 
     # ---------------------------------------------------------------- update
     def update(self, out: SchedulerOutput, res: ModelRunnerOutput) -> list[RequestUpdate]:
-        """Advance requests by what the step computed; append sampled tokens; finish/fork."""
+        """Advance requests by what the step computed; append sampled tokens; finish/fork.
+
+        Returns one ``RequestUpdate`` per sampled token, in scheduling order.
+        """
         self.kv.pool.check_owner()
-        kv = self.kv
         requests = self.requests
         sampled = res.sampled_token_ids
         logprobs = res.logprobs
+        seal = self.kv.seal_full_blocks
+        bs = self.config.block_size
         max_model_len = self.config.max_model_len
+        new_request_update = _new_request_update
         updates: list[RequestUpdate] = []
         changed = False
         forked: dict[str, list[Request]] = {}
@@ -386,64 +469,80 @@ class Scheduler:
             if req is None or req.status is not _RUNNING:
                 continue  # finished or aborted since this step was scheduled
             positions = sr.positions
-            if positions.start != req.num_computed_tokens:
+            start = positions.start
+            if start != req.num_computed_tokens:
                 continue  # preempted and re-admitted since: this chunk is stale
             computed = req.num_computed_tokens = positions.stop
             tokens = req.all_token_ids
-            kv.seal_full_blocks(rid, tokens, computed)
-            if sr.sample:
-                token = sampled[rid]
-                req.output_token_ids.append(token)
-                tokens.append(token)
-                params = req.sampling_params
-                n_out = len(req.output_token_ids)
-                status = None
-                stop_reason: int | str | None = None
-                if n_out >= params.min_tokens:
-                    if token in params.stop_token_ids:  # type: ignore[operator]
-                        status, stop_reason = RequestStatus.FINISHED_STOPPED, token
-                    elif not params.ignore_eos and token in req.eos_token_ids:
-                        status = RequestStatus.FINISHED_STOPPED
-                if status is None and (n_out >= req.max_tokens or len(tokens) >= max_model_len):
-                    status = RequestStatus.FINISHED_LENGTH
-                lp = logprobs.get(rid)
-                if status is None:
-                    updates.append(
-                        RequestUpdate(
-                            rid, req.parent_id, req.index, [token], False, None, None,
-                            len(req.prompt_token_ids), req.num_cached_tokens,
-                            [lp] if lp is not None else [],
-                        )
-                    )
-                else:
-                    reason = "stop" if status is RequestStatus.FINISHED_STOPPED else "length"
-                    self._finish(req, status, reason, stop_reason)
+            if computed // bs != start // bs:  # this chunk filled at least one block
+                seal(rid, tokens, computed)
+            if not sr.sample:
+                if _target(req) == computed and req.sampling_params.n > 1 and req.parent_id is None:
+                    forked[rid] = self._fork(req)
                     changed = True
-                    updates.append(
-                        RequestUpdate(
-                            rid, req.parent_id, req.index, [token], True, reason, stop_reason,
-                            len(req.prompt_token_ids), req.num_cached_tokens,
-                            [lp] if lp is not None else [],
-                        )
-                    )
-            elif (
-                req.sampling_params.n > 1
-                and req.parent_id is None
-                and computed == len(req.prompt_token_ids) - 1
+                continue
+            token = sampled[rid]
+            output = req.output_token_ids
+            output.append(token)
+            tokens.append(token)
+            lp = logprobs.get(rid) if logprobs else None
+            params = req.sampling_params
+            n_out = len(output)
+            if (
+                n_out < req.max_tokens
+                and len(tokens) < max_model_len
+                and (
+                    n_out < params.min_tokens
+                    or token not in params.stop_token_ids  # type: ignore[operator]
+                    and (params.ignore_eos or token not in req.eos_token_ids)
+                )
             ):
-                forked[rid] = self._fork(req)
+                updates.append(new_request_update(
+                    rid, req.parent_id, req.index, [token], False, None, None,
+                    len(req.prompt_token_ids), req.num_cached_tokens,
+                    [lp] if lp is not None else [],
+                ))
+            else:
+                updates.append(self._finish_sampled(req, token, lp))
                 changed = True
         if changed:
-            new_running: list[Request] = []
-            for r in self.running:
-                if r.status is _RUNNING:
-                    kids = forked.get(r.req_id)
-                    if kids is None:
-                        new_running.append(r)
-                    else:
-                        new_running.extend(kids)
-            self.running = new_running
+            self._drop_finished_and_forked(forked)
         return updates
+
+    def _finish_sampled(
+        self, req: Request, token: int, lp: TokenLogprobs | None
+    ) -> RequestUpdate:
+        """Finish ``req``, whose just-sampled ``token`` stopped it or hit a length limit."""
+        params = req.sampling_params
+        n_out = len(req.output_token_ids)
+        status = RequestStatus.FINISHED_LENGTH
+        reason = "length"
+        stop_reason: int | str | None = None
+        if n_out >= params.min_tokens:
+            if token in params.stop_token_ids:  # type: ignore[operator]
+                status, reason, stop_reason = RequestStatus.FINISHED_STOPPED, "stop", token
+            elif not params.ignore_eos and token in req.eos_token_ids:
+                status, reason = RequestStatus.FINISHED_STOPPED, "stop"
+        self._finish(req, status, reason, stop_reason)
+        return _new_request_update(
+            req.req_id, req.parent_id, req.index, [token], True, reason, stop_reason,
+            len(req.prompt_token_ids), req.num_cached_tokens, [lp] if lp is not None else [],
+        )
+
+    def _drop_finished_and_forked(self, forked: dict[str, list[Request]]) -> None:
+        """Rebuild ``running`` without finished requests, forked parents by their children."""
+        if not forked:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+            return
+        new_running: list[Request] = []
+        for r in self.running:
+            if r.status is _RUNNING:
+                kids = forked.get(r.req_id)
+                if kids is None:
+                    new_running.append(r)
+                else:
+                    new_running.extend(kids)
+        self.running = new_running
 
     def _fork(self, parent: Request) -> list[Request]:
         """Replace a parent that has prefilled ``prompt[:-1]`` by its ``n`` children."""

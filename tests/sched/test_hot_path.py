@@ -1,0 +1,94 @@
+"""The scheduler's hot-path helpers: cheap dataclass construction, slot runs, shared tables."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from pagewarden.sampling_params import SamplingParams
+from pagewarden.sched import Request, Scheduler, SchedulerConfig
+from pagewarden.sched.fake_runner import FakeModelRunner
+from pagewarden.sched.fast_dataclass import fast_constructor
+from pagewarden.sched.output import ScheduledRequest, SchedulerOutput
+from pagewarden.sched.scheduler import RequestUpdate, _slot_mapping, _unit_ranges
+
+
+def test_fast_constructor_builds_equal_frozen_instances() -> None:
+    params = SamplingParams()
+    args = ("a", [1, 2], range(3, 5), [7], [29, 30], True, params, [1], [2], 5)
+    fast = fast_constructor(ScheduledRequest)(*args)
+    assert type(fast) is ScheduledRequest and fast == ScheduledRequest(*args)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.req_id = "b"  # type: ignore[misc]
+    # Defaults and default factories behave as in the dataclass's own __init__.
+    assert fast_constructor(ScheduledRequest)(*args[:-1]).seed is None
+    u1 = fast_constructor(RequestUpdate)("a", None, 0, [1], False, None, None, 3, 0)
+    u2 = fast_constructor(RequestUpdate)("a", None, 0, [1], False, None, None, 3, 0)
+    assert u1 == RequestUpdate("a", None, 0, [1], False, None, None, 3, 0)
+    assert u1.logprobs == [] and u1.logprobs is not u2.logprobs
+    out = fast_constructor(SchedulerOutput)(1, [])
+    assert out == SchedulerOutput(1, []) and out.copy_blocks is not SchedulerOutput(1, []).copy_blocks
+
+
+def test_fast_constructor_falls_back_where_the_trick_does_not_apply() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class NoSlots:
+        x: int
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class PostInit:
+        x: int
+
+        def __post_init__(self) -> None:
+            assert self.x >= 0
+
+    assert fast_constructor(NoSlots) is NoSlots
+    assert fast_constructor(PostInit) is PostInit
+
+
+def test_slot_mapping_matches_the_per_position_formula() -> None:
+    rng = random.Random(0)
+    for _ in range(300):
+        bs = rng.randint(1, 8)
+        ids = [rng.randrange(1, 100) for _ in range(6)]
+        start = rng.randrange(0, 6 * bs)
+        end = rng.randint(start, 6 * bs)
+        expected = [ids[p // bs] * bs + p % bs for p in range(start, end)]
+        assert _slot_mapping(ids, bs, start, end) == expected
+    assert _slot_mapping([7, 3], 4, 2, 7) == [30, 31, 12, 13, 14]
+
+
+def test_unit_ranges_are_one_position_each() -> None:
+    ranges = _unit_ranges(100)
+    assert len(ranges) >= 100
+    assert all(ranges[p] == range(p, p + 1) for p in range(100))
+
+
+def test_block_tables_handed_out_are_never_mutated_afterwards() -> None:
+    """Block tables are shared with the runner without a copy: the scheduler must replace
+    them, never change them in place (allocation, copy on write, preemption, finish)."""
+    rng = random.Random(7)
+    cfg = SchedulerConfig(num_blocks=12, block_size=4, max_num_seqs=6,
+                          max_num_batched_tokens=32, max_model_len=64)
+    s = Scheduler(cfg)
+    runner = FakeModelRunner(cfg.block_size, verify=True)
+    shared = [rng.randrange(50) for _ in range(9)]
+    for i in range(40):
+        prompt = shared[: rng.randint(0, 9)] + [rng.randrange(50) for _ in range(rng.randint(1, 10))]
+        n = rng.choice([1, 1, 2, 3])
+        s.add_request(Request(f"r{i}", prompt, SamplingParams(n=n, max_tokens=rng.randint(1, 12),
+                                                              ignore_eos=True)))
+    seen: list[tuple[list[int], list[int]]] = []
+    steps = 0
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        seen += [(sr.block_table, list(sr.block_table)) for sr in out.requests]
+        s.update(out, runner.execute(out))
+        steps += 1
+        assert steps < 10_000
+    assert s.num_preemptions > 0 and seen
+    for table, snapshot in seen:
+        assert table == snapshot
+    assert s.check_invariants() == []
