@@ -207,6 +207,7 @@ class AsyncEngine:
 
     # ---- engine thread -----------------------------------------------------------
     def _run(self) -> None:
+        self.core.claim_ownership()
         try:
             while True:
                 self._heartbeat = time.monotonic()

@@ -94,7 +94,9 @@ class EngineCore:
                                   scrub_blocks_per_step=config.scrub_blocks_per_step)
         self.integrity = IntegrityMonitor(self.scheduler, self.runner.guard, config.integrity,
                                           config.audit_interval)
-        self._owner_claimed = False
+        # The constructing thread owns scheduler and KV state until another thread
+        # claims it (the async front end's engine thread does, before its first step).
+        self.claim_ownership()
         self.outputs = OutputProcessor(self.tokenizer)
         self._lock = threading.Lock()
         self._pending_adds: deque[tuple[Request, str | None]] = deque()
@@ -142,6 +144,11 @@ class EngineCore:
         with self._lock:
             self._pending_aborts.append(request_id)
 
+    def claim_ownership(self) -> None:
+        """Make the calling thread the engine-core thread: from now on a mutation of
+        scheduler or KV state from any other thread raises ``KVOwnershipError``."""
+        self.scheduler.claim_ownership()
+
     # ---- engine-core thread only ------------------------------------------------
     def _apply_pending(self) -> list[RequestOutput]:
         with self._lock:
@@ -169,14 +176,7 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns the outputs that changed.
-
-        The first call makes the calling thread the owner of scheduler and KV state:
-        a mutation from any other thread afterwards raises ``KVOwnershipError``.
-        """
-        if not self._owner_claimed:
-            self.scheduler.claim_ownership()
-            self._owner_claimed = True
+        """One engine step; returns the outputs that changed."""
         finished = self._apply_pending()
         self.integrity.before_schedule()
         sched_out = self.scheduler.schedule()

@@ -44,7 +44,7 @@ class IntegrityStats:
     audits: int                     # check_invariants() runs
     invariant_violations: int
     # "<kind>/<found_by>" -> count: checksum/read|reuse|seal|scrub, slot_tag/read,
-    # stale_ref/schedule, table_mismatch/schedule
+    # stale_ref/schedule, table_mismatch/schedule, stale_ref/free
     failures: dict[str, int] = field(default_factory=dict)
     recoveries: int = 0             # faults recovered (holders rolled back, none failed)
     rolled_back_requests: int = 0
@@ -164,6 +164,8 @@ class IntegrityMonitor:
         failures = dict(c.failures)
         for key, n in self.failures.items():
             failures[key] = failures.get(key, 0) + n
+        if self.scheduler.kv.stale_refs_dropped:
+            failures["stale_ref/free"] = self.scheduler.kv.stale_refs_dropped
         return IntegrityStats(
             level=self.level, tag_checks=c.tag_checks, block_verifies=c.block_verifies,
             slot_verifies=c.slot_verifies, seals=c.seals, scrubbed_blocks=c.scrubbed_blocks,

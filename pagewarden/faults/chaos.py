@@ -134,6 +134,7 @@ def _run(config: EngineConfig, loaded: LoadedModel, workload, injector_seed: int
                 raise RuntimeError(f"the run did not finish within {limit} steps")
         if injector is not None:
             scrub_until_covered(engine, injector)
+            injector.settle()
     except Exception as exc:  # an undetected fault may break the engine: report it
         if injector is None:
             raise

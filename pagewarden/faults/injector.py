@@ -51,6 +51,7 @@ FAULT_KINDS: tuple[str, ...] = (
     "sealed_bitflip", "open_bitflip", "tag_corruption", "table_redirect", "slot_redirect",
     "use_after_free", "foreign_thread",
 )
+_MAPPING = frozenset({"table_redirect", "slot_redirect"})
 #: Kinds whose reads return wrong K/V until detected (tag corruption changes no K/V; a
 #: refused foreign mutation changes nothing).
 _ALTERS_KV = frozenset({"sealed_bitflip", "open_bitflip", "table_redirect", "slot_redirect",
@@ -94,6 +95,10 @@ class FaultInjector:
         self.corrupted_tokens = 0
         self.steps = 0
         self._pending: list[InjectedFault] = []                   # applied in a later step
+        self._cow_dst: set[int] = set()
+        self._written: set[int] = set()
+        self._original: dict[str, ScheduledRequest] = {}
+        self._view: dict[str, ScheduledRequest] = {}   # the worker's view of this step
         self._stale: dict[int, tuple[str, int, int]] = {}         # fault -> (rid, block, epoch)
         self._hook()
 
@@ -163,6 +168,8 @@ class FaultInjector:
     def _after_step(self, out: SchedulerOutput, res: ModelRunnerOutput, updates) -> None:
         self.steps += 1
         by_id = {r.req_id: r for r in out.requests}
+        by_id.update((rid, sr) for rid, sr in self._view.items() if rid in by_id)
+        self._view = {}
         for u in updates:
             sr = by_id.get(u.req_id)
             if sr is not None and self._reads_corrupt(sr):
@@ -173,6 +180,10 @@ class FaultInjector:
         for f in self.faults:
             if f.kind == "table_redirect":
                 f.live_blocks.clear()
+        self._prune_unreachable()
+
+    def settle(self) -> None:
+        """Bring the ground truth up to date (call after the last step)."""
         self._prune_unreachable()
 
     def _prune_unreachable(self) -> None:
@@ -223,8 +234,16 @@ class FaultInjector:
         if not self._pending or out.is_empty:
             return out
         requests = list(out.requests)
+        # A copy-on-write destination is overwritten by the copy at the start of the
+        # step: altering it first would be erased, not a fault.
+        self._cow_dst = {dst for _, dst in out.copy_blocks}
+        bs = self.engine.config.block_size
+        self._written = {slot // bs for r in out.requests for slot in r.slot_mapping}
+        self._original = {r.req_id: r for r in out.requests}
         still = []
-        for fault in self._pending:
+        # Mapping faults first: a content fault then lands in what the worker reads.
+        mapping_first = sorted(self._pending, key=lambda f: f.kind not in _MAPPING)
+        for fault in mapping_first:
             order = list(range(len(requests)))
             self.rng.shuffle(order)
             if not any(getattr(self, f"_apply_{fault.kind}")(requests, k, fault) for k in order):
@@ -237,6 +256,7 @@ class FaultInjector:
             if fault.kind == "table_redirect":
                 fault.live_blocks = {-1}   # live for this step only (see _after_step)
         self._pending = still
+        self._view = {r.req_id: r for r in requests}
         return dataclasses.replace(out, requests=requests)
 
     def _apply_sealed_bitflip(self, requests: list[ScheduledRequest], k: int,
@@ -244,7 +264,8 @@ class FaultInjector:
         sr = requests[k]
         guard = self.engine.runner.guard
         full = sr.block_table[:sr.positions.start // self.engine.config.block_size]
-        candidates = [b for b in full if not guard.sums_on or bool(guard.sealed[b])]
+        candidates = [b for b in full if (not guard.sums_on or bool(guard.sealed[b]))
+                      and b not in self._cow_dst]
         if not candidates:
             return False
         block = self.rng.choice(candidates)
@@ -261,6 +282,8 @@ class FaultInjector:
         if not written:
             return False
         block = sr.block_table[sr.positions.start // bs]
+        if block in self._cow_dst:
+            return False
         slot = block * bs + self.rng.randrange(written)
         caches = self.engine.kv_store.caches
         flip = flip_slot_bit(caches, slot, self.rng.randrange(len(caches)), self.rng)
@@ -275,6 +298,8 @@ class FaultInjector:
             return False
         pos = self.rng.randrange(sr.positions.start)
         block = sr.block_table[pos // bs]
+        if block in self._cow_dst:
+            return False
         change = corrupt_tag(self.engine.runner.guard.tags, block, pos % bs)
         fault.blocks, fault.req_ids, fault.detail = {block}, (sr.req_id,), repr(change)
         return True
@@ -291,9 +316,17 @@ class FaultInjector:
         sr = requests[k]
         n_ctx = sr.positions.start // self.engine.config.block_size
         others = self._other_live_blocks(sr)
-        if n_ctx == 0 or not others:
-            return False
+        if n_ctx == 0 or not others or sr is not self._original[sr.req_id]:
+            return False     # one mapping fault per request and step keeps truth simple
         index = self.rng.randrange(n_ctx)
+        caches = self.engine.kv_store.caches
+        # A block with the same bytes (a sibling of n > 1 with the same tokens) would
+        # read back correct K/V: that redirect alters nothing, so it is not a fault.
+        # Nor would one rewritten with those bytes in this very step, before it is read.
+        others = [b for b in others if b not in self._written and not all(
+            torch.equal(c[:, b], c[:, sr.block_table[index]]) for c in caches)]
+        if not others:
+            return False
         target = self.rng.choice(others)
         table = list(sr.block_table)
         old, table[index] = table[index], target
@@ -306,12 +339,17 @@ class FaultInjector:
                              fault: InjectedFault) -> bool:
         """Scatter one new token's K/V over a written slot of another running request."""
         sr = requests[k]
+        if sr is not self._original[sr.req_id]:
+            return False
         bs = self.engine.config.block_size
         tables = self.engine.scheduler.kv.tables
         own = set(sr.block_table)
+        mine = (sr.prompt_token_ids + sr.output_token_ids)[:sr.positions.start + 1]
+        # Overwriting a slot with the very same (token chain, position) alters nothing.
         victims = [(r, p) for r in self._running() if r.req_id != sr.req_id
                    for p in range(r.num_computed_tokens)
-                   if tables[r.req_id].ids[p // bs] not in own]
+                   if tables[r.req_id].ids[p // bs] not in own
+                   and not (p == sr.positions.start and r.all_token_ids[:p + 1] == mine)]
         if not victims:
             return False
         victim, pos = self.rng.choice(victims)

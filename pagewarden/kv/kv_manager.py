@@ -59,6 +59,7 @@ class KVCacheManager:
         self.tables: dict[str, RequestBlocks] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens served from cache
+        self.stale_refs_dropped = 0  # stale refs found (and skipped) when freeing a table
 
     # ----------------------------------------------------------------- queries
     @property
@@ -241,7 +242,16 @@ class KVCacheManager:
         if entry is None:
             return
         blocks = self.pool.blocks
-        self.pool.free_blocks([blocks[i] for i in reversed(entry.ids)])
+        # Free by epoch-tagged ref: an entry whose block was freed under it (a stale ref)
+        # no longer holds a reference, so dropping it must not decrement anything.
+        live = []
+        for ref in reversed(entry.refs):
+            block = blocks[ref.block_id]
+            if block.epoch == ref.epoch and block.ref_cnt > 0:
+                live.append(block)
+            else:
+                self.stale_refs_dropped += 1
+        self.pool.free_blocks(live)
 
     # --------------------------------------------------------------- integrity
     def first_unsound_block(self, req_id: str) -> int | None:
