@@ -66,6 +66,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--hf-cache", default="static", help="transformers cache_implementation")
+    ap.add_argument("--hf-dtype", default=None,
+                    help="dtype of the transformers run (default: --dtype); on CPUs without bf16 "
+                         "GEMM kernels float32 is transformers' fastest setting")
     ap.add_argument("--no-hf", action="store_true")
     args = ap.parse_args()
 
@@ -76,7 +79,8 @@ def main() -> None:
     llm = LLM(model=model_path, dtype=args.dtype)
     vocab = llm.engine.loaded.config.vocab_size
     prompts = make_prompts(args.num_prompts, args.input_len, vocab)
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    hf_dtype = args.hf_dtype or args.dtype
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[hf_dtype]
     hf = None if args.no_hf else load_hf(model_path, dtype)
 
     run_pagewarden(llm, prompts[:8], 8)  # warm-up
@@ -90,11 +94,13 @@ def main() -> None:
         print(f"run {i}: pagewarden {pw[-1]:.1f} tok/s"
               + (f", transformers {ref[-1]:.1f} tok/s" if ref else ""), flush=True)
     pw_med = statistics.median(pw)
+    gemm = llm.engine.loaded.model.lm_head.weight.dtype
+    print(f"pagewarden   GEMMs in {str(gemm).removeprefix('torch.')}")
     print(f"pagewarden   median {pw_med:.1f} output tok/s  ({args.num_prompts}x"
           f"{args.input_len}/{args.output_len}, {args.dtype})")
     if ref:
         ref_med = statistics.median(ref)
-        print(f"transformers median {ref_med:.1f} output tok/s (cache={args.hf_cache})")
+        print(f"transformers median {ref_med:.1f} output tok/s (cache={args.hf_cache}, {hf_dtype})")
         print(f"ratio pagewarden / transformers = {pw_med / ref_med:.2f}")
 
 

@@ -108,6 +108,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def compute_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a model loaded in `dtype` computes in on `device`.
+
+    CPUs without native bf16/fp16 GEMM kernels (oneDNN's check: no AVX512 core, AMX or
+    equivalent) run bf16 GEMMs through a reference path 10-20x slower than float32. There
+    the model computes in float32, as llama.cpp does with BF16 weights on such CPUs: the
+    weights keep exactly their `dtype`-rounded values and the KV cache stays in `dtype`.
+    """
+    if device.type != "cpu" or dtype == torch.float32:
+        return dtype
+    if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return dtype
+    if dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        return dtype
+    return torch.float32
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, c: LlamaConfig) -> None:
         super().__init__()
@@ -177,6 +194,21 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The dtype the weights were loaded in; the KV cache uses it too.
+        self.storage_dtype: torch.dtype | None = None
+
+    def use_compute_dtype(self, dtype: torch.dtype | None = None) -> torch.dtype:
+        """Compute in `dtype` (None: `compute_dtype_for` this machine); returns it.
+
+        Converts every parameter; their values stay those of `storage_dtype`.
+        """
+        assert self.storage_dtype is not None, "load weights first"
+        dtype = dtype or compute_dtype_for(self.storage_dtype, self.model.norm.weight.device)
+        with torch.no_grad():
+            for p in self.parameters():  # a tied lm_head is the embedding's Parameter
+                p.data = p.data.to(dtype)
+        self._rope_cache = None
+        return dtype
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (T, 1, head_dim) for `positions`, from a table built once."""
@@ -213,8 +245,13 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors, fusing q/k/v and gate/up; raises KeyError on unknown or missing names."""
+        """Load HF-named tensors, fusing q/k/v and gate/up; raises KeyError on unknown or missing names.
+
+        Then picks the compute dtype for this machine (`use_compute_dtype`).
+        """
         params = dict(self.named_parameters(remove_duplicate=False))
+        if self.storage_dtype is None:
+            self.storage_dtype = self.model.norm.weight.dtype
         loaded: set[str] = set()
         c = self.config
         sizes = {
@@ -235,6 +272,7 @@ class LlamaForCausalLM(nn.Module):
                 raise KeyError(f"unexpected weight {name!r}")
             p = params[target]
             with torch.no_grad():
+                tensor = tensor.to(self.storage_dtype)  # rounded even when p is wider
                 if shard is None:
                     p.copy_(tensor)
                 else:
@@ -255,3 +293,4 @@ class LlamaForCausalLM(nn.Module):
             if missing:
                 raise KeyError(f"missing weights {missing}")
             expected += 1
+        self.use_compute_dtype()

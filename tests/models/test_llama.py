@@ -136,6 +136,28 @@ def test_decode_steps_match_transformers(tiny_llama_dir):
             torch.testing.assert_close(logits[i], want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("tie", [False, True])
+def test_bf16_weights_float32_compute_matches_native_bf16(tmp_path, tie):
+    """Computing in float32 keeps the bf16-rounded weights and the bf16 KV cache."""
+    path = make_tiny_llama(tmp_path / "m", tie_word_embeddings=tie)
+    native = load_model(path, torch.bfloat16).model
+    assert native.use_compute_dtype(torch.bfloat16) == torch.bfloat16
+    wide = load_model(path, torch.bfloat16).model
+    assert wide.use_compute_dtype(torch.float32) == torch.float32
+    assert wide.storage_dtype == torch.bfloat16
+    for w in (wide.model.layers[0].self_attn.qkv_proj.weight, wide.lm_head.weight, wide.model.norm.weight):
+        assert w.dtype == torch.float32 and torch.equal(w, w.bfloat16().float())
+    ids = [9, 8, 7, 6, 5, 4, 3, 100, 200]
+    table = [3, 1, 6]
+    meta = AttentionMetadata.build([len(ids)], [0], [table], slots(table, 0, len(ids)), BS, "cpu")
+    out = []
+    for lm in (native, wide):
+        caches = [c.bfloat16() for c in new_caches(lm.config)]
+        out.append(lm.compute_logits(lm(torch.tensor(ids), torch.arange(len(ids)), caches, meta)))
+        assert caches[0].dtype == torch.bfloat16 and caches[0].abs().sum() > 0
+    torch.testing.assert_close(out[1], out[0], atol=0.05, rtol=0.05)
+
+
 @pytest.mark.parametrize("overrides", [
     dict(tie_word_embeddings=True),
     dict(num_key_value_heads=1, num_hidden_layers=3),
