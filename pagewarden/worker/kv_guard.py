@@ -5,17 +5,20 @@
 
     execute(out):
         guard.copy_blocks(out.copy_blocks)       # COW copies carry tags, sums and seals
-        faults = guard.check_reads(out)          # before the forward pass: what it will read
+        faults = guard.check_reads(out)          # before the forward pass: contents it reads
         model forward (writes the step's K/V)
-        faults += guard.after_write(out)         # tags + write-time sums, seal full blocks
+        faults += guard.after_write(out)         # write tags, check every read position's
+                                                 # tag, write-time sums, seal full blocks
         drop the sampled tokens of every request a fault names
 
 What each level checks (each includes the one before):
 
 ========  ==================================================================================
 off       nothing
-audit     slot tags: every context position of every scheduled request, read through its
-          block table, must hold the tag of that request's token chain at that position
+audit     slot tags: after the step's writes, every position ``[0, stop)`` of every
+          scheduled request, read through its block table, must hold the tag of that
+          request's token chain at that position (catches wrong table entries and wrong
+          slot indices in the step they happen)
 standard  write-time slot checksums; block checksums at seal (from slots that still
           verify); verification of a request's context blocks the first time it reads them
           (prefix-cache reuse, return after preemption or rollback); a scrubber re-verifying
