@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["fast_constructor"]
+__all__ = ["fast_constructor", "unfrozen_twin"]
 
 _T = TypeVar("_T")
 
@@ -27,16 +27,16 @@ class _UseFactory:
 _USE_FACTORY = _UseFactory()
 
 
-def fast_constructor(cls: type[_T]) -> Callable[..., _T]:
-    """A function equivalent to ``cls(...)`` for a frozen, slotted dataclass, minus the
-    frozen ``__setattr__`` cost.
+def unfrozen_twin(cls: type) -> type | None:
+    """A plain class with ``cls``'s slots, or None where the trick does not apply.
 
-    Returns ``cls`` itself where the trick does not apply (no ``slots=True``, a base
-    class, ``__post_init__``, ``init=False`` or keyword-only fields), so callers can use
-    it unconditionally.
+    For the two hottest constructions the scheduler inlines what ``fast_constructor``
+    does, which saves the call (a quarter of the cost): ``obj = twin()``, assign every
+    field, then ``obj.__class__ = cls``. A field left unassigned would raise
+    ``AttributeError`` on first read, so every field must be set.
     """
     if not dataclasses.is_dataclass(cls):
-        return cls
+        return None
     fields = dataclasses.fields(cls)
     names = tuple(f.name for f in fields)
     if (
@@ -45,13 +45,28 @@ def fast_constructor(cls: type[_T]) -> Callable[..., _T]:
         or hasattr(cls, "__post_init__")
         or any(not f.init or f.kw_only for f in fields)
     ):
-        return cls
+        return None
     twin = type(f"_{cls.__name__}Builder", (), {"__slots__": names})
     try:
         probe = object.__new__(twin)
         probe.__class__ = cls  # same slots, same layout: allowed
     except TypeError:
+        return None
+    return twin
+
+
+def fast_constructor(cls: type[_T]) -> Callable[..., _T]:
+    """A function equivalent to ``cls(...)`` for a frozen, slotted dataclass, minus the
+    frozen ``__setattr__`` cost.
+
+    Returns ``cls`` itself where the trick does not apply (no ``slots=True``, a base
+    class, ``__post_init__``, ``init=False`` or keyword-only fields), so callers can use
+    it unconditionally.
+    """
+    twin = unfrozen_twin(cls)
+    if twin is None:
         return cls
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
     namespace: dict[str, Any] = {"_twin": twin, "_cls": cls,
                                  "_USE_FACTORY": _USE_FACTORY}
     params: list[str] = []

@@ -25,6 +25,13 @@ _FINISHED = frozenset(
 )
 
 
+def stop_token_set(params: SamplingParams, eos_token_ids: frozenset[int]) -> frozenset[int]:
+    """Tokens that finish a request once it has ``min_tokens`` outputs: the stop token ids,
+    plus the EOS ids unless ``ignore_eos``."""
+    stop = frozenset(params.stop_token_ids or ())
+    return stop if params.ignore_eos else stop | eos_token_ids
+
+
 class Request:
     """One sequence to generate.
 
@@ -32,7 +39,8 @@ class Request:
     whose K/V a step computes); ``num_computed_tokens`` of them are in the KV cache.
     Invariant: ``0 <= num_computed_tokens <= num_tokens``. A request with ``n > 1`` and
     no ``parent_id`` is a fork parent: it prefills ``prompt[:-1]`` and then becomes its
-    children ``f"{req_id}#{i}"``.
+    children ``f"{req_id}#{i}"``. ``stop_ids`` is ``stop_token_set`` of its parameters
+    (resolved again at admission, with ``max_tokens``).
     """
 
     __slots__ = (
@@ -55,6 +63,8 @@ class Request:
         "seed",
         "extra_keys",
         "num_preemptions",
+        "stop_ids",
+        "num_prompt_tokens",
     )
 
     def __init__(
@@ -70,6 +80,7 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)  # the prompt never changes
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)
         self.cache_salt = cache_salt
@@ -86,14 +97,11 @@ class Request:
         self.seed = sampling_params.seed
         self.extra_keys = b""
         self.num_preemptions = 0
+        self.stop_ids = stop_token_set(sampling_params, self.eos_token_ids)
 
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def is_fork_parent(self) -> bool:

@@ -18,7 +18,7 @@ from pagewarden.kv.block import BlockState
 from pagewarden.kv.kv_manager import KVCacheManager
 from pagewarden.kv.prefix_hash import encode_extra_keys
 from pagewarden.sched.config import SchedulerConfig
-from pagewarden.sched.fast_dataclass import fast_constructor
+from pagewarden.sched.fast_dataclass import fast_constructor, unfrozen_twin
 from pagewarden.sched.output import (
     KVFault,
     ModelRunnerOutput,
@@ -26,7 +26,7 @@ from pagewarden.sched.output import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from pagewarden.sched.request import Request, RequestStatus
+from pagewarden.sched.request import Request, RequestStatus, stop_token_set
 
 __all__ = [
     "IntegrityEvent",
@@ -116,6 +116,11 @@ class RecoveryReport:
 _new_scheduled_request = fast_constructor(ScheduledRequest)
 _new_request_update = fast_constructor(RequestUpdate)
 _new_scheduler_output = fast_constructor(SchedulerOutput)
+# The decode path and update() inline the construction (see unfrozen_twin): fill an
+# unfrozen twin's slots, then switch its class.
+_ScheduledRequestTwin = unfrozen_twin(ScheduledRequest)
+_RequestUpdateTwin = unfrozen_twin(RequestUpdate)
+assert _ScheduledRequestTwin is not None and _RequestUpdateTwin is not None
 
 
 #: ``_UNIT_RANGES[p] == range(p, p + 1)``: the ``positions`` of a decode step. Ranges are
@@ -222,7 +227,10 @@ class Scheduler:
             raise RequestRejectedError(
                 f"request {rid!r}: n={params.n} exceeds max_num_seqs={cfg.max_num_seqs}"
             )
+        # Invariant used by update(): num_prompt + max_tokens <= max_model_len, so a request
+        # below max_tokens outputs is also below max_model_len tokens.
         request.max_tokens = max_tokens
+        request.stop_ids = stop_token_set(params, request.eos_token_ids)
         request.extra_keys = encode_extra_keys(cfg.model_id, request.cache_salt)
         request.seed = params.seed
         request.status = _WAITING
@@ -253,6 +261,7 @@ class Scheduler:
             child.parent_id = parent.req_id
             child.index = i
             child.max_tokens = parent.max_tokens
+            child.stop_ids = parent.stop_ids
             child.extra_keys = parent.extra_keys
             child.seed = None if params.seed is None else params.seed * _SEED_MIX + i
             child.num_cached_tokens = parent.num_cached_tokens
@@ -336,13 +345,18 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         max_seqs = cfg.max_num_seqs
         running = self.running
-        new_scheduled_request = _new_scheduled_request
+        twin = _ScheduledRequestTwin
+        scheduled_request = ScheduledRequest
+        append = scheduled.append
         unit_ranges = _unit_ranges(cfg.max_model_len)
         num_unit_ranges = len(unit_ranges)
         preempted = False
+        # Each running request is scheduled at most once and preemption only shrinks
+        # ``running``, so the seat limit can only bind when running is over it (forks).
+        check_seats = len(running) > max_seqs
         # Preemption pops from the back of ``running``; the iterator stops short of it.
         for req in running:
-            if budget <= 0 or len(scheduled) >= max_seqs:
+            if budget <= 0 or check_seats and len(scheduled) >= max_seqs:
                 break
             start = req.num_computed_tokens
             tokens = req.all_token_ids
@@ -351,17 +365,27 @@ class Scheduler:
                 # exists already; unless a fork still shares it (copy on write, left to
                 # allocate_slots) there is nothing to allocate. A fork parent never gets
                 # here: it always has at least two prompt tokens to go.
-                ids = tables[req.req_id].ids
+                rid = req.req_id
+                ids = tables[rid].ids
                 block_id = ids[start // bs]
                 if blocks[block_id].ref_cnt == 1:
-                    positions = (
+                    # ScheduledRequest(rid, tokens[start:], range(start, start + 1), ids,
+                    # [slot], True, ...), built inline (see unfrozen_twin).
+                    sr = twin()
+                    sr.req_id = rid
+                    sr.token_ids = tokens[start:]
+                    sr.positions = (
                         unit_ranges[start] if start < num_unit_ranges else range(start, start + 1)
                     )
-                    scheduled.append(new_scheduled_request(
-                        req.req_id, tokens[start:], positions, ids,
-                        [block_id * bs + start % bs], True, req.sampling_params,
-                        req.prompt_token_ids, req.output_token_ids, req.seed,
-                    ))
+                    sr.block_table = ids
+                    sr.slot_mapping = [block_id * bs + start % bs]
+                    sr.sample = True
+                    sr.sampling_params = req.sampling_params
+                    sr.prompt_token_ids = req.prompt_token_ids
+                    sr.output_token_ids = req.output_token_ids
+                    sr.seed = req.seed
+                    sr.__class__ = scheduled_request
+                    append(sr)
                     budget -= 1
                     continue
             num_new = _target(req) - start
@@ -458,9 +482,10 @@ class Scheduler:
         logprobs = res.logprobs
         seal = self.kv.seal_full_blocks
         bs = self.config.block_size
-        max_model_len = self.config.max_model_len
-        new_request_update = _new_request_update
+        twin = _RequestUpdateTwin
+        request_update = RequestUpdate
         updates: list[RequestUpdate] = []
+        append = updates.append
         changed = False
         forked: dict[str, list[Request]] = {}
         for sr in out.requests:
@@ -485,32 +510,36 @@ class Scheduler:
             output = req.output_token_ids
             output.append(token)
             tokens.append(token)
-            lp = logprobs.get(rid) if logprobs else None
-            params = req.sampling_params
+            lps = [logprobs[rid]] if rid in logprobs else []
             n_out = len(output)
-            if (
-                n_out < req.max_tokens
-                and len(tokens) < max_model_len
-                and (
-                    n_out < params.min_tokens
-                    or token not in params.stop_token_ids  # type: ignore[operator]
-                    and (params.ignore_eos or token not in req.eos_token_ids)
-                )
+            # Below max_tokens means below max_model_len too (checked at admission).
+            if n_out < req.max_tokens and (
+                token not in req.stop_ids or n_out < req.sampling_params.min_tokens
             ):
-                updates.append(new_request_update(
-                    rid, req.parent_id, req.index, [token], False, None, None,
-                    len(req.prompt_token_ids), req.num_cached_tokens,
-                    [lp] if lp is not None else [],
-                ))
+                # RequestUpdate(rid, req.parent_id, req.index, [token], False, None, None,
+                # num_prompt_tokens, num_cached_tokens, lps), built inline.
+                u = twin()
+                u.req_id = rid
+                u.parent_id = req.parent_id
+                u.index = req.index
+                u.new_token_ids = [token]
+                u.finished = False
+                u.finish_reason = None
+                u.stop_reason = None
+                u.num_prompt_tokens = req.num_prompt_tokens
+                u.num_cached_tokens = req.num_cached_tokens
+                u.logprobs = lps
+                u.__class__ = request_update
+                append(u)
             else:
-                updates.append(self._finish_sampled(req, token, lp))
+                append(self._finish_sampled(req, token, lps))
                 changed = True
         if changed:
             self._drop_finished_and_forked(forked)
         return updates
 
     def _finish_sampled(
-        self, req: Request, token: int, lp: TokenLogprobs | None
+        self, req: Request, token: int, lps: list[TokenLogprobs]
     ) -> RequestUpdate:
         """Finish ``req``, whose just-sampled ``token`` stopped it or hit a length limit."""
         params = req.sampling_params
@@ -526,7 +555,7 @@ class Scheduler:
         self._finish(req, status, reason, stop_reason)
         return _new_request_update(
             req.req_id, req.parent_id, req.index, [token], True, reason, stop_reason,
-            len(req.prompt_token_ids), req.num_cached_tokens, [lp] if lp is not None else [],
+            len(req.prompt_token_ids), req.num_cached_tokens, lps,
         )
 
     def _drop_finished_and_forked(self, forked: dict[str, list[Request]]) -> None:
