@@ -154,14 +154,20 @@ def _slot_mapping(block_ids: list[int], block_size: int, start: int, end: int) -
         block 7 (slots 28..31): 30, 31        offsets 2, 3
         block 3 (slots 12..15): 12, 13, 14    offsets 0, 1, 2
     """
-    slots: list[int] = []
-    pos = start
-    while pos < end:
-        index, offset = divmod(pos, block_size)
-        n = min(block_size - offset, end - pos)
-        first = block_ids[index] * block_size + offset
-        slots.extend(range(first, first + n))
-        pos += n
+    if start >= end:
+        return []
+    first, offset = divmod(start, block_size)
+    last = (end - 1) // block_size
+    base = block_ids[first] * block_size
+    if first == last:
+        return list(range(base + offset, base + offset + end - start))
+    slots = list(range(base + offset, base + block_size))
+    extend = slots.extend
+    for block_id in block_ids[first + 1 : last]:
+        base = block_id * block_size
+        extend(range(base, base + block_size))
+    base = block_ids[last] * block_size
+    extend(range(base, base + end - last * block_size))
     return slots
 
 
