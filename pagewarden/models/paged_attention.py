@@ -146,6 +146,12 @@ def paged_attention(
     group = n_heads // n_kv
     s, qlen = meta.num_seqs, meta.max_query_len
     k, v = gather_kv(cache, meta)  # (S, n_kv, K, D)
+    if qlen == 1:
+        # Decode: fold each kv head's G query heads into its query rows (module docstring).
+        # A wider q is cast down to the cache's dtype: far fewer bytes than K/V cast up.
+        qf = q.view(s, n_kv, group, head_dim).to(cache.dtype)  # (S, n_kv, G, D)
+        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=meta.attn_mask, scale=scale)
+        return out.view(num_tokens, n_heads, head_dim).to(q.dtype)  # (T, n_heads, D); T == S
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
     if meta.token_to_padded is not None:
@@ -153,11 +159,6 @@ def paged_attention(
         qp.index_copy_(0, meta.token_to_padded, q)
     else:
         qp = q  # already (S * Q, n_heads, D)
-    if qlen == 1:
-        # Decode: fold each kv head's G query heads into its query rows (module docstring).
-        qf = qp.view(s, n_kv, group, head_dim)  # (S, n_kv, G, D), a free view
-        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=meta.attn_mask, scale=scale)
-        return out.view(num_tokens, n_heads, head_dim)  # (T, n_heads, D); T == S
     qh = qp.view(s, qlen, n_heads, head_dim).transpose(1, 2)  # (S, n_heads, Q, D)
     if group > 1 and not _SDPA_HAS_GQA:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (S, n_heads, K, D)
