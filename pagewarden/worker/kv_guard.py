@@ -52,6 +52,8 @@ from pagewarden.worker.integrity import (
     combine_slot_checksums,
     mix64,
     slot_checksums,
+    verify_blocks,
+    verify_slots,
 )
 
 IntegrityLevel = Literal["off", "audit", "standard", "strict"]
@@ -232,19 +234,19 @@ class KVGuard:
         return faults
 
     def _verify_sealed(self, ids: torch.Tensor) -> list[int]:
+        """Ids of sealed blocks whose content no longer matches their seal."""
         if not ids.numel():
             return []
         self.counters.block_verifies += ids.numel()
-        actual = block_checksums(self.caches, ids)
-        bad = actual != self.block_sums[ids]
-        return ids[bad].tolist() if bad.any() else []
+        return verify_blocks(self.caches, ids, self.block_sums[ids])
 
     def _verify_slots(self, slots: torch.Tensor) -> list[int]:
+        """Ids of blocks with a slot that changed since it was written."""
         if not slots.numel():
             return []
         self.counters.slot_verifies += slots.numel()
-        bad = slot_checksums(self.caches, slots) != self.slot_sums[slots]
-        return sorted({s // self.block_size for s in slots[bad].tolist()}) if bad.any() else []
+        bad = verify_slots(self.caches, slots, self.slot_sums[slots])
+        return sorted({m.block_id for m in bad})
 
     def scrub(self, num_blocks: int) -> list[KVFault]:
         """Re-verify the next ``num_blocks`` sealed blocks now, outside a step (idle time)."""
