@@ -20,7 +20,7 @@ audit     slot tags: after the step's writes, every position ``[0, stop)`` of ev
           request's token chain at that position (catches wrong table entries and wrong
           slot indices in the step they happen)
 standard  write-time slot checksums; block checksums at seal (from slots that still
-          verify); verification of a request's context blocks the first time it reads them
+          verify: a block whose slots earlier steps wrote is re-read first); verification of a request's context blocks the first time it reads them
           (prefix-cache reuse, return after preemption or rollback); a scrubber re-verifying
           ``scrub_blocks_per_step`` sealed blocks per step, round robin
 strict    every block a step reads is verified before the forward pass (sealed blocks by
@@ -322,13 +322,18 @@ class KVGuard:
         tags: list[torch.Tensor] = []
         new_blocks: list[int] = []
         to_seal: list[int] = []
+        fresh: list[int] = []
         for r in out.requests:
             start, stop = r.positions.start, r.positions.stop
             tags.append(self._chain_tensor(r, stop)[start:stop])
             first = (start + bs - 1) // bs   # blocks that start inside this step
             new_blocks.extend(r.block_table[first:(stop + bs - 1) // bs])
             if r.req_id not in skip:
-                to_seal.extend(r.block_table[start // bs:stop // bs])
+                # Blocks this step filled: [start // bs, first) had slots written by
+                # earlier steps and are re-read at seal; [first, stop // bs) were written
+                # whole by this step, from which the sums were just taken.
+                to_seal.extend(r.block_table[start // bs:min(first, stop // bs)])
+                fresh.extend(r.block_table[first:stop // bs])
         if new_blocks:
             self.sealed[torch.tensor(new_blocks, dtype=torch.int64)] = False
         self.tags.write(slot_mapping, torch.cat(tags))
@@ -336,11 +341,23 @@ class KVGuard:
         faults = self._check_tags(checked) if checked else []
         if self.sums_on:
             self.slot_sums[slot_mapping] = slot_checksums(self.caches, slot_mapping)
-            bad_blocks = {b for f in faults for b in f.block_ids}
-            to_seal = sorted(set(to_seal) - {0} - bad_blocks)
+            bad_blocks = {b for f in faults for b in f.block_ids} | {0}
+            to_seal = sorted(set(to_seal) - bad_blocks)
             if to_seal:
                 faults += self._seal(to_seal)
+            fresh = sorted(set(fresh) - bad_blocks)
+            if fresh:
+                self._seal_written(fresh)
         return self._attach_readers(faults, out.requests)
+
+    def _seal_written(self, block_ids: list[int]) -> None:
+        """Seal blocks written whole by this step: their slot sums were just taken from
+        the same bytes, so reading the blocks again would verify nothing new."""
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        self.block_sums[ids] = combine_slot_checksums(
+            self.slot_sums.view(self.num_blocks, self.block_size)[ids])
+        self.sealed[ids] = True
+        self.counters.seals += ids.numel()
 
     def _seal(self, block_ids: list[int]) -> list[KVFault]:
         """Seal full blocks from their write-time slot sums, after re-reading them."""
