@@ -21,7 +21,7 @@ from pagewarden.models.loader import LoadedModel, load_model
 from pagewarden.sampling_params import SamplingParams
 from pagewarden.sched.config import SchedulerConfig
 from pagewarden.sched.request import Request
-from pagewarden.sched.scheduler import Scheduler
+from pagewarden.sched.scheduler import RequestRejectedError, Scheduler
 from pagewarden.worker.kv_store import KVCacheShape, KVStore
 from pagewarden.worker.runner import ModelRunner
 
@@ -124,7 +124,8 @@ class EngineCore:
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
                 f"the context length {self.max_model_len}; lower max_tokens", "max_tokens")
         blocks = math.ceil((n + max_tokens) / self.config.block_size)
-        usable = self.kv_store.shape.num_blocks - 1
+        # Block 0 is reserved; retired blocks (failed checks repeatedly) never return.
+        usable = self.kv_store.shape.num_blocks - 1 - len(self.scheduler.kv.pool.retired)
         if blocks > usable:
             raise RequestRejected(
                 f"the request needs up to {blocks} KV blocks but the pool has {usable}; "
@@ -156,12 +157,20 @@ class EngineCore:
             aborts = list(self._pending_aborts)
             self._pending_adds.clear()
             self._pending_aborts.clear()
+        aborted = []
         for request, prompt in adds:
             self.outputs.add(request.req_id, prompt, request.prompt_token_ids,
                              request.sampling_params)
-            self.scheduler.add_request(request)
+            try:
+                self.scheduler.add_request(request)
+            except RequestRejectedError as exc:
+                # Valid when submitted, but the pool shrank since (retired blocks).
+                logger.warning("request %s rejected at admission: %s", request.req_id, exc)
+                out = self.outputs.abort(request.req_id, reason="error")
+                if out is not None:
+                    aborted.append(out)
+                continue
             self.prompt_tokens += len(request.prompt_token_ids)
-        aborted = []
         for request_id in aborts:
             self.scheduler.abort_requests([request_id])
             out = self.outputs.abort(request_id)

@@ -222,12 +222,13 @@ class Scheduler:
         bs = cfg.block_size
         # The last sampled token is never computed, so K/V covers prompt + max_tokens - 1.
         blocks_needed = (num_prompt + max_tokens - 1 + bs - 1) // bs
-        usable = cfg.num_blocks - 1
+        retired = len(self.kv.pool.retired)
+        usable = cfg.num_blocks - 1 - retired
         if blocks_needed > usable:
             raise RequestRejectedError(
                 f"request {rid!r} needs up to {blocks_needed} KV blocks but the pool has "
-                f"only {usable} usable (num_blocks={cfg.num_blocks}, block 0 reserved); "
-                f"lower max_tokens or raise num_blocks"
+                f"only {usable} usable (num_blocks={cfg.num_blocks}, block 0 reserved, "
+                f"{retired} retired after failed checks); lower max_tokens or raise num_blocks"
             )
         if params.n > cfg.max_num_seqs:
             raise RequestRejectedError(

@@ -15,6 +15,7 @@ from kv_echo_model import echo_engine, run_to_completion
 
 from pagewarden import LLM
 from pagewarden.engine.config import EngineConfigError
+from pagewarden.engine.core import RequestRejected
 from pagewarden.faults.chaos import scrub_until_covered
 from pagewarden.faults.injector import FAULT_KINDS, FaultInjector
 from pagewarden.kv.errors import KVOwnershipError
@@ -230,6 +231,17 @@ def test_unrecoverable_fault_fails_the_request_with_a_clear_reason(tiny_llama_di
     assert s.failed_requests == 1 and s.retired_blocks == 1
     assert engine.stats().used_blocks == 0
     assert engine.scheduler.check_invariants() == []
+    # The pool is smaller now: the same request is refused up front with a clear error...
+    with pytest.raises(RequestRejected, match="needs up to 5 KV blocks"):
+        engine.add_request("again", [5] * 10, SamplingParams(max_tokens=10, ignore_eos=True))
+    # ... and one accepted before a block retired fails at admission instead of hanging.
+    engine.add_request("racing", [5] * 6, SamplingParams(max_tokens=8, ignore_eos=True))
+    other = next(b for b in pool.free_queue if b.block_id != spare.block_id)
+    for _ in range(3):
+        pool.quarantine(other.block_id)
+    (out,) = engine.step()
+    assert out.request_id == "racing" and out.outputs[0].finish_reason == "error"
+    assert not engine.has_unfinished() and engine.scheduler.check_invariants() == []
 
 
 def test_integrity_level_is_validated() -> None:
