@@ -97,13 +97,27 @@ class IntegrityMonitor:
     def recover(self, out: SchedulerOutput,
                 result: ModelRunnerOutput) -> tuple[SchedulerOutput, RecoveryReport]:
         """Apply the step's faults; returns the output without the rolled-back requests."""
-        faults = result.faults
+        report = self._recover(result.faults)
+        gone = set(report.rolled_back)
+        kept = [r for r in out.requests if r.req_id not in gone]
+        return dataclasses.replace(out, requests=kept), report
+
+    def scrub_idle(self, num_blocks: int) -> list[KVFault]:
+        """Scrub ``num_blocks`` sealed blocks outside a step and recover what it finds."""
+        faults = self.guard.scrub(num_blocks)
+        if faults:
+            self._recover(faults)
+            self.after_step()
+        return faults
+
+    def _recover(self, faults: list[KVFault]) -> RecoveryReport:
+        """Quarantine and roll back through the scheduler; log and count."""
         report = self.scheduler.recover(faults)
         self.guard.unseal(report.quarantined)
         for f in faults:
             logger.warning("integrity: %s fault found by %s in blocks %s (%s); rolling back %s",
                            f.kind, f.found_by, list(f.block_ids), f.detail,
-                           dict(sorted(f.rollback.items())))
+                           dict(sorted(report.rolled_back.items())))
         self.quarantined_blocks += len(report.quarantined)
         self.rolled_back_requests += len(report.rolled_back)
         self.recomputed_tokens += report.recomputed_tokens
@@ -113,25 +127,7 @@ class IntegrityMonitor:
                          list(report.failed))
         else:
             self.recoveries += len(faults)
-        gone = set(report.rolled_back)
-        kept = [r for r in out.requests if r.req_id not in gone]
-        return dataclasses.replace(out, requests=kept), report
-
-    def scrub_idle(self, num_blocks: int) -> list[KVFault]:
-        """Scrub ``num_blocks`` sealed blocks outside a step and recover what it finds."""
-        faults = self.guard.scrub(num_blocks)
-        if faults:
-            report = self.scheduler.recover(faults)
-            self.guard.unseal(report.quarantined)
-            for f in faults:
-                logger.warning("integrity: %s fault found by idle scrub in blocks %s (%s)",
-                               f.kind, list(f.block_ids), f.detail)
-            self.quarantined_blocks += len(report.quarantined)
-            self.rolled_back_requests += len(report.rolled_back)
-            self.recomputed_tokens += report.recomputed_tokens
-            self.recoveries += len(faults)
-            self.after_step()
-        return faults
+        return report
 
     def after_step(self) -> None:
         """Periodic audit; scrub and release quarantined blocks nobody holds."""

@@ -151,7 +151,7 @@ def scrub_until_covered(engine: EngineCore, injector: FaultInjector) -> None:
     per_step = max(1, engine.config.scrub_blocks_per_step)
     for _ in range((guard.num_sealed + per_step - 1) // per_step):
         for f in engine.integrity.scrub_idle(per_step):
-            injector._mark(set(f.block_ids), f"{f.kind}/{f.found_by}")
+            injector.mark_detected(set(f.block_ids), f"{f.kind}/{f.found_by}")
         injector.steps += 1
 
 

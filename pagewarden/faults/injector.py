@@ -118,7 +118,7 @@ class FaultInjector:
         def hooked_verify():
             events = verify()
             for e in events:
-                self._mark({e.block_id}, f"{e.kind}/schedule", req_id=e.req_id)
+                self.mark_detected({e.block_id}, f"{e.kind}/schedule", req_id=e.req_id)
             return events
 
         runner.execute = hooked_execute
@@ -136,7 +136,8 @@ class FaultInjector:
         self.faults.append(fault)
         return fault
 
-    def _mark(self, blocks: set[int], found_by: str, req_id: str | None = None) -> None:
+    def mark_detected(self, blocks: set[int], found_by: str, req_id: str | None = None) -> None:
+        """Attribute a detection (blocks named by a check) to the faults that touched them."""
         for f in self.faults:
             hit = f.blocks & blocks
             if f.kind == "use_after_free":
@@ -175,7 +176,7 @@ class FaultInjector:
             if sr is not None and self._reads_corrupt(sr):
                 self.corrupted_tokens += len(u.new_token_ids)
         for kv_fault in res.faults:
-            self._mark(set(kv_fault.block_ids), f"{kv_fault.kind}/{kv_fault.found_by}")
+            self.mark_detected(set(kv_fault.block_ids), f"{kv_fault.kind}/{kv_fault.found_by}")
         # A redirect lasts one step: afterwards nothing reads through it.
         for f in self.faults:
             if f.kind == "table_redirect":
