@@ -10,6 +10,7 @@ import torch
 from pagewarden.faults.kv_faults import (
     flip_bit, flip_slot_bit, redirect_block_table, undo_bit_flip,
 )
+from pagewarden.worker import integrity_cpu
 from pagewarden.worker.integrity import (
     MASK64, ROOT_TAG, KVIntegrityError, SlotTags, _limb_keys, _offset_keys,
     block_checksums, check_blocks, combine_slot_checksums, seal_blocks, slot_checksums,
@@ -45,11 +46,49 @@ def _reference_block_sum(caches: list[torch.Tensor], block_id: int) -> int:
     return total - (1 << 64) if total >> 63 else total
 
 
+@pytest.fixture(params=["numba", "torch"])
+def kernel(request, monkeypatch) -> str:
+    """Run a test once with the numba CPU kernels and once with the torch kernels."""
+    if request.param == "numba" and not integrity_cpu.AVAILABLE:
+        pytest.fail("numba is a declared dependency and must be installed")
+    monkeypatch.setattr(integrity_cpu, "enabled", request.param == "numba")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_matches_pure_python_mod_2_64_reference(dtype: torch.dtype) -> None:
+def test_matches_pure_python_mod_2_64_reference(dtype: torch.dtype, kernel: str) -> None:
     caches = _caches(dtype)
+    assert integrity_cpu.usable(caches) == (kernel == "numba")
     got = block_checksums(caches, torch.tensor([2, 5])).tolist()
     assert got == [_reference_block_sum(caches, 2), _reference_block_sum(caches, 5)]
+    slot_got = slot_checksums(caches, torch.tensor([2 * BLOCK_SIZE + 1]))
+    # A block of one slot's content (others zero) has block sum offset_key * slot_sum.
+    lone = [torch.zeros_like(c) for c in caches]
+    for c, src in zip(lone, caches):
+        c[:, 3, 1] = src[:, 2, 1]
+    okey = _offset_keys(BLOCK_SIZE, torch.device("cpu"))[1]
+    assert int(block_checksums(lone, torch.tensor([3]))) == int(slot_got * okey)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_numba_and_torch_kernels_agree(dtype: torch.dtype, monkeypatch) -> None:
+    if not integrity_cpu.AVAILABLE:
+        pytest.fail("numba is a declared dependency and must be installed")
+    g = torch.Generator().manual_seed(7)
+    caches = [torch.randn(2, 20, 16, 3, 64, generator=g).to(dtype) for _ in range(5)]
+    ids = torch.randint(0, 20, (40,), generator=g)      # repeats allowed
+    slots = torch.randint(0, 20 * 16, (33,), generator=g)
+    results = {}
+    for on in (True, False):
+        monkeypatch.setattr(integrity_cpu, "enabled", on)
+        results[on] = (block_checksums(caches, ids), slot_checksums(caches, slots))
+    assert torch.equal(results[True][0], results[False][0])
+    assert torch.equal(results[True][1], results[False][1])
+    monkeypatch.setattr(integrity_cpu, "enabled", True)
+    with pytest.raises(IndexError, match="block id"):
+        block_checksums(caches, torch.tensor([3, 20]))
+    with pytest.raises(IndexError, match="slot"):
+        slot_checksums(caches, torch.tensor([-1]))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
