@@ -16,6 +16,7 @@ from pagewarden.kv.errors import (
 from pagewarden.kv.free_queue import FreeBlockQueue
 from pagewarden.kv.kv_manager import KVCacheManager, RequestBlocks
 from pagewarden.kv.prefix_hash import ExtraKeyKind, encode_extra_keys, hash_block_tokens
+from pagewarden.kv.swap_space import BlockSwap, SwappedTable, SwapSpace
 
 __all__ = [
     "BlockHash",
@@ -25,6 +26,7 @@ __all__ = [
     "BlockRef",
     "BlockState",
     "BlockStateError",
+    "BlockSwap",
     "DuplicateRequestError",
     "ExtraKeyKind",
     "FreeBlockQueue",
@@ -34,6 +36,8 @@ __all__ = [
     "QuarantinedBlockError",
     "RequestBlocks",
     "StaleBlockError",
+    "SwapSpace",
+    "SwappedTable",
     "UnknownRequestError",
     "encode_extra_keys",
     "hash_block_tokens",

@@ -24,6 +24,7 @@ from pagewarden.kv.errors import (
     UnknownRequestError,
 )
 from pagewarden.kv.prefix_hash import hash_block_tokens
+from pagewarden.kv.swap_space import BlockSwap, SwappedTable, SwapSpace
 
 
 class RequestBlocks:
@@ -48,12 +49,18 @@ class RequestBlocks:
 
 
 class KVCacheManager:
-    """Owns the pool and every request's block table. Single-threaded by design."""
+    """Owns the pool, every request's block table and the host (swap) tier.
+
+    Single-threaded by design. A request has a device table (``tables``) or a swapped
+    table (``swap.tables``), never both.
+    """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+        num_host_blocks: int = 0,
     ) -> None:
         self.pool = BlockPool(num_blocks, block_size)
+        self.swap = SwapSpace(num_host_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.tables: dict[str, RequestBlocks] = {}
@@ -237,7 +244,12 @@ class KVCacheManager:
             self.tables[cid] = child
 
     def free(self, req_id: str) -> None:
-        """Release the request's table; a second call (or an unknown id) is a no-op."""
+        """Release the request's table (device or swapped); a second call (or an unknown
+        id) is a no-op."""
+        if self.swap.tables:
+            swapped = self.swap.tables.pop(req_id, None)
+            if swapped is not None:
+                self.swap.release(swapped.host_ids)
         entry = self.tables.pop(req_id, None)
         if entry is None:
             return
@@ -252,6 +264,64 @@ class KVCacheManager:
             else:
                 self.stale_refs_dropped += 1
         self.pool.free_blocks(live)
+
+    # -------------------------------------------------------------------- swap
+    def is_swapped(self, req_id: str) -> bool:
+        return req_id in self.swap.tables
+
+    def swap_out(self, req_id: str, num_tokens: int) -> list[BlockSwap] | None:
+        """Move the request's KV (``num_tokens`` tokens) to host blocks; free its device
+        blocks. Returns the device -> host copies, or None (nothing changed) when the host
+        tier has too few free blocks.
+
+        The worker copies before the step's forward pass, so device blocks freed here can
+        be handed out again in the same step.
+        """
+        entry = self._entry(req_id)
+        if req_id in self.swap.tables:
+            raise DuplicateRequestError(f"request {req_id!r} is already swapped out")
+        ids = entry.ids
+        bs = self.block_size
+        assert len(ids) == (num_tokens + bs - 1) // bs, (
+            f"{req_id}: {len(ids)} blocks do not hold exactly {num_tokens} tokens")
+        host_ids = self.swap.allocate(len(ids))
+        if host_ids is None:
+            return None
+        swaps = [BlockSwap(d, h, _slots_used(i, num_tokens, bs))
+                 for i, (d, h) in enumerate(zip(ids, host_ids))]
+        self.free(req_id)
+        self.swap.tables[req_id] = SwappedTable(host_ids, entry.hashes, entry.extra_keys,
+                                                num_tokens)
+        self.swap.num_swapped_out += len(host_ids)
+        return swaps
+
+    def swap_in(self, req_id: str) -> list[BlockSwap] | None:
+        """Bring a swapped request's KV back into fresh device blocks; returns the host ->
+        device copies, or None (nothing changed) when the pool has too few free blocks.
+
+        The new blocks are private; full ones are indexed for prefix caching again the
+        next time the request seals (their hashes are kept, not recomputed).
+        """
+        table = self.swap.tables.get(req_id)
+        if table is None:
+            raise UnknownRequestError(f"request {req_id!r} is not swapped out")
+        if req_id in self.tables:
+            raise DuplicateRequestError(f"request {req_id!r} already has a block table")
+        host_ids = table.host_ids
+        if len(host_ids) > self.pool.free_queue.num_free:
+            return None
+        blocks = self.pool.get_new_blocks(len(host_ids))
+        entry = RequestBlocks(table.extra_keys)
+        entry.refs = [_ref(block) for block in blocks]
+        entry.ids = [block.block_id for block in blocks]
+        entry.hashes = table.hashes
+        self.tables[req_id] = entry
+        del self.swap.tables[req_id]
+        self.swap.release(host_ids)
+        self.swap.num_swapped_in += len(host_ids)
+        bs = self.block_size
+        return [BlockSwap(h, d, _slots_used(i, table.num_tokens, bs))
+                for i, (h, d) in enumerate(zip(host_ids, entry.ids))]
 
     # --------------------------------------------------------------- integrity
     def first_unsound_block(self, req_id: str) -> int | None:
@@ -298,11 +368,21 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------- audit
     def check_invariants(self) -> list[str]:
-        """Violations of the pool/table invariants; empty when sound."""
-        return audit.check_invariants(self.pool, {k: v.refs for k, v in self.tables.items()})
+        """Violations of the pool/table and host-tier invariants; empty when sound."""
+        errors = audit.check_invariants(self.pool, {k: v.refs for k, v in self.tables.items()})
+        errors += self.swap.check_invariants()
+        both = set(self.tables) & set(self.swap.tables)
+        if both:
+            errors.append(f"requests with both a device and a swapped table: {sorted(both)}")
+        return errors
 
 
 _NO_COPIES: list[tuple[int, int]] = []
+
+
+def _slots_used(index: int, num_tokens: int, block_size: int) -> int:
+    """Slots of logical block ``index`` that ``num_tokens`` tokens fill."""
+    return min(block_size, num_tokens - index * block_size)
 
 _new_tuple = tuple.__new__
 

@@ -25,6 +25,7 @@ class FakeModelRunner:
         self.vocab_size = vocab_size
         self.verify = verify
         self.slots: dict[int, int] = {}
+        self.host_slots: dict[int, int] = {}  # the host (swap) tier, same layout
         self._seeds: dict[str, int] = {}
         self.num_steps = 0
 
@@ -56,6 +57,15 @@ class FakeModelRunner:
     def _apply(self, out: SchedulerOutput) -> None:
         bs = self.block_size
         slots = self.slots
+        host = self.host_slots
+        assert not (out.swap_out and out.swap_in), "a step swaps one way only"
+        for tier_from, tier_to, swaps in ((slots, host, out.swap_out),
+                                          (host, slots, out.swap_in)):
+            for w in swaps:
+                for off in range(bs):
+                    tier_to.pop(w.dst * bs + off, None)
+                for off in range(w.num_slots):
+                    tier_to[w.dst * bs + off] = tier_from[w.src * bs + off]
         for src, dst in out.copy_blocks:
             for off in range(bs):
                 s = src * bs + off

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagewarden.kv.swap_space import BlockSwap
 from pagewarden.sampling_params import SamplingParams
 
 
@@ -59,8 +60,12 @@ class ScheduledRequest:
 class SchedulerOutput:
     """Everything the model runner needs for one step.
 
-    ``copy_blocks`` are copy-on-write pairs ``(src_block_id, dst_block_id)`` to apply to
-    the physical cache before the forward pass.
+    Before the forward pass the runner applies, in this order: ``swap_out`` (device ->
+    host copies of requests preempted to the host tier; their device blocks may already
+    be handed to others in this step, who write them in the forward pass), ``swap_in``
+    (host -> device) and ``copy_blocks``, the copy-on-write pairs
+    ``(src_block_id, dst_block_id)``. A step never has both swap-outs and swap-ins (the
+    scheduler swaps nothing in during a step that preempted).
     """
 
     step_id: int
@@ -70,6 +75,8 @@ class SchedulerOutput:
     # runner holding per-request state can drop it.
     finished_req_ids: list[str] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
+    swap_out: list[BlockSwap] = field(default_factory=list)
+    swap_in: list[BlockSwap] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -4,8 +4,11 @@ Each step closes, under ``max_num_batched_tokens`` and ``max_num_seqs``, the gap
 each request's ``num_computed_tokens`` and its target (``num_tokens``; ``prompt[:-1]``
 for an ``n > 1`` parent that has not forked yet). Running requests go first (decode and
 unfinished prefill chunks), then waiting ones are admitted in order. When the pool runs
-dry, the most recently admitted running request is preempted (recompute: its blocks are
-freed, ``num_computed_tokens = 0``, it goes to the front of the waiting queue).
+dry, the most recently admitted running request is preempted: by recompute (its blocks
+are freed, ``num_computed_tokens = 0``, it goes to the front of the waiting queue) or, with
+``preemption_mode="swap"``, by swapping its KV out to the host tier (it goes to the front
+of the swapped queue and resumes where it stopped once its blocks fit again; swapped
+requests are brought back before any waiting request is admitted).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 from pagewarden.kv.block import BlockState
 from pagewarden.kv.kv_manager import KVCacheManager
 from pagewarden.kv.prefix_hash import encode_extra_keys
+from pagewarden.kv.swap_space import BlockSwap
 from pagewarden.sched.config import SchedulerConfig
 from pagewarden.sched.fast_dataclass import fast_constructor, unfrozen_twin
 from pagewarden.sched.output import (
@@ -39,6 +43,7 @@ __all__ = [
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
+_SWAPPED = RequestStatus.SWAPPED
 #: Child seed = parent seed * _SEED_MIX + child index (n > 1).
 _SEED_MIX = 1000003
 
@@ -82,6 +87,11 @@ class SchedulerStats:
     block_frees: int
     retired_blocks: int = 0
     ownership_violations: int = 0
+    num_swapped: int = 0              # requests whose KV is in the host tier now
+    host_blocks: int = 0
+    free_host_blocks: int = 0
+    swapped_out_blocks: int = 0       # device -> host block copies, ever
+    swapped_in_blocks: int = 0        # host -> device block copies, ever
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,8 +191,13 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(config.num_blocks, config.block_size,
+                                 config.enable_prefix_caching, config.num_host_blocks)
         self.waiting: deque[Request] = deque()
+        self.swapped: deque[Request] = deque()
+        self._swap_by_preemption = config.preemption_mode == "swap"
+        self._swap_out: list[BlockSwap] = []
+        self._swap_in: list[BlockSwap] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         # Fork parent id -> ids of its live children (so aborting the parent reaches them).
@@ -301,6 +316,8 @@ class Scheduler:
                     continue
                 if req.status is _WAITING:
                     self.waiting.remove(req)
+                elif req.status is _SWAPPED:
+                    self.swapped.remove(req)
                 else:
                     self.running.remove(req)
                 self._finish(req, status, reason, stop_reason)
@@ -332,11 +349,19 @@ class Scheduler:
         copies: list[tuple[int, int]] = []
         budget, preempted = self._schedule_running(scheduled, copies)
         if not preempted:  # a pool that just ran dry admits nobody new
-            self._schedule_waiting(budget, scheduled, copies)
+            if self.swapped:
+                budget = self._schedule_swapped(budget, scheduled, copies)
+            if not self.swapped:  # swapped requests come back before new ones start
+                self._schedule_waiting(budget, scheduled, copies)
         left = self._left_ids
         self._left_ids = []
         pre = self._preempted_ids
         self._preempted_ids = []
+        if self._swap_out or self._swap_in:
+            swap_out, swap_in = self._swap_out, self._swap_in
+            self._swap_out, self._swap_in = [], []
+            return _new_scheduler_output(self._num_steps, scheduled, copies, left, pre,
+                                         swap_out, swap_in)
         return _new_scheduler_output(self._num_steps, scheduled, copies, left, pre)
 
     def _schedule_running(
@@ -417,6 +442,38 @@ class Scheduler:
             budget -= num_new
         return budget, preempted
 
+    def _schedule_swapped(
+        self, budget: int, scheduled: list[ScheduledRequest], copies: list[tuple[int, int]]
+    ) -> int:
+        """Swap requests back in, in order, while budget, seats and free blocks last, and
+        schedule their next tokens; returns the budget left."""
+        kv = self.kv
+        bs = self.config.block_size
+        max_seqs = self.config.max_num_seqs
+        running = self.running
+        swapped = self.swapped
+        while swapped and budget > 0 and len(running) < max_seqs and len(scheduled) < max_seqs:
+            req = swapped[0]
+            start = req.num_computed_tokens
+            num_new = min(_target(req) - start, budget)
+            # Its blocks come back and this step's tokens need room too (fresh, private
+            # blocks: no copy on write).
+            if (start + max(num_new, 0) + bs - 1) // bs > kv.num_free_blocks:
+                break
+            swaps = kv.swap_in(req.req_id)
+            assert swaps is not None, "free blocks were counted above"
+            self._swap_in.extend(swaps)
+            swapped.popleft()
+            req.status = _RUNNING
+            running.append(req)
+            if num_new <= 0:
+                continue
+            cow = kv.allocate_slots(req.req_id, start, num_new)
+            assert cow == [], f"{req.req_id}: swapped-in blocks are private, got {cow}"
+            scheduled.append(self._scheduled_request(req, num_new))
+            budget -= num_new
+        return budget
+
     def _schedule_waiting(
         self, budget: int, scheduled: list[ScheduledRequest], copies: list[tuple[int, int]]
     ) -> None:
@@ -467,15 +524,23 @@ class Scheduler:
         )
 
     def _preempt(self, req: Request) -> None:
-        """Recompute preemption: free blocks, forget progress, go to the front of waiting."""
-        self.kv.free(req.req_id)
-        req.num_computed_tokens = 0
-        req.status = _WAITING
+        """Swap ``req`` out to the host tier (swap mode, room there, KV to keep), else
+        recompute: free blocks, forget progress, go to the front of waiting."""
         req.num_preemptions += 1
-        self.waiting.appendleft(req)
         self.num_preemptions += 1
         self._preempted_ids.append(req.req_id)
         self._left_ids.append(req.req_id)
+        if self._swap_by_preemption and req.num_computed_tokens:
+            swaps = self.kv.swap_out(req.req_id, req.num_computed_tokens)
+            if swaps is not None:
+                self._swap_out.extend(swaps)
+                req.status = _SWAPPED
+                self.swapped.appendleft(req)
+                return
+        self.kv.free(req.req_id)
+        req.num_computed_tokens = 0
+        req.status = _WAITING
+        self.waiting.appendleft(req)
 
     # ---------------------------------------------------------------- update
     def update(self, out: SchedulerOutput, res: ModelRunnerOutput) -> list[RequestUpdate]:
@@ -594,7 +659,7 @@ class Scheduler:
 
     # --------------------------------------------------------------- queries
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def stats(self) -> SchedulerStats:
         pool = self.kv.pool
@@ -615,36 +680,45 @@ class Scheduler:
             block_frees=pool.num_frees,
             retired_blocks=len(pool.retired),
             ownership_violations=pool.ownership_violations,
+            num_swapped=len(self.swapped),
+            host_blocks=self.kv.swap.num_blocks,
+            free_host_blocks=self.kv.swap.num_free_blocks,
+            swapped_out_blocks=self.kv.swap.num_swapped_out,
+            swapped_in_blocks=self.kv.swap.num_swapped_in,
         )
 
     def check_invariants(self) -> list[str]:
         """Scheduler + KV invariant violations; empty when sound."""
         errors = self.kv.check_invariants()
-        running_ids = [r.req_id for r in self.running]
-        waiting_ids = [r.req_id for r in self.waiting]
-        if len(set(running_ids)) != len(running_ids):
-            errors.append("a request is listed twice in running")
-        if len(set(waiting_ids)) != len(waiting_ids):
-            errors.append("a request is listed twice in waiting")
-        both = set(running_ids) & set(waiting_ids)
-        if both:
-            errors.append(f"requests both running and waiting: {sorted(both)}")
-        live = set(running_ids) | set(waiting_ids)
+        queues = {"running": [r.req_id for r in self.running],
+                  "waiting": [r.req_id for r in self.waiting],
+                  "swapped": [r.req_id for r in self.swapped]}
+        for name, ids in queues.items():
+            if len(set(ids)) != len(ids):
+                errors.append(f"a request is listed twice in {name}")
+        seen: dict[str, str] = {}
+        for name, ids in queues.items():
+            for rid in ids:
+                if rid in seen and seen[rid] != name:
+                    errors.append(f"{rid} is both {seen[rid]} and {name}")
+                seen[rid] = name
+        live = set(seen)
         if live != set(self.requests):
-            errors.append(
-                f"live requests {sorted(set(self.requests))} != running+waiting {sorted(live)}"
-            )
+            errors.append(f"live requests {sorted(set(self.requests))} != "
+                          f"running+waiting+swapped {sorted(live)}")
         tables = set(self.kv.tables)
-        if tables != set(running_ids):
+        if tables != set(queues["running"]):
             errors.append(
-                f"block tables {sorted(tables)} != running requests {sorted(running_ids)}"
+                f"block tables {sorted(tables)} != running requests {sorted(queues['running'])}"
             )
-        for r in self.running:
-            if r.status is not _RUNNING:
-                errors.append(f"{r.req_id} in running with status {r.status.name}")
-        for r in self.waiting:
-            if r.status is not _WAITING:
-                errors.append(f"{r.req_id} in waiting with status {r.status.name}")
+        if set(self.kv.swap.tables) != set(queues["swapped"]):
+            errors.append(f"swapped tables {sorted(self.kv.swap.tables)} != swapped "
+                          f"requests {sorted(queues['swapped'])}")
+        for queue, status in ((self.running, _RUNNING), (self.waiting, _WAITING),
+                              (self.swapped, _SWAPPED)):
+            for r in queue:
+                if r.status is not status:
+                    errors.append(f"{r.req_id} in {status.value} with status {r.status.name}")
         for r in self.requests.values():
             if not 0 <= r.num_computed_tokens <= r.num_tokens:
                 errors.append(f"{r.req_id}: num_computed_tokens {r.num_computed_tokens} "

@@ -1,6 +1,6 @@
 """Hypothesis state machine: random allocate/append/fork/prefix-hit/free/preempt/abort/
-quarantine over a tiny pool, with invariants and a simulated physical cache checked after
-every operation."""
+quarantine/swap out/swap in over a tiny pool and host tier, with invariants and a
+simulated physical cache (both tiers) checked after every operation."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pagewarden.kv.prefix_hash import encode_extra_keys
 
 BS = 2
 NUM_BLOCKS = 9
+NUM_HOST_BLOCKS = 5
 EXTRAS = [encode_extra_keys("m", None), encode_extra_keys("m", "tenant")]
 MAX_EXAMPLES = int(os.environ.get("PAGEWARDEN_HYPOTHESIS_EXAMPLES", "2000"))
 
@@ -24,11 +25,14 @@ MAX_EXAMPLES = int(os.environ.get("PAGEWARDEN_HYPOTHESIS_EXAMPLES", "2000"))
 class KVMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(NUM_BLOCKS, BS)
+        self.kv = KVCacheManager(NUM_BLOCKS, BS, num_host_blocks=NUM_HOST_BLOCKS)
         self.tokens: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
         self.extra: dict[str, bytes] = {}
         self.slots: dict[int, int] = {}  # physical slot -> token id
+        self.host_slots: dict[int, int] = {}  # host tier slot -> token id
+        # Swapped-out requests: req id -> (tokens, computed, extra keys)
+        self.swapped: dict[str, tuple[list[int], int, bytes]] = {}
         self.stale: list[BlockRef] = []
         self.next_id = 0
 
@@ -130,6 +134,49 @@ class KVMachine(RuleBasedStateMachine):
         if not self._advance(rid, len(tokens)):
             self._drop(rid)
 
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def swap_out(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        computed = self.computed[rid]
+        refs = self.kv.tables[rid].refs
+        if len(refs) != (computed + BS - 1) // BS:
+            return  # allocated ahead of what it computed: the scheduler never swaps that
+        swaps = self.kv.swap_out(rid, computed)
+        if swaps is None:
+            assert self.kv.swap.num_free_blocks < len(refs)
+            assert self.kv.has_table(rid)
+            return
+        assert [(w.src, w.num_slots) for w in swaps] == [
+            (r.block_id, min(BS, computed - i * BS)) for i, r in enumerate(refs)]
+        for w in swaps:
+            for off in range(w.num_slots):
+                self.host_slots[w.dst * BS + off] = self.slots[w.src * BS + off]
+        self.stale.extend(refs)
+        self.swapped[rid] = (self.tokens.pop(rid), self.computed.pop(rid),
+                             self.extra.pop(rid))
+        assert not self.kv.has_table(rid) and self.kv.is_swapped(rid)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data(), abort=st.booleans())
+    def swap_in_or_abort(self, data: st.DataObject, abort: bool) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.swapped)))
+        if abort:
+            self.kv.free(rid)
+            del self.swapped[rid]
+            return
+        swaps = self.kv.swap_in(rid)
+        if swaps is None:
+            assert self.kv.is_swapped(rid)
+            return
+        for w in swaps:
+            for off in range(w.num_slots):
+                self.slots[w.dst * BS + off] = self.host_slots[w.src * BS + off]
+        tokens, computed, extra = self.swapped.pop(rid)
+        self.tokens[rid], self.computed[rid], self.extra[rid] = tokens, computed, extra
+        assert self.kv.tables[rid].ids == [w.dst for w in swaps]
+        self.kv.seal_full_blocks(rid, tokens, computed)  # full blocks indexed again
+
     @rule(block_id=st.integers(1, NUM_BLOCKS - 1))
     def quarantine_toggle(self, block_id: int) -> None:
         pool = self.kv.pool
@@ -155,6 +202,14 @@ class KVMachine(RuleBasedStateMachine):
             ids = self.kv.tables[rid].ids
             for p in range(self.computed[rid]):
                 assert self.slots[ids[p // BS] * BS + p % BS] == tokens[p], (rid, p)
+
+    @invariant()
+    def host_tier_reads_back_swapped_tokens(self) -> None:
+        for rid, (tokens, computed, _) in self.swapped.items():
+            host_ids = self.kv.swap.tables[rid].host_ids
+            assert len(host_ids) == (computed + BS - 1) // BS
+            for p in range(computed):
+                assert self.host_slots[host_ids[p // BS] * BS + p % BS] == tokens[p], (rid, p)
 
     @invariant()
     def stale_refs_fail_loudly(self) -> None:

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from pagewarden.sampling_params import SamplingParams
 from pagewarden.sched import Request, Scheduler, SchedulerConfig
 from pagewarden.sched.fake_runner import FakeModelRunner
 
 
-def test_simulation_2000_requests_with_preemption() -> None:
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_simulation_2000_requests_with_preemption(mode: str) -> None:
     rng = random.Random(1234)
+    # Swap mode: a host tier too small for every victim, so both preemption kinds happen.
     cfg = SchedulerConfig(num_blocks=48, block_size=4, max_num_seqs=16,
-                          max_num_batched_tokens=48, max_model_len=64)
+                          max_num_batched_tokens=48, max_model_len=64,
+                          preemption_mode=mode, num_host_blocks=24 if mode == "swap" else 0)
     s = Scheduler(cfg)
     runner = FakeModelRunner(cfg.block_size, verify=True)
     shared = [[rng.randrange(50) for _ in range(12)] for _ in range(4)]
@@ -58,3 +63,9 @@ def test_simulation_2000_requests_with_preemption() -> None:
     assert st.free_blocks + st.cached_blocks == cfg.num_blocks - 1
     assert st.prefix_cache_hits > 0
     assert s.check_invariants() == []
+    if mode == "swap":
+        assert st.swapped_out_blocks > 0
+        assert st.swapped_in_blocks > 0
+        assert st.num_swapped == 0 and st.free_host_blocks == cfg.num_host_blocks
+    else:
+        assert st.swapped_out_blocks == 0
