@@ -31,6 +31,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="steps between metadata invariant audits")
     parser.add_argument("--scrub-blocks-per-step", type=int, default=d.scrub_blocks_per_step,
                         help="sealed blocks the scrubber re-verifies each step")
+    parser.add_argument("--swap-space", type=float, default=d.swap_space,
+                        help="GiB of host memory for swapped-out KV (default 0: no host tier)")
+    parser.add_argument("--preemption-mode", default=None, choices=("recompute", "swap"),
+                        help="default: swap when --swap-space > 0, else recompute")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -98,7 +102,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     report = run_chaos(model=args.model, num_faults=args.faults, integrity=args.integrity,
                        num_requests=args.requests, max_tokens=args.max_tokens, seed=args.seed,
                        dtype=args.dtype, num_kv_blocks=args.num_kv_blocks,
-                       block_size=args.block_size)
+                       block_size=args.block_size, num_swap_blocks=args.num_swap_blocks)
     print(report.table())
     return 0
 
@@ -130,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     chaos.add_argument("--block-size", type=int, default=8)
     chaos.add_argument("--num-kv-blocks", type=int, default=None,
                        help="default: about a third of what the workload needs (preemption)")
+    chaos.add_argument("--num-swap-blocks", type=int, default=None,
+                       help="host (swap) tier blocks; default half the KV blocks (too few "
+                            "for every victim, so preemption both swaps and recomputes); "
+                            "0: recompute only")
     chaos.add_argument("--seed", type=int, default=0)
     chaos.set_defaults(func=cmd_chaos)
     try:

@@ -39,6 +39,11 @@ class EngineConfig:
     integrity: str = "standard"
     audit_interval: int = 64           # steps between check_invariants() runs
     scrub_blocks_per_step: int = 4     # sealed blocks the scrubber re-verifies each step
+    # Host (swap) tier: GiB of host memory (as vLLM's --swap-space) or an exact block count.
+    swap_space: float = 0.0
+    num_swap_blocks: int | None = None
+    # "recompute" | "swap"; None: swap when a host tier is configured, else recompute.
+    preemption_mode: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -64,8 +69,30 @@ class EngineConfig:
         if not isinstance(self.scrub_blocks_per_step, int) or self.scrub_blocks_per_step < 0:
             raise EngineConfigError(f"scrub_blocks_per_step must be an integer >= 0, got "
                                     f"{self.scrub_blocks_per_step!r}")
+        if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
+            raise EngineConfigError(f"swap_space is GiB of host memory, >= 0; got "
+                                    f"{self.swap_space!r}")
+        if self.num_swap_blocks is not None and (
+                not isinstance(self.num_swap_blocks, int) or self.num_swap_blocks < 0):
+            raise EngineConfigError(
+                f"num_swap_blocks must be an integer >= 0, got {self.num_swap_blocks!r}")
+        if self.num_swap_blocks is not None and self.swap_space:
+            raise EngineConfigError("give swap_space or num_swap_blocks, not both")
+        if self.preemption_mode not in (None, "recompute", "swap"):
+            raise EngineConfigError(f"preemption_mode must be 'recompute' or 'swap', got "
+                                    f"{self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and not (self.swap_space or self.num_swap_blocks):
+            raise EngineConfigError("preemption_mode 'swap' needs a host tier: set "
+                                    "swap_space (GiB) or num_swap_blocks")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise EngineConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    @property
+    def resolved_preemption_mode(self) -> str:
+        """The preemption mode in force ("swap" when a host tier exists, unless told)."""
+        if self.preemption_mode is not None:
+            return self.preemption_mode
+        return "swap" if (self.swap_space or self.num_swap_blocks) else "recompute"
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -56,6 +56,11 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     integrity: IntegrityStats
+    num_swapped: int = 0             # requests whose KV is in the host tier
+    host_blocks: int = 0
+    free_host_blocks: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -79,7 +84,11 @@ class EngineCore:
         else:
             shape = KVCacheShape.from_budget(config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY,
                                              **shape_args)
-        self.kv_store = KVStore(shape)
+        if config.num_swap_blocks is not None:
+            num_host_blocks = config.num_swap_blocks
+        else:
+            num_host_blocks = int(config.swap_space * 2**30) // shape.bytes_per_block
+        self.kv_store = KVStore(shape, num_host_blocks=num_host_blocks)
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=shape.num_blocks, block_size=config.block_size,
@@ -88,6 +97,9 @@ class EngineCore:
             max_model_len=self.max_model_len,
             enable_prefix_caching=config.enable_prefix_caching,
             model_id=self.loaded.name,
+            preemption_mode=(config.resolved_preemption_mode if num_host_blocks
+                             else "recompute"),
+            num_host_blocks=num_host_blocks,
         ))
         self.runner = ModelRunner(self.loaded.model, self.kv_store, mcfg.vocab_size,
                                   seed=config.seed, integrity=config.integrity,
@@ -216,4 +228,7 @@ class EngineCore:
             num_waiting=s.num_waiting, block_allocations=s.block_allocations,
             block_frees=s.block_frees, prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens, integrity=self.integrity.stats(),
+            num_swapped=s.num_swapped, host_blocks=s.host_blocks,
+            free_host_blocks=s.free_host_blocks, swapped_out_blocks=s.swapped_out_blocks,
+            swapped_in_blocks=s.swapped_in_blocks,
         )

@@ -31,13 +31,17 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  seed: int = 0, integrity: str = "standard", audit_interval: int = 64,
-                 scrub_blocks_per_step: int = 4) -> None:
+                 scrub_blocks_per_step: int = 4, swap_space: float = 0.0,
+                 num_swap_blocks: int | None = None,
+                 preemption_mode: str | None = None) -> None:
         self.config = EngineConfig(
             model=model, dtype=dtype, block_size=block_size, kv_cache_memory=kv_cache_memory,
             num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, seed=seed, integrity=integrity,
             audit_interval=audit_interval, scrub_blocks_per_step=scrub_blocks_per_step,
+            swap_space=swap_space, num_swap_blocks=num_swap_blocks,
+            preemption_mode=preemption_mode,
         )
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()

@@ -1,7 +1,8 @@
 """``pagewarden chaos``: a mixed workload run fault-free, then with injected faults.
 
 The workload has shared prefixes (prefix-cache hits), ``n > 1`` requests (copy-on-write
-forks) and a KV pool small enough to force preemption. Both runs are greedy, so every
+forks) and a KV pool small enough to force preemption, to a host (swap) tier too small for
+every victim, so requests are both swapped out and recomputed. Both runs are greedy, so every
 output of the faulty run must equal the fault-free one when recovery works. Faults are
 injected at random steps, kinds taken round robin in random order; the report gives per
 kind: injected, detected, recovered, corrupted tokens released (first-order: tokens of a
@@ -15,6 +16,7 @@ it again (that delay is reported too).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -52,6 +54,7 @@ class ChaosReport:
     mismatched_requests: list[str] = field(default_factory=list)
     faults: list[InjectedFault] = field(default_factory=list)
     preemptions: int = 0
+    swapped_out_blocks: int = 0
     prefix_hit_tokens: int = 0
     invariant_violations: list[str] = field(default_factory=list)
     crash: str | None = None        # the engine raised during the faulty run
@@ -70,7 +73,8 @@ class ChaosReport:
                 f"{'harmless':>9}{'max delay':>10}")
         lines = [f"pagewarden chaos: integrity={self.integrity}, {self.num_requests} requests, "
                  f"{self.steps_clean} steps fault-free / {self.steps_faulty} with faults, "
-                 f"{self.preemptions} preemptions, {self.prefix_hit_tokens} prefix-hit tokens",
+                 f"{self.preemptions} preemptions ({self.swapped_out_blocks} blocks swapped "
+                 f"out), {self.prefix_hit_tokens} prefix-hit tokens",
                  head, "-" * len(head)]
         for r in self.rows:
             delay = "-" if r.max_delay is None else str(r.max_delay)
@@ -158,7 +162,8 @@ def scrub_until_covered(engine: EngineCore, injector: FaultInjector) -> None:
 def run_chaos(model: str | None = None, num_faults: int = 20, integrity: str = "strict",
               num_requests: int = 16, max_tokens: int = 24, seed: int = 0,
               dtype: str = "float32", num_kv_blocks: int | None = None,
-              block_size: int = 8, loaded: LoadedModel | None = None) -> ChaosReport:
+              block_size: int = 8, loaded: LoadedModel | None = None,
+              num_swap_blocks: int | None = None) -> ChaosReport:
     """Run the workload fault-free and with ``num_faults`` faults; compare and report."""
     if loaded is None:
         loaded = load_model(model, EngineConfig(dtype=dtype).torch_dtype)
@@ -168,12 +173,12 @@ def run_chaos(model: str | None = None, num_faults: int = 20, integrity: str = "
         longest = max(len(ids) + max_tokens for ids, _ in workload)
         num_kv_blocks = max(2 + 3 * ((longest + block_size - 1) // block_size),
                             num_requests * ((longest + block_size - 1) // block_size) // 3)
+    if num_swap_blocks is None:
+        num_swap_blocks = num_kv_blocks // 2
     config = EngineConfig(model=model, dtype=dtype, block_size=block_size,
                           num_kv_blocks=num_kv_blocks, max_num_batched_tokens=256,
-                          integrity=integrity, seed=seed)
-    clean_cfg = EngineConfig(model=model, dtype=dtype, block_size=block_size,
-                             num_kv_blocks=num_kv_blocks, max_num_batched_tokens=256,
-                             integrity="off", seed=seed)
+                          integrity=integrity, seed=seed, num_swap_blocks=num_swap_blocks)
+    clean_cfg = dataclasses.replace(config, integrity="off")
     _, _, clean, _, steps_clean, _ = _run(clean_cfg, loaded, workload, None, 0, [], [])
     rng = random.Random(seed + 1)
     fault_steps = sorted(rng.randrange(1, max(2, int(steps_clean * 0.8)))
@@ -203,5 +208,6 @@ def run_chaos(model: str | None = None, num_faults: int = 20, integrity: str = "
         steps_faulty=steps_faulty, rows=rows, corrupted_tokens=injector.corrupted_tokens,
         failed_requests=failed, outputs_equal=not mismatched and len(faulty) == len(clean),
         mismatched_requests=mismatched, faults=list(injector.faults),
-        preemptions=stats.num_preemptions, prefix_hit_tokens=stats.prefix_cache_hits,
+        preemptions=stats.num_preemptions, swapped_out_blocks=stats.swapped_out_blocks,
+        prefix_hit_tokens=stats.prefix_cache_hits,
         invariant_violations=engine.scheduler.check_invariants(), crash=crash)

@@ -28,9 +28,12 @@ slot_redirect      a slot index of the next step points into another request's  
                    block, so K/V is scattered there
 use_after_free     a block a request still lists is freed and handed out again    epoch
 foreign_thread     a block-pool mutation from another thread                      owner
+swap_corruption    one bit of a used slot of a host (swap) block that a swapped-  checksum
+                   out request will bring back                                    at swap-in
 =================  =============================================================  ==========
 
-The host (swap) tier does not exist yet, so there is no swap-corruption fault.
+A swap corruption alters host memory, which no step reads: it becomes live (and counts
+for corrupted tokens) in the device block it is swapped into, under that block's id.
 """
 
 from __future__ import annotations
@@ -49,13 +52,13 @@ from pagewarden.sched.output import ModelRunnerOutput, ScheduledRequest, Schedul
 
 FAULT_KINDS: tuple[str, ...] = (
     "sealed_bitflip", "open_bitflip", "tag_corruption", "table_redirect", "slot_redirect",
-    "use_after_free", "foreign_thread",
+    "use_after_free", "foreign_thread", "swap_corruption",
 )
 _MAPPING = frozenset({"table_redirect", "slot_redirect"})
 #: Kinds whose reads return wrong K/V until detected (tag corruption changes no K/V; a
 #: refused foreign mutation changes nothing).
 _ALTERS_KV = frozenset({"sealed_bitflip", "open_bitflip", "table_redirect", "slot_redirect",
-                        "use_after_free"})
+                        "use_after_free", "swap_corruption"})
 
 
 @dataclass
@@ -100,6 +103,7 @@ class FaultInjector:
         self._original: dict[str, ScheduledRequest] = {}
         self._view: dict[str, ScheduledRequest] = {}   # the worker's view of this step
         self._stale: dict[int, tuple[str, int, int]] = {}         # fault -> (rid, block, epoch)
+        self._in_host: dict[int, int] = {}   # swap fault -> host block, until swapped in
         self._hook()
 
     # ----------------------------------------------------------------- plumbing
@@ -108,7 +112,9 @@ class FaultInjector:
         execute, update, verify = runner.execute, scheduler.update, scheduler.verify_block_tables
 
         def hooked_execute(out: SchedulerOutput) -> ModelRunnerOutput:
-            return execute(self._apply_step_faults(out))
+            out = self._apply_step_faults(out)
+            self._follow_swap_ins(out)
+            return execute(out)
 
         def hooked_update(out: SchedulerOutput, res: ModelRunnerOutput):
             updates = update(out, res)
@@ -241,6 +247,7 @@ class FaultInjector:
         bs = self.engine.config.block_size
         self._written = {slot // bs for r in out.requests for slot in r.slot_mapping}
         self._original = {r.req_id: r for r in out.requests}
+        self._current = out
         still = []
         # Mapping faults first: a content fault then lands in what the worker reads.
         mapping_first = sorted(self._pending, key=lambda f: f.kind not in _MAPPING)
@@ -259,6 +266,52 @@ class FaultInjector:
         self._pending = still
         self._view = {r.req_id: r for r in requests}
         return dataclasses.replace(out, requests=requests)
+
+    def _follow_swap_ins(self, out: SchedulerOutput) -> None:
+        """A corrupted host block swapped in this step: the fault lives in its new
+        device block from now on."""
+        if not self._in_host:
+            return
+        moved = {w.src: w.dst for w in out.swap_in}
+        kv = self.engine.scheduler.kv
+        blocks = kv.pool.blocks
+        for f in self.faults:
+            host = self._in_host.get(f.fault_id)
+            if host is None:
+                continue
+            if host not in moved:
+                table = kv.swap.tables.get(f.req_ids[0])
+                if table is None or host not in table.host_ids:
+                    del self._in_host[f.fault_id]   # aborted while swapped: never read
+                continue
+            dst = moved[host]
+            del self._in_host[f.fault_id]
+            f.blocks, f.live_blocks = {dst}, {dst}
+            f.origins = {dst: (blocks[dst].epoch, blocks[dst].block_hash)}
+            f.detail += f"; swapped in to device block {dst}"
+
+    def _apply_swap_corruption(self, requests: list[ScheduledRequest], k: int,
+                               fault: InjectedFault) -> bool:
+        store = self.engine.kv_store
+        swap = self.engine.scheduler.kv.swap
+        out = self._current
+        # Host blocks being written by this step's swap-outs get their bytes only when
+        # the step runs: a flip now would be overwritten, not a fault.
+        filling = {w.dst for w in out.swap_out}
+        bs = self.engine.config.block_size
+        used = [(h, min(bs, t.num_tokens - i * bs)) for rid, t in swap.tables.items()
+                for i, h in enumerate(t.host_ids) if h not in filling]
+        if not used or not store.host_caches:
+            return False
+        host, num_slots = self.rng.choice(used)
+        slot = host * bs + self.rng.randrange(num_slots)
+        caches = store.host_caches
+        flip = flip_slot_bit(caches, slot, self.rng.randrange(len(caches)), self.rng)
+        owner = next(rid for rid, t in swap.tables.items() if host in t.host_ids)
+        self._in_host[fault.fault_id] = host
+        fault.blocks, fault.req_ids = set(), (owner,)
+        fault.detail = f"host block {host} of swapped-out {owner}: {flip!r}"
+        return True
 
     def _apply_sealed_bitflip(self, requests: list[ScheduledRequest], k: int,
                               fault: InjectedFault) -> bool:

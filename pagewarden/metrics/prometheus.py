@@ -69,6 +69,14 @@ class PagewardenCollector:
         yield _counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.",
                        s.prefix_cache_hits, m)
         yield _counter("num_preemptions", "Requests preempted.", s.num_preemptions, m)
+        yield _gauge("num_requests_swapped", "Requests whose KV is in the host (swap) tier.",
+                     s.num_swapped, m)
+        yield _gauge("kv_host_blocks_free", "Free blocks of the host (swap) tier.",
+                     s.free_host_blocks, m)
+        yield _counter("kv_swapped_out_blocks", "KV blocks copied to the host tier.",
+                       s.swapped_out_blocks, m)
+        yield _counter("kv_swapped_in_blocks", "KV blocks copied back from the host tier.",
+                       s.swapped_in_blocks, m)
         yield _counter("prompt_tokens", "Prompt tokens admitted.", s.prompt_tokens, m)
         yield _counter("generation_tokens", "Tokens generated.", s.generation_tokens, m)
         yield _counter("admission_rejections", "Requests shed with 429 by admission control.",
@@ -108,6 +116,7 @@ class PagewardenCollector:
             P + "integrity_failures", "Integrity checks that failed, by kind and finder.",
             labels=["model_name", "kind", "found_by"])
         known = {"checksum/read", "checksum/reuse", "checksum/seal", "checksum/scrub",
+                 "checksum/swap_in",
                  "slot_tag/read", "stale_ref/schedule", "table_mismatch/schedule"}
         for key in sorted(known | set(i.failures)):
             kind, _, found_by = key.partition("/")

@@ -4,8 +4,10 @@
 ``worker/integrity.py`` at the points of a step where they matter::
 
     execute(out):
+        guard.swap_out(out.swap_out)             # swap copies carry tags, sums and seals;
+        faults = guard.swap_in(out, ...)         # a swapped-in block is verified on arrival
         guard.copy_blocks(out.copy_blocks)       # COW copies carry tags, sums and seals
-        faults = guard.check_reads(out)          # before the forward pass: contents it reads
+        faults += guard.check_reads(out)         # before the forward pass: contents it reads
         model forward (writes the step's K/V)
         faults += guard.after_write(out)         # write tags, check every read position's
                                                  # tag, write-time sums, seal full blocks
@@ -20,9 +22,12 @@ audit     slot tags: after the step's writes, every position ``[0, stop)`` of ev
           request's token chain at that position (catches wrong table entries and wrong
           slot indices in the step they happen)
 standard  write-time slot checksums; block checksums at seal (from slots that still
-          verify: a block whose slots earlier steps wrote is re-read first); verification of a request's context blocks the first time it reads them
-          (prefix-cache reuse, return after preemption or rollback); a scrubber re-verifying
-          ``scrub_blocks_per_step`` sealed blocks per step, round robin
+          verify: a block whose slots earlier steps wrote is re-read first); verification
+          of a request's context blocks the first time it reads them (prefix-cache reuse,
+          return after preemption or rollback); verification of every block swapped in
+          from the host tier (sealed blocks by block checksum, a partly filled one by its
+          used slots' write-time sums); a scrubber re-verifying ``scrub_blocks_per_step``
+          sealed blocks per step, round robin
 strict    every block a step reads is verified before the forward pass (sealed blocks by
           block checksum, the open block by its slots' write-time sums)
 ========  ==================================================================================
@@ -34,7 +39,9 @@ this step, so nothing computed from bad KV is released by a check that caught it
 
 State per physical block: ``sealed[b]`` and ``block_sums[b]`` (valid while sealed);
 per slot: ``slot_sums`` (write-time checksum) and the slot tag. A write at offset 0 of a
-block starts that block's new life and unseals it.
+block starts that block's new life and unseals it. Host (swap) blocks carry the same
+state, copied along with their bytes: what a block held when it left the device is what
+it must hold when it comes back.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from typing import Literal
 
 import torch
 
+from pagewarden.kv.swap_space import BlockSwap
 from pagewarden.sched.output import KVFault, SchedulerOutput, ScheduledRequest
 from pagewarden.worker.integrity import (
     ROOT_TAG,
@@ -77,7 +85,8 @@ class KVGuard:
     """Integrity state and checks for one ``KVStore``; used only by the model runner."""
 
     def __init__(self, caches: list[torch.Tensor], block_size: int, level: str = "standard",
-                 scrub_blocks_per_step: int = 4, root_tag: int = ROOT_TAG) -> None:
+                 scrub_blocks_per_step: int = 4, root_tag: int = ROOT_TAG,
+                 num_host_blocks: int = 0) -> None:
         if level not in _RANK:
             raise ValueError(f"integrity level {level!r} is not one of {INTEGRITY_LEVELS}")
         self.caches = caches
@@ -100,6 +109,9 @@ class KVGuard:
         self._chain_tensors: dict[str, torch.Tensor] = {}
         self._seen: set[str] = set()               # requests whose context was verified
         self._scrub_cursor = 1
+        self._swapped_in: set[int] = set()         # blocks verified on arrival this step
+        # The host tier's copy of the same state (tags, slot sums, seals, block sums).
+        self.host = _TierState(num_host_blocks, block_size)
 
     # ------------------------------------------------------------ request state
     def forget(self, req_ids) -> None:
@@ -147,6 +159,51 @@ class KVGuard:
         sums[dst] = sums[src]
         self.sealed[dst] = self.sealed[src]
         self.block_sums[dst] = self.block_sums[src]
+
+    # ------------------------------------------------------------ swapping
+    def swap_out(self, swaps: list[BlockSwap]) -> None:
+        """Mirror ``KVStore.swap_out``: host blocks take the device blocks' tags, sums and
+        seals (metadata only; nothing is read)."""
+        if swaps and self.tags_on:
+            src = torch.tensor([w.src for w in swaps], dtype=torch.long)
+            dst = torch.tensor([w.dst for w in swaps], dtype=torch.long)
+            _copy_state(self._device_state(), src, self.host, dst)
+
+    def swap_in(self, out: SchedulerOutput) -> list[KVFault]:
+        """Mirror ``KVStore.swap_in`` and verify every block that arrived.
+
+        A sealed block must match its block checksum; a partly filled one its used
+        slots' write-time sums. Corruption in the host tier (or in the copy) becomes a
+        "checksum" fault found by "swap_in", before anything reads the block.
+        """
+        swaps = out.swap_in
+        self._swapped_in = set()
+        if not swaps or not self.tags_on:
+            return []
+        src = torch.tensor([w.src for w in swaps], dtype=torch.long)
+        dst = torch.tensor([w.dst for w in swaps], dtype=torch.long)
+        _copy_state(self.host, src, self._device_state(), dst)
+        if not self.sums_on:
+            return []
+        bs = self.block_size
+        whole = [w.dst for w in swaps if w.num_slots == bs and bool(self.sealed[w.dst])]
+        slots = [w.dst * bs + o for w in swaps
+                 if not (w.num_slots == bs and bool(self.sealed[w.dst]))
+                 for o in range(w.num_slots)]
+        bad = self._verify_sealed(torch.tensor(whole, dtype=torch.int64))
+        bad += self._verify_slots(torch.tensor(slots, dtype=torch.int64))
+        # Checked on arrival, good or bad: this step's read checks skip them (a bad one
+        # is already a fault; its readers are rolled back).
+        self._swapped_in = {w.dst for w in swaps}
+        if not bad:
+            return []
+        fault = KVFault("checksum", tuple(sorted(set(bad))), {}, "swap_in",
+                        "a block swapped in from the host tier does not hold what was "
+                        "swapped out")
+        return self._attach_readers([fault], out.requests)
+
+    def _device_state(self) -> _TierState:
+        return _TierState.of(self.tags.tags, self.slot_sums, self.sealed, self.block_sums)
 
     # ------------------------------------------------------------ before forward
     def check_reads(self, out: SchedulerOutput) -> list[KVFault]:
@@ -207,11 +264,12 @@ class KVGuard:
             n = r.positions.start
             n_full = n // bs
             full.update(r.block_table[:n_full])
-            if self.strict and n % bs:
+            if self.strict and n % bs and r.block_table[n_full] not in self._swapped_in:
                 base = r.block_table[n_full] * bs
                 open_slots.extend(range(base, base + n % bs))
         faults: list[KVFault] = []
         full.discard(0)
+        full -= self._swapped_in   # verified on arrival in this very step
         if full:
             ids = torch.tensor(sorted(full), dtype=torch.int64)
             sealed = self.sealed[ids]
@@ -311,7 +369,8 @@ class KVGuard:
         """Record the step's tags and write-time sums, check every read, seal full blocks.
 
         ``slot_mapping`` is the flat (T,) slot tensor the forward pass scattered into;
-        requests in ``skip`` (already faulted this step) are neither checked nor sealed.
+        requests in ``skip`` (already faulted this step) are not sealed (their tags are
+        still checked).
         Checking tags after the write covers this step's own positions too, so a wrong
         slot index (K/V scattered elsewhere) shows up as a missing tag where the block
         table says the token lives.
@@ -337,8 +396,10 @@ class KVGuard:
         if new_blocks:
             self.sealed[torch.tensor(new_blocks, dtype=torch.int64)] = False
         self.tags.write(slot_mapping, torch.cat(tags))
-        checked = [r for r in out.requests if r.req_id not in skip]
-        faults = self._check_tags(checked) if checked else []
+        # Tags of every request, faulted ones too: a bad tag in a block that a rollback
+        # is about to drop would otherwise go unseen, and the block stays in the prefix
+        # cache.
+        faults = self._check_tags(list(out.requests))
         if self.sums_on:
             self.slot_sums[slot_mapping] = slot_checksums(self.caches, slot_mapping)
             bad_blocks = {b for f in faults for b in f.block_ids} | {0}
@@ -400,3 +461,33 @@ class KVGuard:
         actual = block_checksums(self.caches, ids)
         self.counters.block_verifies += ids.numel()
         return ids[actual == 0].tolist()
+
+
+class _TierState:
+    """Integrity state of one tier's blocks: tags (num_blocks, block_size), slot sums
+    (num_blocks * block_size,), seals and block sums (num_blocks,)."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.tags = torch.zeros(num_blocks, block_size, dtype=torch.int64)
+        self.slot_sums = torch.zeros(num_blocks * block_size, dtype=torch.int64)
+        self.sealed = torch.zeros(num_blocks, dtype=torch.bool)
+        self.block_sums = torch.zeros(num_blocks, dtype=torch.int64)
+
+    @classmethod
+    def of(cls, tags: torch.Tensor, slot_sums: torch.Tensor, sealed: torch.Tensor,
+           block_sums: torch.Tensor) -> _TierState:
+        state = cls.__new__(cls)
+        state.tags, state.slot_sums, state.sealed, state.block_sums = (
+            tags, slot_sums, sealed, block_sums)
+        return state
+
+
+def _copy_state(source: _TierState, src: torch.Tensor, target: _TierState,
+                dst: torch.Tensor) -> None:
+    """Block ``src[i]`` of ``source`` -> block ``dst[i]`` of ``target`` (all state)."""
+    bs = source.tags.shape[1]
+    device = target.tags.device
+    target.tags[dst] = source.tags[src].to(device)
+    target.slot_sums.view(-1, bs)[dst] = source.slot_sums.view(-1, bs)[src].to(device)
+    target.sealed[dst] = source.sealed[src].to(device)
+    target.block_sums[dst] = source.block_sums[src].to(device)

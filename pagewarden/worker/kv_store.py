@@ -9,6 +9,9 @@ Layout per layer::
     cache[layer][0].view(-1, num_kv_heads, head_dim)[s]  is K of the token in slot s
 
 Block 0 is reserved: the scheduler never hands it out, so padding may write there.
+
+The host (swap) tier has the same layout per layer, ``num_host_blocks`` blocks in host
+memory (pinned when the cache is on a GPU); swapping copies whole blocks between tiers.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import re
 from dataclasses import dataclass
 
 import torch
+
+from pagewarden.kv.swap_space import BlockSwap
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -77,9 +82,11 @@ class KVCacheShape:
 
 
 class KVStore:
-    """Owns the per-layer cache tensors and applies copy-on-write copies."""
+    """Owns the per-layer cache tensors (device and host tier) and applies copy-on-write
+    and swap copies."""
 
-    def __init__(self, shape: KVCacheShape, device: torch.device | str = "cpu") -> None:
+    def __init__(self, shape: KVCacheShape, device: torch.device | str = "cpu",
+                 num_host_blocks: int = 0) -> None:
         if shape.num_blocks < 2:
             raise KVCacheSizeError("the KV cache needs at least 2 blocks (block 0 is reserved)")
         self.shape = shape
@@ -89,6 +96,14 @@ class KVStore:
                         shape.head_dim, dtype=shape.dtype, device=device)
             for _ in range(shape.num_layers)
         ]
+        self.num_host_blocks = num_host_blocks
+        pin = torch.device(device).type == "cuda"
+        self.host_caches: list[torch.Tensor] = [
+            # (2, num_host_blocks, block_size, num_kv_heads, head_dim), host memory
+            torch.zeros(2, num_host_blocks, shape.block_size, shape.num_kv_heads,
+                        shape.head_dim, dtype=shape.dtype, pin_memory=pin)
+            for _ in range(shape.num_layers)
+        ] if num_host_blocks else []
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy each ``src`` block into ``dst`` in every layer (copy-on-write)."""
@@ -98,3 +113,23 @@ class KVStore:
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
         for cache in self.caches:
             cache[:, dst] = cache[:, src]
+
+    def swap_out(self, swaps: list[BlockSwap]) -> None:
+        """Copy device blocks to host blocks (``src`` device, ``dst`` host), every layer."""
+        self._copy_between(self.caches, self.host_caches, swaps)
+
+    def swap_in(self, swaps: list[BlockSwap]) -> None:
+        """Copy host blocks to device blocks (``src`` host, ``dst`` device), every layer."""
+        self._copy_between(self.host_caches, self.caches, swaps)
+
+    @staticmethod
+    def _copy_between(sources: list[torch.Tensor], targets: list[torch.Tensor],
+                      swaps: list[BlockSwap]) -> None:
+        if not swaps:
+            return
+        assert targets, "swap copies need a host tier (num_host_blocks > 0)"
+        src = torch.tensor([w.src for w in swaps], dtype=torch.long)
+        dst = torch.tensor([w.dst for w in swaps], dtype=torch.long)
+        for source, target in zip(sources, targets):
+            # (2, n, block_size, heads, dim), across devices when the tiers differ
+            target[:, dst] = source[:, src.to(source.device)].to(target.device)

@@ -13,7 +13,8 @@ from pagewarden.worker.sampler import Sampler, SamplingRow
 
 
 class ModelRunner:
-    """Runs one step: copy-on-write copies, integrity checks, the forward pass, sampling.
+    """Runs one step: swap and copy-on-write copies, integrity checks, the forward pass,
+    sampling.
 
     Requests named by a fault of ``KVGuard`` get no sampled token: they read KV that failed
     a check, and the scheduler recomputes them.
@@ -25,19 +26,25 @@ class ModelRunner:
         self.model = model
         self.kv_store = kv_store
         self.guard = KVGuard(kv_store.caches, kv_store.shape.block_size, integrity,
-                             scrub_blocks_per_step)
+                             scrub_blocks_per_step, num_host_blocks=kv_store.num_host_blocks)
         generator = torch.Generator().manual_seed(seed)
         self.sampler = Sampler(vocab_size, generator)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Compute the step's tokens' K/V and sample for the requests that ask for it."""
-        self.kv_store.copy_blocks(out.copy_blocks)
-        guard = self.guard
+        store, guard = self.kv_store, self.guard
+        # Order matters (see SchedulerOutput): swap-outs read device blocks that this
+        # step may hand to others; then swap-ins; then copy-on-write.
+        store.swap_out(out.swap_out)
+        guard.swap_out(out.swap_out)
+        store.swap_in(out.swap_in)
+        faults = guard.swap_in(out)
+        store.copy_blocks(out.copy_blocks)
         guard.copy_blocks(out.copy_blocks)
         guard.forget(out.finished_req_ids)
         guard.forget(out.preempted_req_ids)
-        faults = guard.check_reads(out)
+        faults += guard.check_reads(out)
         if out.is_empty:
             return ModelRunnerOutput(sampled_token_ids={}, faults=faults)
         input_ids: list[int] = []

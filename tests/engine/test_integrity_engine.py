@@ -106,14 +106,19 @@ def test_no_false_positives_over_10k_clean_steps(tiny_llama_dir) -> None:
 @pytest.mark.parametrize("kind", FAULT_KINDS)
 def test_each_detector_fires_and_recovery_matches_fault_free(tiny_llama_dir, reference,
                                                             kind: str) -> None:
-    engine = _engine(tiny_llama_dir, "strict")
+    swap = kind == "swap_corruption"
+    # A host tier for the swap fault (preemption then swaps instead of recomputing).
+    engine = _engine(tiny_llama_dir, "strict", num_swap_blocks=24 if swap else None)
     _submit(engine, _workload(0, 10))
     injector = FaultInjector(engine, seed=3)
     injected = []
     outputs: dict[str, list[list[int]]] = {}
     step = 0
+    # A swap fault waits for a swapped-out request: offer it more chances.
+    fault_steps = range(3, 60, 3) if swap else (3, 9, 15, 21)
     while engine.has_unfinished():
-        if step in (3, 9, 15, 21) and engine.scheduler.running:
+        if step in fault_steps and engine.scheduler.running and (
+                not swap or len(injector.faults) < 4):
             injected.append(injector.inject(kind))
         for out in engine.step():
             if out.finished:
@@ -123,7 +128,10 @@ def test_each_detector_fires_and_recovery_matches_fault_free(tiny_llama_dir, ref
     assert len(applied) >= 3, applied
     for f in applied:
         assert f.detected, f"{kind} not detected: {f}"
-        assert f.delay == 0, f"{kind} detected {f.delay} steps late: {f}"
+        if swap:  # it sits in host memory until swapped in, and is caught on arrival
+            assert f.found_by == "checksum/swap_in", f
+        else:
+            assert f.delay == 0, f"{kind} detected {f.delay} steps late: {f}"
     assert injector.corrupted_tokens == 0
     assert outputs == reference(0)
     s = engine.stats().integrity
@@ -131,7 +139,9 @@ def test_each_detector_fires_and_recovery_matches_fault_free(tiny_llama_dir, ref
     if kind == "foreign_thread":
         assert s.ownership_violations == len(applied)
     else:
-        assert s.recoveries >= len(applied) and s.rolled_back_requests >= 1
+        # One recovery per step that found faults (faults found together recover together).
+        assert s.recoveries >= len({f.detected_step for f in applied})
+        assert s.rolled_back_requests >= 1
     _assert_pool_clean(engine)
 
 

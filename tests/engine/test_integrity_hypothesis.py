@@ -2,7 +2,7 @@
 
 Hypothesis interleaves random engine operations (add requests with shared prefixes and
 n > 1, abort, step) with random faults of every kind on a small pool that forces
-preemption. The injector knows what each fault altered and counts tokens released from
+preemption (to a host tier too small for every victim, so both swap and recompute). The injector knows what each fault altered and counts tokens released from
 a step that read altered KV before anyone detected it: that count must be 0. Every
 fault that stayed readable must have been detected, and every request that was not
 aborted must produce exactly what a fault-free engine produces for it.
@@ -39,7 +39,7 @@ def _params(max_tokens: int, n: int) -> SamplingParams:
 @given(ops=st.lists(_op, min_size=4, max_size=30))
 def test_strict_never_releases_a_token_computed_from_altered_kv(tiny_llama_dir, ops) -> None:
     engine = echo_engine(tiny_llama_dir, block_size=4, num_kv_blocks=24, integrity="strict",
-                         max_num_batched_tokens=32, audit_interval=5)
+                         max_num_batched_tokens=32, audit_interval=5, num_swap_blocks=8)
     injector = FaultInjector(engine, seed=len(ops))
     added: dict[str, tuple[list[int], int, int]] = {}
     aborted: set[str] = set()

@@ -18,16 +18,17 @@ def loaded(tiny_llama_dir):
 
 
 def test_strict_detects_everything_releases_nothing_and_outputs_match(tiny_llama_dir, loaded):
-    report = run_chaos(str(tiny_llama_dir), num_faults=21, integrity="strict",
+    report = run_chaos(str(tiny_llama_dir), num_faults=24, integrity="strict",
                        num_requests=12, loaded=loaded)
     assert {r.kind for r in report.rows if r.injected} == set(FAULT_KINDS)
-    assert report.injected >= 18
+    assert report.injected >= 20
     assert report.detected == report.injected, report.table()
     assert all(r.recovered == r.injected for r in report.rows)
     assert report.corrupted_tokens == 0
     assert report.failed_requests == 0
     assert report.outputs_equal, report.table()
     assert report.preemptions > 0 and report.prefix_hit_tokens > 0
+    assert report.swapped_out_blocks > 0
     assert report.invariant_violations == [] and report.crash is None
     assert "corrupted tokens released: 0" in report.table()
 
@@ -40,8 +41,9 @@ def test_standard_catches_sealed_faults_before_reuse_or_by_scrub(tiny_llama_dir,
     # Every sealed-block fault is found (by reuse, or the scrubber) unless the block was
     # rewritten first; the worst scrubber delay is reported.
     assert sealed.detected + sealed.harmless == sealed.injected
+    # A corrupted host block is verified when it comes back, before anything reads it.
     for kind in ("tag_corruption", "table_redirect", "slot_redirect", "use_after_free",
-                 "foreign_thread"):
+                 "foreign_thread", "swap_corruption"):
         assert rows[kind].detected == rows[kind].injected, report.table()
     assert report.failed_requests == 0 and report.crash is None
     assert report.invariant_violations == []
