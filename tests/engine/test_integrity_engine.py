@@ -257,3 +257,15 @@ def test_unrecoverable_fault_fails_the_request_with_a_clear_reason(tiny_llama_di
 def test_integrity_level_is_validated() -> None:
     with pytest.raises(EngineConfigError, match="integrity"):
         LLM(model="unused", integrity="paranoid")
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(swap_space=-1.0), "swap_space"),
+    (dict(num_swap_blocks=-2), "num_swap_blocks"),
+    (dict(swap_space=1.0, num_swap_blocks=4), "not both"),
+    (dict(preemption_mode="spill"), "preemption_mode"),
+    (dict(preemption_mode="swap"), "host tier"),
+])
+def test_swap_arguments_are_validated(kw, match) -> None:
+    with pytest.raises(EngineConfigError, match=match):
+        LLM(model="unused", **kw)

@@ -85,6 +85,23 @@ def test_preemption_small_pool(tiny_llama_dir, vocab):
     assert_pool_idle(llm)
 
 
+@pytest.mark.parametrize("integrity", ["off", "strict"])
+def test_swap_preemption_small_pool(tiny_llama_dir, vocab, integrity):
+    """Preempted requests go to the host tier and resume; tokens still equal HF's."""
+    prompts = random_prompts(8, vocab, 10, 20, seed=3)
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=20, block_size=4,
+              num_swap_blocks=16, integrity=integrity)
+    assert run_engine(llm, prompts, 20) == hf_greedy(tiny_llama_dir, prompts, 20)
+    stats = llm.stats()
+    assert stats.num_preemptions > 0
+    assert stats.swapped_out_blocks > 0 and stats.swapped_in_blocks == stats.swapped_out_blocks
+    assert stats.num_swapped == 0 and stats.free_host_blocks == stats.host_blocks == 16
+    assert stats.integrity.failures == {}
+    if integrity == "strict":
+        assert stats.integrity.block_verifies > 0
+    assert_pool_idle(llm)
+
+
 def test_shared_prefixes_hit_prefix_cache(tiny_llama_dir, vocab):
     rng = random.Random(4)
     prefix = [rng.randrange(3, vocab) for _ in range(24)]

@@ -263,3 +263,7 @@ def test_integrity_metrics_are_exported(srv, client):
     assert len(failures) >= 9 and all(float(v) == 0.0 for v in failures)
     assert value(r'pagewarden:integrity_recoveries_total\{[^}]*\}') == 0.0
     assert value(r'pagewarden:kv_blocks_retired\{[^}]*\}') == 0.0
+    # The host tier is off by default: swap gauges and counters exist and read zero.
+    assert value(r'pagewarden:num_requests_swapped\{[^}]*\}') == 0.0
+    assert value(r'pagewarden:kv_swapped_out_blocks_total\{[^}]*\}') == 0.0
+    assert value(r'pagewarden:kv_swapped_in_blocks_total\{[^}]*\}') == 0.0
