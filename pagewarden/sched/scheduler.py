@@ -376,11 +376,11 @@ class Scheduler:
                 ids = tables[rid].ids
                 block_id = ids[start // bs]
                 if blocks[block_id].ref_cnt == 1:
-                    # ScheduledRequest(rid, tokens[start:], range(start, start + 1), ids,
+                    # ScheduledRequest(rid, [tokens[start]], range(start, start + 1), ids,
                     # [slot], True, ...), built inline (see unfrozen_twin).
                     sr = twin()
                     sr.req_id = rid
-                    sr.token_ids = tokens[start:]
+                    sr.token_ids = [tokens[start]]
                     sr.positions = (
                         unit_ranges[start] if start < num_unit_ranges else range(start, start + 1)
                     )
@@ -517,7 +517,7 @@ class Scheduler:
             output = req.output_token_ids
             output.append(token)
             tokens.append(token)
-            lps = [logprobs[rid]] if rid in logprobs else []
+            lps = [logprobs[rid]] if logprobs and rid in logprobs else []
             n_out = len(output)
             # Below max_tokens means below max_model_len too (checked at admission).
             if n_out < req.max_tokens and (
