@@ -142,8 +142,8 @@ class KVCacheManager:
             parent = h
         if hits:
             pool.touch(hits)
-            entry.refs = [_ref(block) for block in hits]
-            entry.ids = [block.block_id for block in hits]
+            entry.refs = [_new_tuple(BlockRef, (b.block_id, b.epoch)) for b in hits]  # _ref
+            entry.ids = [b.block_id for b in hits]
         entry.num_sealed = len(hits)
         self.prefix_cache_hits += len(hits) * bs
         return len(hits) * bs
@@ -190,8 +190,9 @@ class KVCacheManager:
             copies.append((src.block_id, dst.block_id))
         if need > 0:
             new_blocks = pool.get_new_blocks(need)
-            entry.refs += [_ref(block) for block in new_blocks]
-            entry.ids = ids + [block.block_id for block in new_blocks]
+            new_ids = [b.block_id for b in new_blocks]
+            entry.refs += [_new_tuple(BlockRef, (b.block_id, b.epoch)) for b in new_blocks]  # _ref
+            entry.ids = ids + new_ids
         return copies
 
     def seal_full_blocks(self, req_id: str, token_ids: Sequence[int], num_computed: int) -> None:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import zlib
 
+from pagewarden.sched.fast_dataclass import fast_constructor
 from pagewarden.sched.output import ModelRunnerOutput, SchedulerOutput
+
+_new_runner_output = fast_constructor(ModelRunnerOutput)
 
 
 class FakeKVMismatch(AssertionError):
@@ -52,7 +55,7 @@ class FakeModelRunner:
                 if seed is None:
                     seed = seeds[rid] = zlib.crc32(rid.encode())
                 sampled[rid] = (seed ^ (sr.positions.stop * 2654435761)) % vocab
-        return ModelRunnerOutput(sampled)
+        return _new_runner_output(sampled)
 
     def _apply(self, out: SchedulerOutput) -> None:
         bs = self.block_size

@@ -373,6 +373,7 @@ class Scheduler:
         kv = self.kv
         tables = kv.tables
         blocks = kv.pool.blocks
+        allocate_slots = kv.allocate_slots
         bs = cfg.block_size
         budget = cfg.max_num_batched_tokens
         max_seqs = cfg.max_num_seqs
@@ -392,25 +393,34 @@ class Scheduler:
                 break
             start = req.num_computed_tokens
             tokens = req.all_token_ids
-            if len(tokens) - start == 1 and start % bs:
-                # Decode fast path: the one new token goes into the last block, which
-                # exists already; unless a fork still shares it (copy on write, left to
-                # allocate_slots) there is nothing to allocate. A fork parent never gets
-                # here: it always has at least two prompt tokens to go.
+            if len(tokens) - start == 1:
+                # Decode fast path: one token at ``start``, into the last block, or into a
+                # new one when ``start`` opens it (one-block allocation; when the pool is
+                # dry, the general path below preempts). A last block a fork still shares
+                # is copied on write by the general path. A fork parent never gets here:
+                # it always has at least two prompt tokens to go.
                 rid = req.req_id
-                ids = tables[rid].ids
-                block_id = ids[start // bs]
-                if blocks[block_id].ref_cnt == 1:
-                    # ScheduledRequest(rid, tokens[start:], range(start, start + 1), ids,
+                offset = start % bs
+                if offset:
+                    ids = tables[rid].ids
+                    block_id = ids[start // bs]
+                    fast = blocks[block_id].ref_cnt == 1
+                else:  # no copy on write at offset 0: the result is [] or None
+                    fast = allocate_slots(rid, start, 1) is not None
+                    if fast:
+                        ids = tables[rid].ids
+                        block_id = ids[start // bs]
+                if fast:
+                    # ScheduledRequest(rid, [tokens[start]], range(start, start + 1), ids,
                     # [slot], True, ...), built inline (see unfrozen_twin).
                     sr = twin()
                     sr.req_id = rid
-                    sr.token_ids = tokens[start:]
+                    sr.token_ids = [tokens[start]]
                     sr.positions = (
                         unit_ranges[start] if start < num_unit_ranges else range(start, start + 1)
                     )
                     sr.block_table = ids
-                    sr.slot_mapping = [block_id * bs + start % bs]
+                    sr.slot_mapping = [block_id * bs + offset]
                     sr.sample = True
                     sr.sampling_params = req.sampling_params
                     sr.prompt_token_ids = req.prompt_token_ids
@@ -510,12 +520,17 @@ class Scheduler:
         end = start + num_new
         ids = self.kv.tables[req.req_id].ids  # handed out as is: never mutated in place
         tokens = req.all_token_ids
+        bs = self.config.block_size
+        if num_new == 1:  # a decode that copied its block on write, or a one-token chunk
+            slots = [ids[start // bs] * bs + start % bs]
+        else:
+            slots = _slot_mapping(ids, bs, start, end)
         return _new_scheduled_request(
             req.req_id,
             tokens[start:end],
             range(start, end),
             ids,
-            _slot_mapping(ids, self.config.block_size, start, end),
+            slots,
             end == len(tokens),
             req.sampling_params,
             req.prompt_token_ids,
@@ -582,7 +597,7 @@ class Scheduler:
             output = req.output_token_ids
             output.append(token)
             tokens.append(token)
-            lps = [logprobs[rid]] if rid in logprobs else []
+            lps = [logprobs[rid]] if logprobs and rid in logprobs else []
             n_out = len(output)
             # Below max_tokens means below max_model_len too (checked at admission).
             if n_out < req.max_tokens and (

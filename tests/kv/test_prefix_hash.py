@@ -34,3 +34,20 @@ def test_token_encoding_is_unambiguous() -> None:
     e = encode_extra_keys()
     assert hash_block_tokens(None, [1, 256], e) != hash_block_tokens(None, [256, 1], e)
     assert hash_block_tokens(None, [0], e) != hash_block_tokens(None, [0, 0], e)
+
+
+def test_hash_encoding_is_pinned() -> None:
+    """The byte encoding of the docstring, spelled out: blake2b-256 (person
+    b"pagewarden-kv1") over the parent (32 zero bytes for the first block), the extra
+    keys, then the tokens as little-endian int64."""
+    import struct
+    from hashlib import blake2b
+
+    e = encode_extra_keys("m", "salt")
+    tokens = [1, 2**40, 31999, 0]
+    h0 = blake2b(b"\x00" * 32 + e + struct.pack("<4q", *tokens), digest_size=32,
+                 person=b"pagewarden-kv1").digest()
+    assert hash_block_tokens(None, tokens, e) == h0
+    h1 = blake2b(h0 + e + struct.pack("<2q", 5, 6), digest_size=32,
+                 person=b"pagewarden-kv1").digest()
+    assert hash_block_tokens(h0, (5, 6), e) == h1
