@@ -99,14 +99,20 @@ def test_partial_last_block_swaps_its_used_slots_only() -> None:
     assert tokens["b"] == _undisturbed("b", [4], 3)
 
 
-def test_full_host_tier_falls_back_to_recompute() -> None:
-    s = _swap_sched(num_host_blocks=1)                     # b needs 2 host blocks
+def _preempt_b(num_host_blocks: int = 4):
+    """a and b in 4 usable blocks of 2; after 3 steps b has been preempted for a."""
+    s = _swap_sched(num_host_blocks)
     s.add_request(_req("a", [1, 2, 3], 4))
     s.add_request(_req("b", [7, 8, 9], 4))
     runner = FakeModelRunner(2, verify=True)
     tokens: dict[str, list[int]] = {}
     for _ in range(3):
         out = _step(s, runner, tokens)
+    return s, runner, tokens, out
+
+
+def test_full_host_tier_falls_back_to_recompute() -> None:
+    s, runner, tokens, out = _preempt_b(num_host_blocks=1)  # b needs 2 host blocks
     assert out.preempted_req_ids == ["b"] and out.swap_out == []
     b = s.requests["b"]
     assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0
@@ -116,13 +122,7 @@ def test_full_host_tier_falls_back_to_recompute() -> None:
 
 
 def test_abort_swapped_request_frees_host_blocks() -> None:
-    s = _swap_sched()
-    s.add_request(_req("a", [1, 2, 3], 4))
-    s.add_request(_req("b", [7, 8, 9], 4))
-    runner = FakeModelRunner(2, verify=True)
-    tokens: dict[str, list[int]] = {}
-    for _ in range(3):
-        _step(s, runner, tokens)
+    s, runner, tokens, _ = _preempt_b()
     assert s.requests["b"].status is RequestStatus.SWAPPED
     s.abort_requests(["b"])
     assert "b" not in s.requests and not s.swapped
@@ -134,13 +134,7 @@ def test_abort_swapped_request_frees_host_blocks() -> None:
 
 
 def test_swapped_requests_return_before_waiting_ones_start() -> None:
-    s = _swap_sched()
-    s.add_request(_req("a", [1, 2, 3], 4))
-    s.add_request(_req("b", [7, 8, 9], 4))
-    runner = FakeModelRunner(2, verify=True)
-    tokens: dict[str, list[int]] = {}
-    for _ in range(3):
-        _step(s, runner, tokens)
+    s, runner, tokens, _ = _preempt_b()
     s.add_request(_req("c", [5], 2))    # fits now (1 block), but b is owed its blocks first
     started: list[str] = []
     while s.has_unfinished_requests():
