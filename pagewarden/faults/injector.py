@@ -98,7 +98,7 @@ class FaultInjector:
         self.corrupted_tokens = 0
         self.steps = 0
         self._pending: list[InjectedFault] = []                   # applied in a later step
-        self._cow_dst: set[int] = set()
+        self._copied: set[int] = set()
         self._written: set[int] = set()
         self._original: dict[str, ScheduledRequest] = {}
         self._view: dict[str, ScheduledRequest] = {}   # the worker's view of this step
@@ -241,9 +241,12 @@ class FaultInjector:
         if not self._pending or out.is_empty:
             return out
         requests = list(out.requests)
-        # A copy-on-write destination is overwritten by the copy at the start of the
-        # step: altering it first would be erased, not a fault.
-        self._cow_dst = {dst for _, dst in out.copy_blocks}
+        # Copy-on-write and swap-in destinations are overwritten by the copies at the
+        # start of the step (altering them first would be erased, not a fault); a
+        # swap-out source's alteration would leave with it for the host tier, which the
+        # ground truth follows only for swap_corruption.
+        self._copied = ({dst for _, dst in out.copy_blocks} | {w.dst for w in out.swap_in}
+                        | {w.src for w in out.swap_out})
         bs = self.engine.config.block_size
         self._written = {slot // bs for r in out.requests for slot in r.slot_mapping}
         self._original = {r.req_id: r for r in out.requests}
@@ -319,7 +322,7 @@ class FaultInjector:
         guard = self.engine.runner.guard
         full = sr.block_table[:sr.positions.start // self.engine.config.block_size]
         candidates = [b for b in full if (not guard.sums_on or bool(guard.sealed[b]))
-                      and b not in self._cow_dst]
+                      and b not in self._copied]
         if not candidates:
             return False
         block = self.rng.choice(candidates)
@@ -336,7 +339,7 @@ class FaultInjector:
         if not written:
             return False
         block = sr.block_table[sr.positions.start // bs]
-        if block in self._cow_dst:
+        if block in self._copied:
             return False
         slot = block * bs + self.rng.randrange(written)
         caches = self.engine.kv_store.caches
@@ -352,7 +355,7 @@ class FaultInjector:
             return False
         pos = self.rng.randrange(sr.positions.start)
         block = sr.block_table[pos // bs]
-        if block in self._cow_dst:
+        if block in self._copied:
             return False
         change = corrupt_tag(self.engine.runner.guard.tags, block, pos % bs)
         fault.blocks, fault.req_ids, fault.detail = {block}, (sr.req_id,), repr(change)
