@@ -112,6 +112,12 @@ class KVGuard:
         self._swapped_in: set[int] = set()         # blocks verified on arrival this step
         # The host tier's copy of the same state (tags, slot sums, seals, block sums).
         self.host = _TierState(num_host_blocks, block_size)
+        if self.sums_on:
+            # Compile (or load from cache) the checksum kernels now, at engine start,
+            # not inside the first request's step. Block 0 is reserved padding.
+            reserved = torch.zeros(1, dtype=torch.int64)
+            block_checksums(caches, reserved)
+            slot_checksums(caches, reserved)
 
     # ------------------------------------------------------------ request state
     def forget(self, req_ids) -> None:
