@@ -125,6 +125,10 @@ class FaultInjector:
             events = verify()
             for e in events:
                 self.mark_detected({e.block_id}, f"{e.kind}/schedule", req_id=e.req_id)
+            if events:
+                # A rollback to before one stale ref drops the request's later stale refs
+                # too: those faults can no longer be read, before this step runs.
+                self._prune_unreachable()
             return events
 
         runner.execute = hooked_execute

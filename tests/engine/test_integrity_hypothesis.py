@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from kv_echo_model import echo_engine, run_to_completion
 
@@ -37,6 +37,11 @@ def _params(max_tokens: int, n: int) -> SamplingParams:
 @settings(max_examples=EXAMPLES, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(ops=st.lists(_op, min_size=4, max_size=30))
+# Found by hypothesis: two use-after-free faults on one request; the rollback for the
+# first dropped the second stale ref, which the injector still counted as read.
+@example(ops=[("step", 1), ("step", 1), ("step", 1), ("fault", "open_bitflip"),
+              ("add", False, [3, 3], 4, 1), ("step", 3), ("add", True, [3], 2, 1),
+              ("step", 1), ("fault", "use_after_free"), ("fault", "use_after_free")])
 def test_strict_never_releases_a_token_computed_from_altered_kv(tiny_llama_dir, ops) -> None:
     engine = echo_engine(tiny_llama_dir, block_size=4, num_kv_blocks=24, integrity="strict",
                          max_num_batched_tokens=32, audit_interval=5, num_swap_blocks=8)
