@@ -400,7 +400,12 @@ class KVGuard:
                 to_seal.extend(r.block_table[start // bs:min(first, stop // bs)])
                 fresh.extend(r.block_table[first:stop // bs])
         if new_blocks:
-            self.sealed[torch.tensor(new_blocks, dtype=torch.int64)] = False
+            fresh_ids = torch.tensor(new_blocks, dtype=torch.int64)
+            self.sealed[fresh_ids] = False
+            # A block's new life starts here: forget its old tags, so a slot this step
+            # was meant to write but did not (a wrong slot index) cannot pass the tag
+            # check on what an earlier owner with the same tokens left there.
+            self.tags.tags[fresh_ids] = 0
         self.tags.write(slot_mapping, torch.cat(tags))
         # Tags of every request, faulted ones too: a bad tag in a block that a rollback
         # is about to drop would otherwise go unseen, and the block stays in the prefix

@@ -42,6 +42,15 @@ def _params(max_tokens: int, n: int) -> SamplingParams:
 @example(ops=[("step", 1), ("step", 1), ("step", 1), ("fault", "open_bitflip"),
               ("add", False, [3, 3], 4, 1), ("step", 3), ("add", True, [3], 2, 1),
               ("step", 1), ("fault", "use_after_free"), ("fault", "use_after_free")])
+# Found by hypothesis: a write redirected away from a fresh block's slot that still held
+# an earlier owner's tag for the same tokens; the read there passed the tag check. Fresh
+# blocks now start with zeroed tags. The second example: the same, with that slot's K/V
+# also corrupted by a use-after-free, so a wrong token was released.
+@example(ops=[("step", 1)] * 13 + [("add", False, [3], 3, 2), ("step", 1), ("step", 1),
+                                   ("add", False, [3], 1, 1), ("fault", "slot_redirect"),
+                                   ("fault", "use_after_free")])
+@example(ops=[("add", False, [3], 1, 1), ("add", False, [3], 3, 1), ("step", 1),
+              ("step", 1), ("add", False, [3], 1, 1), ("fault", "slot_redirect")])
 def test_strict_never_releases_a_token_computed_from_altered_kv(tiny_llama_dir, ops) -> None:
     engine = echo_engine(tiny_llama_dir, block_size=4, num_kv_blocks=24, integrity="strict",
                          max_num_batched_tokens=32, audit_interval=5, num_swap_blocks=8)
