@@ -160,11 +160,8 @@ class KVGuard:
             return
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
-        self.tags.tags[dst] = self.tags.tags[src]
-        sums = self.slot_sums.view(self.num_blocks, self.block_size)
-        sums[dst] = sums[src]
-        self.sealed[dst] = self.sealed[src]
-        self.block_sums[dst] = self.block_sums[src]
+        device = self._device_state()
+        _copy_state(device, src, device, dst)
 
     # ------------------------------------------------------------ swapping
     def swap_out(self, swaps: list[BlockSwap]) -> None:
