@@ -47,11 +47,10 @@ def run(num_requests: int, batch: int) -> tuple[float, float, float]:
         a = time.perf_counter()
         out = s.schedule()
         sched_times.append(time.perf_counter() - a)
-        for u in s.update(out, runner.execute(out)):
-            if u.finished:
-                nxt = next(it, None)
-                if nxt is not None:
-                    s.add_request(nxt)
+        for _ in s.update(out, runner.execute(out)).finished:
+            nxt = next(it, None)
+            if nxt is not None:
+                s.add_request(nxt)
     elapsed = time.perf_counter() - t0
     pool = s.kv.pool
     block_ops = pool.num_allocations + pool.num_frees

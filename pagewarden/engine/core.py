@@ -203,6 +203,9 @@ class EngineCore:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty and not sched_out.copy_blocks:
             return finished
+        # The worker side (runner, guard, fault injection, recovery) works one
+        # ScheduledRequest at a time: fold the columnar decode batch in once.
+        sched_out = sched_out.materialized()
         result = self.runner.execute(sched_out)
         if result.faults:
             sched_out, report = self.integrity.recover(sched_out, result)
@@ -212,7 +215,7 @@ class EngineCore:
                     finished.append(out)
         updates = self.scheduler.update(sched_out, result)
         self.integrity.after_step()
-        self.generation_tokens += sum(len(u.new_token_ids) for u in updates)
+        self.generation_tokens += len(updates)  # one entry per sampled token
         changed, stopped = self.outputs.process(updates)
         if stopped:
             self.scheduler.finish_requests(stopped, None)

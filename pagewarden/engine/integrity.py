@@ -99,6 +99,7 @@ class IntegrityMonitor:
         """Apply the step's faults; returns the output without the rolled-back requests."""
         report = self._recover(result.faults)
         gone = set(report.rolled_back)
+        out = out.materialized()
         kept = [r for r in out.requests if r.req_id not in gone]
         return dataclasses.replace(out, requests=kept), report
 

@@ -6,6 +6,7 @@ engine core can finish that child in the scheduler.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagewarden.engine.detokenizer import IncrementalDetokenizer
@@ -58,7 +59,7 @@ class OutputProcessor:
         state.output.finished = True
         return state.output
 
-    def process(self, updates: list[RequestUpdate]) -> tuple[list[RequestOutput], list[str]]:
+    def process(self, updates: Iterable[RequestUpdate]) -> tuple[list[RequestOutput], list[str]]:
         """Apply updates; returns the changed outputs and the child ids stopped by a string."""
         changed: dict[str, RequestOutput] = {}
         stopped_children: list[str] = []

@@ -48,6 +48,12 @@ class FakeModelRunner:
         sampled = {}
         vocab = self.vocab_size
         seeds = self._seeds
+        decodes = out.decodes
+        for rid, position in zip(decodes.req_ids, decodes.positions):
+            seed = seeds.get(rid)
+            if seed is None:
+                seed = seeds[rid] = zlib.crc32(rid.encode())
+            sampled[rid] = (seed ^ ((position + 1) * 2654435761)) % vocab
         for sr in out.requests:
             if sr.sample:
                 rid = sr.req_id
@@ -59,6 +65,7 @@ class FakeModelRunner:
 
     def _apply(self, out: SchedulerOutput) -> None:
         bs = self.block_size
+        requests = out.all_requests()
         slots = self.slots
         host = self.host_slots
         assert not (out.swap_out and out.swap_in), "a step swaps one way only"
@@ -76,12 +83,12 @@ class FakeModelRunner:
                     slots[dst * bs + off] = slots[s]
                 else:
                     slots.pop(dst * bs + off, None)
-        for sr in out.requests:
+        for sr in requests:
             for slot, tok in zip(sr.slot_mapping, sr.token_ids):
                 if slot < bs:
                     raise FakeKVMismatch(f"{sr.req_id} wrote to reserved block 0")
                 slots[slot] = tok
-        for sr in out.requests:
+        for sr in requests:
             expected = sr.prompt_token_ids + sr.output_token_ids
             table = sr.block_table
             for p in range(sr.positions.stop):

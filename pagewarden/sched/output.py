@@ -15,7 +15,7 @@ Slot arithmetic, for ``block_size = 4``::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pagewarden.kv.swap_space import BlockSwap
 from pagewarden.sampling_params import SamplingParams
@@ -57,6 +57,50 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class SamplingInputs:
+    """What sampling needs of a request besides its logits; one object for the request's
+    whole life (``output_token_ids`` is a live, read-only view that grows)."""
+
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    seed: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeBatch:
+    """The step's plain decodes as parallel lists: requests that compute one token into a
+    block they own alone and sample from it.
+
+    Entry ``i`` means ``ScheduledRequest(req_ids[i], [token_ids[i]],
+    range(positions[i], positions[i] + 1), block_tables[i], [slot_mapping[i]], True,
+    ...inputs[i])``; ``scheduled_requests()`` builds exactly those. Most of a busy step is
+    decodes, and a column append costs a fraction of building one object per request.
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    inputs: list[SamplingInputs] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def scheduled_requests(self) -> list[ScheduledRequest]:
+        """The same entries as ``ScheduledRequest`` objects, in order."""
+        return [
+            ScheduledRequest(rid, [tok], range(pos, pos + 1), table, [slot], True,
+                             inp.sampling_params, inp.prompt_token_ids, inp.output_token_ids,
+                             inp.seed)
+            for rid, tok, pos, slot, table, inp in zip(
+                self.req_ids, self.token_ids, self.positions, self.slot_mapping,
+                self.block_tables, self.inputs)
+        ]
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     """Everything the model runner needs for one step.
 
@@ -77,15 +121,30 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     swap_out: list[BlockSwap] = field(default_factory=list)
     swap_in: list[BlockSwap] = field(default_factory=list)
+    # Plain decodes, columnar; in step order they come before ``requests``.
+    decodes: DecodeBatch = field(default_factory=DecodeBatch)
 
     @property
     def num_batched_tokens(self) -> int:
         """Total tokens computed this step."""
-        return sum(len(r.token_ids) for r in self.requests)
+        return len(self.decodes.req_ids) + sum(len(r.token_ids) for r in self.requests)
 
     @property
     def is_empty(self) -> bool:
-        return not self.requests
+        return not self.requests and not self.decodes.req_ids
+
+    def all_requests(self) -> list[ScheduledRequest]:
+        """Every scheduled request in step order: the decodes, then ``requests``."""
+        if not self.decodes.req_ids:
+            return self.requests
+        return self.decodes.scheduled_requests() + self.requests
+
+    def materialized(self) -> SchedulerOutput:
+        """The same step with the decodes folded into ``requests`` (an empty decode
+        batch), for code that works one ``ScheduledRequest`` at a time."""
+        if not self.decodes.req_ids:
+            return self
+        return replace(self, requests=self.all_requests(), decodes=DecodeBatch())
 
 
 @dataclass(frozen=True, slots=True)

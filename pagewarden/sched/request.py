@@ -66,6 +66,7 @@ class Request:
         "num_preemptions",
         "stop_ids",
         "num_prompt_tokens",
+        "sampling_inputs",
     )
 
     def __init__(
@@ -99,6 +100,8 @@ class Request:
         self.extra_keys = b""
         self.num_preemptions = 0
         self.stop_ids = stop_token_set(sampling_params, self.eos_token_ids)
+        # The runner's view of the sampling state (output.SamplingInputs), set at admission.
+        self.sampling_inputs = None
 
     @property
     def num_tokens(self) -> int:

@@ -14,7 +14,7 @@ requests are brought back before any waiting request is admitted).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from pagewarden.kv.block import BlockState
@@ -22,10 +22,12 @@ from pagewarden.kv.kv_manager import KVCacheManager
 from pagewarden.kv.prefix_hash import encode_extra_keys
 from pagewarden.kv.swap_space import BlockSwap
 from pagewarden.sched.config import SchedulerConfig
-from pagewarden.sched.fast_dataclass import fast_constructor, unfrozen_twin
+from pagewarden.sched.fast_dataclass import fast_constructor
 from pagewarden.sched.output import (
+    DecodeBatch,
     KVFault,
     ModelRunnerOutput,
+    SamplingInputs,
     ScheduledRequest,
     SchedulerOutput,
     TokenLogprobs,
@@ -39,6 +41,7 @@ __all__ = [
     "RequestUpdate",
     "Scheduler",
     "SchedulerStats",
+    "StepUpdates",
 ]
 
 _RUNNING = RequestStatus.RUNNING
@@ -66,6 +69,58 @@ class RequestUpdate:
     num_prompt_tokens: int
     num_cached_tokens: int
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+class StepUpdates:
+    """What ``update`` produced, one entry per sampled token in step order, columnar:
+    ``requests[i]`` sampled ``token_ids[i]``.
+
+    ``finished`` maps the id of each request that finished this step to its
+    ``RequestUpdate``. Iterating or indexing gives one ``RequestUpdate`` per entry (built
+    on first use, then kept), for code that wants objects; read it before the next step,
+    while the requests that did not finish still describe this one.
+    """
+
+    __slots__ = ("requests", "token_ids", "finished", "logprobs", "_updates")
+
+    def __init__(self, requests: list[Request], token_ids: list[int],
+                 finished: dict[str, RequestUpdate],
+                 logprobs: dict[str, TokenLogprobs]) -> None:
+        self.requests = requests
+        self.token_ids = token_ids
+        self.finished = finished
+        self.logprobs = logprobs
+        self._updates: list[RequestUpdate] | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __iter__(self) -> Iterator[RequestUpdate]:
+        return iter(self.updates())
+
+    def __getitem__(self, index: int) -> RequestUpdate:
+        return self.updates()[index]
+
+    def updates(self) -> list[RequestUpdate]:
+        """The entries as ``RequestUpdate`` objects."""
+        if self._updates is None:
+            finished = self.finished
+            logprobs = self.logprobs
+            built = []
+            for req, token in zip(self.requests, self.token_ids):
+                rid = req.req_id
+                u = finished.get(rid)
+                if u is None:
+                    lps = [logprobs[rid]] if logprobs and rid in logprobs else []
+                    u = _new_request_update(rid, req.parent_id, req.index, [token], False,
+                                            None, None, req.num_prompt_tokens,
+                                            req.num_cached_tokens, lps)
+                built.append(u)
+            self._updates = built
+        return self._updates
+
+    def __repr__(self) -> str:
+        return f"StepUpdates({self.updates()!r})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,27 +181,7 @@ class RecoveryReport:
 _new_scheduled_request = fast_constructor(ScheduledRequest)
 _new_request_update = fast_constructor(RequestUpdate)
 _new_scheduler_output = fast_constructor(SchedulerOutput)
-# The decode path and update() inline the construction (see unfrozen_twin): fill an
-# unfrozen twin's slots, then switch its class.
-_ScheduledRequestTwin = unfrozen_twin(ScheduledRequest)
-_RequestUpdateTwin = unfrozen_twin(RequestUpdate)
-assert _ScheduledRequestTwin is not None and _RequestUpdateTwin is not None
-
-
-#: ``_UNIT_RANGES[p] == range(p, p + 1)``: the ``positions`` of a decode step. Ranges are
-#: immutable, so one object per position serves every request (building one costs about
-#: as much as the rest of a decode step's bookkeeping). Grown up to max_model_len,
-#: capped at _MAX_UNIT_RANGES.
-_UNIT_RANGES: list[range] = []
-_MAX_UNIT_RANGES = 1 << 15
-
-
-def _unit_ranges(max_model_len: int) -> list[range]:
-    """``_UNIT_RANGES``, grown to cover ``max_model_len`` positions (up to the cap)."""
-    want = min(max_model_len, _MAX_UNIT_RANGES)
-    if len(_UNIT_RANGES) < want:
-        _UNIT_RANGES.extend(range(p, p + 1) for p in range(len(_UNIT_RANGES), want))
-    return _UNIT_RANGES
+_new_decode_batch = fast_constructor(DecodeBatch)
 
 
 def _target(req: Request) -> int:
@@ -255,6 +290,8 @@ class Scheduler:
         request.stop_ids = stop_token_set(params, request.eos_token_ids)
         request.extra_keys = encode_extra_keys(cfg.model_id, request.cache_salt)
         request.seed = params.seed
+        request.sampling_inputs = SamplingInputs(params, request.prompt_token_ids,
+                                                 request.output_token_ids, params.seed)
         request.status = _WAITING
         if request.is_fork_parent and num_prompt == 1:
             # prompt[:-1] is empty: nothing to share, the children start on their own.
@@ -286,6 +323,8 @@ class Scheduler:
             child.stop_ids = parent.stop_ids
             child.extra_keys = parent.extra_keys
             child.seed = None if params.seed is None else params.seed * _SEED_MIX + i
+            child.sampling_inputs = SamplingInputs(params, child.prompt_token_ids,
+                                                   child.output_token_ids, child.seed)
             child.num_cached_tokens = parent.num_cached_tokens
             child.num_computed_tokens = parent.num_computed_tokens
             children.append(child)
@@ -347,12 +386,15 @@ class Scheduler:
         self._num_steps += 1
         scheduled: list[ScheduledRequest] = []
         copies: list[tuple[int, int]] = []
-        budget, preempted = self._schedule_running(scheduled, copies)
+        decodes = _new_decode_batch([], [], [], [], [], [])
+        budget, preempted = self._schedule_running(scheduled, copies, decodes)
         if not preempted:  # a pool that just ran dry admits nobody new
+            # Seats left for requests that are not running yet.
+            seats = self.config.max_num_seqs - len(decodes.req_ids)
             if self.swapped:
-                budget = self._schedule_swapped(budget, scheduled, copies)
+                budget = self._schedule_swapped(budget, scheduled, seats)
             if not self.swapped:  # swapped requests come back before new ones start
-                self._schedule_waiting(budget, scheduled, copies)
+                self._schedule_waiting(budget, scheduled, copies, seats)
         left = self._left_ids
         self._left_ids = []
         pre = self._preempted_ids
@@ -361,14 +403,17 @@ class Scheduler:
             swap_out, swap_in = self._swap_out, self._swap_in
             self._swap_out, self._swap_in = [], []
             return _new_scheduler_output(self._num_steps, scheduled, copies, left, pre,
-                                         swap_out, swap_in)
-        return _new_scheduler_output(self._num_steps, scheduled, copies, left, pre)
+                                         swap_out, swap_in, decodes)
+        return _new_scheduler_output(self._num_steps, scheduled, copies, left, pre,
+                                     decodes=decodes)
 
     def _schedule_running(
-        self, scheduled: list[ScheduledRequest], copies: list[tuple[int, int]]
+        self, scheduled: list[ScheduledRequest], copies: list[tuple[int, int]],
+        decodes: DecodeBatch,
     ) -> tuple[int, bool]:
         """Schedule running requests in order, preempting from the back when the pool runs
-        dry; returns the token budget left and whether anything was preempted."""
+        dry; returns the token budget left and whether anything was preempted. Plain
+        decodes go to ``decodes``, everything else to ``scheduled``."""
         cfg = self.config
         kv = self.kv
         tables = kv.tables
@@ -378,18 +423,20 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         max_seqs = cfg.max_num_seqs
         running = self.running
-        twin = _ScheduledRequestTwin
-        scheduled_request = ScheduledRequest
-        append = scheduled.append
-        unit_ranges = _unit_ranges(cfg.max_model_len)
-        num_unit_ranges = len(unit_ranges)
+        add_id = decodes.req_ids.append
+        add_token = decodes.token_ids.append
+        add_position = decodes.positions.append
+        add_slot = decodes.slot_mapping.append
+        add_table = decodes.block_tables.append
+        add_inputs = decodes.inputs.append
+        decode_ids = decodes.req_ids
         preempted = False
         # Each running request is scheduled at most once and preemption only shrinks
         # ``running``, so the seat limit can only bind when running is over it (forks).
         check_seats = len(running) > max_seqs
         # Preemption pops from the back of ``running``; the iterator stops short of it.
         for req in running:
-            if budget <= 0 or check_seats and len(scheduled) >= max_seqs:
+            if budget <= 0 or check_seats and len(scheduled) + len(decode_ids) >= max_seqs:
                 break
             start = req.num_computed_tokens
             tokens = req.all_token_ids
@@ -411,23 +458,12 @@ class Scheduler:
                         ids = tables[rid].ids
                         block_id = ids[start // bs]
                 if fast:
-                    # ScheduledRequest(rid, [tokens[start]], range(start, start + 1), ids,
-                    # [slot], True, ...), built inline (see unfrozen_twin).
-                    sr = twin()
-                    sr.req_id = rid
-                    sr.token_ids = [tokens[start]]
-                    sr.positions = (
-                        unit_ranges[start] if start < num_unit_ranges else range(start, start + 1)
-                    )
-                    sr.block_table = ids
-                    sr.slot_mapping = [block_id * bs + offset]
-                    sr.sample = True
-                    sr.sampling_params = req.sampling_params
-                    sr.prompt_token_ids = req.prompt_token_ids
-                    sr.output_token_ids = req.output_token_ids
-                    sr.seed = req.seed
-                    sr.__class__ = scheduled_request
-                    append(sr)
+                    add_id(rid)
+                    add_token(tokens[start])
+                    add_position(start)
+                    add_slot(block_id * bs + offset)
+                    add_table(ids)
+                    add_inputs(req.sampling_inputs)
                     budget -= 1
                     continue
             num_new = _target(req) - start
@@ -453,16 +489,17 @@ class Scheduler:
         return budget, preempted
 
     def _schedule_swapped(
-        self, budget: int, scheduled: list[ScheduledRequest], copies: list[tuple[int, int]]
+        self, budget: int, scheduled: list[ScheduledRequest], seats: int
     ) -> int:
-        """Swap requests back in, in order, while budget, seats and free blocks last, and
-        schedule their next tokens; returns the budget left."""
+        """Swap requests back in, in order, while budget, seats (``seats`` minus what
+        ``scheduled`` holds) and free blocks last, and schedule their next tokens; returns
+        the budget left."""
         kv = self.kv
         bs = self.config.block_size
         max_seqs = self.config.max_num_seqs
         running = self.running
         swapped = self.swapped
-        while swapped and budget > 0 and len(running) < max_seqs and len(scheduled) < max_seqs:
+        while swapped and budget > 0 and len(running) < max_seqs and len(scheduled) < seats:
             req = swapped[0]
             start = req.num_computed_tokens
             num_new = min(_target(req) - start, budget)
@@ -485,14 +522,16 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(
-        self, budget: int, scheduled: list[ScheduledRequest], copies: list[tuple[int, int]]
+        self, budget: int, scheduled: list[ScheduledRequest], copies: list[tuple[int, int]],
+        seats: int,
     ) -> None:
-        """Admit waiting requests in order while budget, seats and free blocks last."""
+        """Admit waiting requests in order while budget, seats (``seats`` minus what
+        ``scheduled`` holds) and free blocks last."""
         kv = self.kv
         max_seqs = self.config.max_num_seqs
         running = self.running
         waiting = self.waiting
-        while waiting and budget > 0 and len(running) < max_seqs and len(scheduled) < max_seqs:
+        while waiting and budget > 0 and len(running) < max_seqs and len(scheduled) < seats:
             req = waiting[0]
             target = _target(req)
             cached = kv.lookup_prefix(req.req_id, req.all_token_ids, req.extra_keys, target - 1)
@@ -558,10 +597,11 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ---------------------------------------------------------------- update
-    def update(self, out: SchedulerOutput, res: ModelRunnerOutput) -> list[RequestUpdate]:
+    def update(self, out: SchedulerOutput, res: ModelRunnerOutput) -> StepUpdates:
         """Advance requests by what the step computed; append sampled tokens; finish/fork.
 
-        Returns one ``RequestUpdate`` per sampled token, in scheduling order.
+        Returns one entry per sampled token, in step order (the decodes, then
+        ``out.requests``).
         """
         self.kv.pool.check_owner()
         requests = self.requests
@@ -569,12 +609,34 @@ class Scheduler:
         logprobs = res.logprobs
         seal = self.kv.seal_full_blocks
         bs = self.config.block_size
-        twin = _RequestUpdateTwin
-        request_update = RequestUpdate
-        updates: list[RequestUpdate] = []
-        append = updates.append
-        changed = False
+        sampled_by: list[Request] = []
+        new_tokens: list[int] = []
+        add_request = sampled_by.append
+        add_token = new_tokens.append
+        finished: dict[str, RequestUpdate] = {}
         forked: dict[str, list[Request]] = {}
+        decodes = out.decodes
+        if decodes.req_ids:
+            for rid, start in zip(decodes.req_ids, decodes.positions):
+                req = requests.get(rid)
+                if req is None or req.status is not _RUNNING or start != req.num_computed_tokens:
+                    continue  # finished, aborted, or preempted and re-admitted since
+                computed = req.num_computed_tokens = start + 1
+                tokens = req.all_token_ids
+                if not computed % bs:  # this token filled its block
+                    seal(rid, tokens, computed)
+                token = sampled[rid]
+                output = req.output_token_ids
+                output.append(token)
+                tokens.append(token)
+                add_request(req)
+                add_token(token)
+                n_out = len(output)
+                # Below max_tokens means below max_model_len too (checked at admission).
+                if n_out >= req.max_tokens or (
+                    token in req.stop_ids and n_out >= req.sampling_params.min_tokens
+                ):
+                    finished[rid] = self._finish_sampled(req, token, logprobs)
         for sr in out.requests:
             rid = sr.req_id
             req = requests.get(rid)
@@ -591,42 +653,24 @@ class Scheduler:
             if not sr.sample:
                 if _target(req) == computed and req.sampling_params.n > 1 and req.parent_id is None:
                     forked[rid] = self._fork(req)
-                    changed = True
                 continue
             token = sampled[rid]
             output = req.output_token_ids
             output.append(token)
             tokens.append(token)
-            lps = [logprobs[rid]] if logprobs and rid in logprobs else []
+            add_request(req)
+            add_token(token)
             n_out = len(output)
-            # Below max_tokens means below max_model_len too (checked at admission).
-            if n_out < req.max_tokens and (
-                token not in req.stop_ids or n_out < req.sampling_params.min_tokens
+            if n_out >= req.max_tokens or (
+                token in req.stop_ids and n_out >= req.sampling_params.min_tokens
             ):
-                # RequestUpdate(rid, req.parent_id, req.index, [token], False, None, None,
-                # num_prompt_tokens, num_cached_tokens, lps), built inline.
-                u = twin()
-                u.req_id = rid
-                u.parent_id = req.parent_id
-                u.index = req.index
-                u.new_token_ids = [token]
-                u.finished = False
-                u.finish_reason = None
-                u.stop_reason = None
-                u.num_prompt_tokens = req.num_prompt_tokens
-                u.num_cached_tokens = req.num_cached_tokens
-                u.logprobs = lps
-                u.__class__ = request_update
-                append(u)
-            else:
-                append(self._finish_sampled(req, token, lps))
-                changed = True
-        if changed:
+                finished[rid] = self._finish_sampled(req, token, logprobs)
+        if finished or forked:
             self._drop_finished_and_forked(forked)
-        return updates
+        return StepUpdates(sampled_by, new_tokens, finished, logprobs)
 
     def _finish_sampled(
-        self, req: Request, token: int, lps: list[TokenLogprobs]
+        self, req: Request, token: int, logprobs: dict[str, TokenLogprobs]
     ) -> RequestUpdate:
         """Finish ``req``, whose just-sampled ``token`` stopped it or hit a length limit."""
         params = req.sampling_params
@@ -640,8 +684,10 @@ class Scheduler:
             elif not params.ignore_eos and token in req.eos_token_ids:
                 status, reason = RequestStatus.FINISHED_STOPPED, "stop"
         self._finish(req, status, reason, stop_reason)
+        rid = req.req_id
+        lps = [logprobs[rid]] if logprobs and rid in logprobs else []
         return _new_request_update(
-            req.req_id, req.parent_id, req.index, [token], True, reason, stop_reason,
+            rid, req.parent_id, req.index, [token], True, reason, stop_reason,
             len(req.prompt_token_ids), req.num_cached_tokens, lps,
         )
 

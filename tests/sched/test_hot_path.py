@@ -12,7 +12,7 @@ from pagewarden.sched import Request, Scheduler, SchedulerConfig
 from pagewarden.sched.fake_runner import FakeModelRunner
 from pagewarden.sched.fast_dataclass import fast_constructor
 from pagewarden.sched.output import ScheduledRequest, SchedulerOutput
-from pagewarden.sched.scheduler import RequestUpdate, _slot_mapping, _unit_ranges
+from pagewarden.sched.scheduler import RequestUpdate, _slot_mapping
 
 
 def test_fast_constructor_builds_equal_frozen_instances() -> None:
@@ -60,12 +60,6 @@ def test_slot_mapping_matches_the_per_position_formula() -> None:
     assert _slot_mapping([7, 3], 4, 2, 7) == [30, 31, 12, 13, 14]
 
 
-def test_unit_ranges_are_one_position_each() -> None:
-    ranges = _unit_ranges(100)
-    assert len(ranges) >= 100
-    assert all(ranges[p] == range(p, p + 1) for p in range(100))
-
-
 def test_block_tables_handed_out_are_never_mutated_afterwards() -> None:
     """Block tables are shared with the runner without a copy: the scheduler must replace
     them, never change them in place (allocation, copy on write, preemption, finish)."""
@@ -84,7 +78,7 @@ def test_block_tables_handed_out_are_never_mutated_afterwards() -> None:
     steps = 0
     while s.has_unfinished_requests():
         out = s.schedule()
-        seen += [(sr.block_table, list(sr.block_table)) for sr in out.requests]
+        seen += [(sr.block_table, list(sr.block_table)) for sr in out.all_requests()]
         s.update(out, runner.execute(out))
         steps += 1
         assert steps < 10_000
@@ -92,3 +86,37 @@ def test_block_tables_handed_out_are_never_mutated_afterwards() -> None:
     for table, snapshot in seen:
         assert table == snapshot
     assert s.check_invariants() == []
+
+
+def test_decode_batch_is_the_same_step_as_scheduled_requests() -> None:
+    """A scheduler fed its own columnar outputs and one fed the materialized ones (every
+    decode as a ScheduledRequest) make the same steps and the same tokens."""
+    rng = random.Random(11)
+    cfg = SchedulerConfig(num_blocks=14, block_size=4, max_num_seqs=5,
+                          max_num_batched_tokens=24, max_model_len=64)
+    columnar, objects = Scheduler(cfg), Scheduler(cfg)
+    runner_a = FakeModelRunner(cfg.block_size, verify=True)
+    runner_b = FakeModelRunner(cfg.block_size, verify=True)
+    for i in range(30):
+        prompt = [rng.randrange(40) for _ in range(rng.randint(1, 12))]
+        params = SamplingParams(n=rng.choice([1, 1, 2]), max_tokens=rng.randint(1, 10),
+                                ignore_eos=True)
+        columnar.add_request(Request(f"r{i}", prompt, params))
+        objects.add_request(Request(f"r{i}", prompt, params))
+    decodes = 0
+    while columnar.has_unfinished_requests():
+        out_a = columnar.schedule()
+        out_b = objects.schedule().materialized()
+        assert not out_b.decodes and out_b.all_requests() == out_a.all_requests()
+        assert out_a.num_batched_tokens == out_b.num_batched_tokens
+        decodes += len(out_a.decodes)
+        for i, rid in enumerate(out_a.decodes.req_ids):
+            sr = out_a.all_requests()[i]
+            assert (sr.req_id, sr.positions.stop, sr.sample) == (rid, out_a.decodes.positions[i] + 1, True)
+        ups_a = columnar.update(out_a, runner_a.execute(out_a))
+        ups_b = objects.update(out_b, runner_b.execute(out_b))
+        assert list(ups_a) == list(ups_b)
+        assert [r.req_id for r in ups_a.requests] == [u.req_id for u in ups_b]
+        assert set(ups_a.finished) == {u.req_id for u in ups_a if u.finished}
+    assert not objects.has_unfinished_requests() and decodes > 50
+    assert columnar.check_invariants() == [] and objects.check_invariants() == []

@@ -73,7 +73,7 @@ def test_chunked_prefill_then_decode_exact_slots() -> None:
     chunks = []
     for _ in range(4):
         out = s.schedule()
-        (sr,) = out.requests
+        (sr,) = out.all_requests()
         chunks.append((sr.positions, sr.sample, sr.block_table, sr.slot_mapping))
         s.update(out, runner.execute(out))
     assert chunks[0] == (range(0, 4), False, [1], [4, 5, 6, 7])
@@ -93,7 +93,7 @@ def test_decode_and_prefill_share_a_step() -> None:
     s.update(out, runner.execute(out))
     s.add_request(_req("b", list(range(20)), max_tokens=1))
     out = s.schedule()
-    assert [(r.req_id, len(r.token_ids)) for r in out.requests] == [("a", 1), ("b", 5)]
+    assert [(r.req_id, len(r.token_ids)) for r in out.all_requests()] == [("a", 1), ("b", 5)]
     assert out.num_batched_tokens == 6
 
 
@@ -104,7 +104,7 @@ def test_prefix_hit_advances_computed_and_leaves_last_token() -> None:
     _drain(s)
     s.add_request(_req("b", prompt, max_tokens=1))
     out = s.schedule()
-    (sr,) = out.requests
+    (sr,) = out.all_requests()
     assert sr.positions == range(8, 12)  # 2 blocks served; last block recomputed
     assert sr.sample
     res = s.update(out, FakeModelRunner(4).execute(out))
@@ -115,7 +115,7 @@ def test_prefix_hit_advances_computed_and_leaves_last_token() -> None:
     r = Request("c", prompt, SamplingParams(max_tokens=1), cache_salt="tenant-2")
     s.add_request(r)
     out = s.schedule()
-    assert out.requests[0].positions == range(0, 12)
+    assert out.all_requests()[0].positions == range(0, 12)
 
 
 def test_preemption_recomputes_most_recent_and_all_finish() -> None:
@@ -147,22 +147,25 @@ def test_parallel_sampling_forks_with_cow_and_seeds() -> None:
     s.add_request(Request("p", list(range(6)), SamplingParams(n=3, max_tokens=2, seed=7, ignore_eos=True)))
     runner = FakeModelRunner(4, verify=True)
     out = s.schedule()
-    (sr,) = out.requests
+    (sr,) = out.all_requests()
     assert sr.req_id == "p" and sr.positions == range(0, 5) and not sr.sample
-    assert s.update(out, runner.execute(out)) == []
+    assert list(s.update(out, runner.execute(out))) == []
     assert [r.req_id for r in s.running] == ["p#0", "p#1", "p#2"]
     assert all(r.parent_id == "p" for r in s.running)
     out = s.schedule()
     assert out.finished_req_ids == ["p"]
-    assert [(r.req_id, r.positions, r.seed) for r in out.requests] == [
+    # p#0 and p#1 copy the shared last block on write; p#2, then its only holder, is a
+    # plain decode (the decode batch comes first in step order).
+    assert out.decodes.req_ids == ["p#2"]
+    assert [(r.req_id, r.positions, r.seed) for r in out.all_requests()] == [
+        ("p#2", range(5, 6), 7 * 1000003 + 2),
         ("p#0", range(5, 6), 7 * 1000003 + 0),
         ("p#1", range(5, 6), 7 * 1000003 + 1),
-        ("p#2", range(5, 6), 7 * 1000003 + 2),
     ]
     assert out.copy_blocks == [(2, 3), (2, 4)]
-    assert [r.block_table for r in out.requests] == [[1, 3], [1, 4], [1, 2]]
+    assert [r.block_table for r in out.all_requests()] == [[1, 2], [1, 3], [1, 4]]
     ups = s.update(out, runner.execute(out))
-    assert [(u.req_id, u.index, u.parent_id) for u in ups] == [("p#0", 0, "p"), ("p#1", 1, "p"), ("p#2", 2, "p")]
+    assert [(u.req_id, u.index, u.parent_id) for u in ups] == [("p#2", 2, "p"), ("p#0", 0, "p"), ("p#1", 1, "p")]
     toks = _drain(s, runner)
     assert all(len(v) == 1 for v in toks.values())
 
