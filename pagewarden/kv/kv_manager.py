@@ -132,21 +132,25 @@ class KVCacheManager:
         hashes = entry.hashes
         parent: BlockHash | None = None
         for i in range(max_blocks):
-            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
+            chunk = token_ids[i * bs : (i + 1) * bs]
             h = hash_block_tokens(parent, chunk, extra_keys)
             hashes.append(h)
             block = index.get(h)
-            if block is None or block.token_ids != chunk:
+            if block is None or block.token_ids != tuple(chunk):
                 break
             hits.append(block)
             parent = h
         if hits:
             pool.touch(hits)
-            entry.refs = [_new_tuple(BlockRef, (b.block_id, b.epoch)) for b in hits]  # _ref
-            entry.ids = [b.block_id for b in hits]
-        entry.num_sealed = len(hits)
-        self.prefix_cache_hits += len(hits) * bs
-        return len(hits) * bs
+            refs = entry.refs
+            ids = entry.ids
+            for b in hits:
+                refs.append(_new_tuple(BlockRef, (b.block_id, b.epoch)))  # _ref(b)
+                ids.append(b.block_id)  # a new table: not handed out yet
+        num_hit = len(hits)
+        entry.num_sealed = num_hit
+        self.prefix_cache_hits += num_hit * bs
+        return num_hit * bs
 
     def create_table(self, req_id: str, extra_keys: bytes) -> None:
         """An empty table (no prefix lookup)."""
@@ -179,20 +183,21 @@ class KVCacheManager:
         if total > pool.free_queue.num_free:
             return None
         copies: list[tuple[int, int]] = []
+        ids = ids[:]  # never mutate a list a ScheduledRequest may hold
         if cow_index >= 0:
             src = pool.blocks[ids[cow_index]]
             (dst,) = pool.get_new_blocks(1)
             pool.free_blocks((src,))  # ref_cnt > 1, so this never frees the source
             entry.refs[cow_index] = _ref(dst)
-            ids = ids[:]  # never mutate a list a ScheduledRequest may hold
             ids[cow_index] = dst.block_id
             entry.ids = ids
             copies.append((src.block_id, dst.block_id))
         if need > 0:
-            new_blocks = pool.get_new_blocks(need)
-            new_ids = [b.block_id for b in new_blocks]
-            entry.refs += [_new_tuple(BlockRef, (b.block_id, b.epoch)) for b in new_blocks]  # _ref
-            entry.ids = ids + new_ids
+            refs = entry.refs
+            for b in pool.get_new_blocks(need):
+                refs.append(_new_tuple(BlockRef, (b.block_id, b.epoch)))  # _ref(b)
+                ids.append(b.block_id)
+            entry.ids = ids
         return copies
 
     def seal_full_blocks(self, req_id: str, token_ids: Sequence[int], num_computed: int) -> None:
@@ -205,7 +210,10 @@ class KVCacheManager:
         if num_full <= entry.num_sealed:
             return
         hashes = entry.hashes
-        blocks = self.pool.blocks
+        pool = self.pool
+        pool.check_owner()
+        blocks = pool.blocks
+        index = pool.hash_index
         ids = entry.ids
         for i in range(entry.num_sealed, num_full):
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
@@ -214,7 +222,14 @@ class KVCacheManager:
             else:
                 h = hash_block_tokens(hashes[i - 1] if i else None, chunk, entry.extra_keys)
                 hashes.append(h)
-            self.pool.seal(blocks[ids[i]], h, chunk)
+            block = blocks[ids[i]]
+            if block.block_hash is None and block.state is _USED:
+                # pool.seal's common case, inlined: a full, unsealed block in use.
+                block.block_hash = h
+                block.token_ids = chunk
+                index.setdefault(h, block)
+            else:
+                pool.seal(block, h, chunk)
         entry.num_sealed = num_full
 
     # ------------------------------------------------------------ fork & free
@@ -379,6 +394,7 @@ class KVCacheManager:
 
 
 _NO_COPIES: list[tuple[int, int]] = []
+_USED = BlockState.USED
 
 
 def _slots_used(index: int, num_tokens: int, block_size: int) -> int:
