@@ -21,7 +21,8 @@ class FakeKVMismatch(AssertionError):
 
 
 class FakeModelRunner:
-    """``execute(out)`` returns one token per request scheduled with ``sample=True``."""
+    """``execute(out)`` returns one token per request scheduled with ``sample=True``; the
+    decode batch's tokens come back in columns (``decode_token_ids``)."""
 
     def __init__(self, block_size: int, vocab_size: int = 32000, verify: bool = False) -> None:
         self.block_size = block_size
@@ -29,39 +30,39 @@ class FakeModelRunner:
         self.verify = verify
         self.slots: dict[int, int] = {}
         self.host_slots: dict[int, int] = {}  # the host (swap) tier, same layout
-        self._seeds: dict[str, int] = {}
+        self._seeds: dict[str, int] = {}  # req_id -> its token seed
         self.num_steps = 0
+
+    def _seed(self, req_id: str) -> int:
+        seed = self._seeds.get(req_id)
+        if seed is None:
+            seed = self._seeds[req_id] = zlib.crc32(req_id.encode()) % self.vocab_size
+        return seed
 
     def token_for(self, req_id: str, position: int) -> int:
         """The token sampled for ``req_id`` after ``position`` context tokens."""
-        seed = self._seeds.get(req_id)
-        if seed is None:
-            seed = self._seeds[req_id] = zlib.crc32(req_id.encode())
-        return (seed ^ (position * 2654435761)) % self.vocab_size
+        return (self._seed(req_id) + position) % self.vocab_size
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.num_steps += 1
+        seeds = self._seeds
         for rid in out.finished_req_ids:
-            self._seeds.pop(rid, None)
+            seeds.pop(rid, None)
         if self.verify:
             self._apply(out)
-        sampled = {}
         vocab = self.vocab_size
-        seeds = self._seeds
         decodes = out.decodes
-        for rid, position in zip(decodes.req_ids, decodes.positions):
-            seed = seeds.get(rid)
-            if seed is None:
-                seed = seeds[rid] = zlib.crc32(rid.encode())
-            sampled[rid] = (seed ^ ((position + 1) * 2654435761)) % vocab
-        for sr in out.requests:
-            if sr.sample:
-                rid = sr.req_id
-                seed = seeds.get(rid)
-                if seed is None:
-                    seed = seeds[rid] = zlib.crc32(rid.encode())
-                sampled[rid] = (seed ^ (sr.positions.stop * 2654435761)) % vocab
-        return _new_runner_output(sampled)
+        try:  # token_for(rid, position + 1), inlined
+            decode_tokens = [(seeds[rid] + position + 1) % vocab
+                             for rid, position in zip(decodes.req_ids, decodes.positions)]
+        except KeyError:  # a request's first step is a decode (a fork child)
+            for rid in decodes.req_ids:
+                self._seed(rid)
+            decode_tokens = [(seeds[rid] + position + 1) % vocab
+                             for rid, position in zip(decodes.req_ids, decodes.positions)]
+        sampled = {sr.req_id: self.token_for(sr.req_id, sr.positions.stop)
+                   for sr in out.requests if sr.sample}
+        return _new_runner_output(sampled, decode_token_ids=decode_tokens)
 
     def _apply(self, out: SchedulerOutput) -> None:
         bs = self.block_size

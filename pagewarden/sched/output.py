@@ -187,3 +187,6 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     faults: list[KVFault] = field(default_factory=list)
+    # The decode batch's tokens in its order, for a runner that answers it in columns
+    # (and found no fault); empty when they are in ``sampled_token_ids`` like the rest.
+    decode_token_ids: list[int] = field(default_factory=list)

@@ -73,23 +73,25 @@ class RequestUpdate:
 
 class StepUpdates:
     """What ``update`` produced, one entry per sampled token in step order, columnar:
-    ``requests[i]`` sampled ``token_ids[i]``.
+    request ``req_ids[i]`` sampled ``token_ids[i]``.
 
     ``finished`` maps the id of each request that finished this step to its
     ``RequestUpdate``. Iterating or indexing gives one ``RequestUpdate`` per entry (built
-    on first use, then kept), for code that wants objects; read it before the next step,
-    while the requests that did not finish still describe this one.
+    on first use, then kept) for code that wants objects; do that before the scheduler
+    changes again (the next step, an abort), since entries that did not finish are
+    described from the live requests.
     """
 
-    __slots__ = ("requests", "token_ids", "finished", "logprobs", "_updates")
+    __slots__ = ("req_ids", "token_ids", "finished", "logprobs", "_live", "_updates")
 
-    def __init__(self, requests: list[Request], token_ids: list[int],
-                 finished: dict[str, RequestUpdate],
-                 logprobs: dict[str, TokenLogprobs]) -> None:
-        self.requests = requests
+    def __init__(self, req_ids: list[str], token_ids: list[int],
+                 finished: dict[str, RequestUpdate], logprobs: dict[str, TokenLogprobs],
+                 live: dict[str, Request]) -> None:
+        self.req_ids = req_ids
         self.token_ids = token_ids
         self.finished = finished
         self.logprobs = logprobs
+        self._live = live
         self._updates: list[RequestUpdate] | None = None
 
     def __len__(self) -> int:
@@ -106,11 +108,12 @@ class StepUpdates:
         if self._updates is None:
             finished = self.finished
             logprobs = self.logprobs
+            live = self._live
             built = []
-            for req, token in zip(self.requests, self.token_ids):
-                rid = req.req_id
+            for rid, token in zip(self.req_ids, self.token_ids):
                 u = finished.get(rid)
                 if u is None:
+                    req = live[rid]
                     lps = [logprobs[rid]] if logprobs and rid in logprobs else []
                     u = _new_request_update(rid, req.parent_id, req.index, [token], False,
                                             None, None, req.num_prompt_tokens,
@@ -182,6 +185,8 @@ _new_scheduled_request = fast_constructor(ScheduledRequest)
 _new_request_update = fast_constructor(RequestUpdate)
 _new_scheduler_output = fast_constructor(SchedulerOutput)
 _new_decode_batch = fast_constructor(DecodeBatch)
+_new_sampling_inputs = fast_constructor(SamplingInputs)
+
 
 
 def _target(req: Request) -> int:
@@ -290,8 +295,8 @@ class Scheduler:
         request.stop_ids = stop_token_set(params, request.eos_token_ids)
         request.extra_keys = encode_extra_keys(cfg.model_id, request.cache_salt)
         request.seed = params.seed
-        request.sampling_inputs = SamplingInputs(params, request.prompt_token_ids,
-                                                 request.output_token_ids, params.seed)
+        request.sampling_inputs = _new_sampling_inputs(params, request.prompt_token_ids,
+                                                       request.output_token_ids, params.seed)
         request.status = _WAITING
         if request.is_fork_parent and num_prompt == 1:
             # prompt[:-1] is empty: nothing to share, the children start on their own.
@@ -323,8 +328,8 @@ class Scheduler:
             child.stop_ids = parent.stop_ids
             child.extra_keys = parent.extra_keys
             child.seed = None if params.seed is None else params.seed * _SEED_MIX + i
-            child.sampling_inputs = SamplingInputs(params, child.prompt_token_ids,
-                                                   child.output_token_ids, child.seed)
+            child.sampling_inputs = _new_sampling_inputs(params, child.prompt_token_ids,
+                                                         child.output_token_ids, child.seed)
             child.num_cached_tokens = parent.num_cached_tokens
             child.num_computed_tokens = parent.num_computed_tokens
             children.append(child)
@@ -609,34 +614,38 @@ class Scheduler:
         logprobs = res.logprobs
         seal = self.kv.seal_full_blocks
         bs = self.config.block_size
-        sampled_by: list[Request] = []
-        new_tokens: list[int] = []
-        add_request = sampled_by.append
-        add_token = new_tokens.append
         finished: dict[str, RequestUpdate] = {}
         forked: dict[str, list[Request]] = {}
         decodes = out.decodes
-        if decodes.req_ids:
-            for rid, start in zip(decodes.req_ids, decodes.positions):
-                req = requests.get(rid)
-                if req is None or req.status is not _RUNNING or start != req.num_computed_tokens:
-                    continue  # finished, aborted, or preempted and re-admitted since
-                computed = req.num_computed_tokens = start + 1
-                tokens = req.all_token_ids
-                if not computed % bs:  # this token filled its block
-                    seal(rid, tokens, computed)
-                token = sampled[rid]
-                output = req.output_token_ids
-                output.append(token)
-                tokens.append(token)
-                add_request(req)
-                add_token(token)
-                n_out = len(output)
+        sampled_ids = decodes.req_ids
+        new_tokens = res.decode_token_ids
+        if sampled_ids and len(new_tokens) != len(sampled_ids):
+            new_tokens = [sampled[rid] for rid in sampled_ids]
+        skipped: list[str] = []
+        for rid, start, token in zip(sampled_ids, decodes.positions, new_tokens):
+            req = requests.get(rid)
+            if req is None or req.status is not _RUNNING or start != req.num_computed_tokens:
+                skipped.append(rid)  # finished, aborted, or preempted and re-admitted since
+                continue
+            computed = req.num_computed_tokens = start + 1
+            tokens = req.all_token_ids
+            if not computed % bs:  # this token filled its block
+                seal(rid, tokens, computed)
+            output = req.output_token_ids
+            output.append(token)
+            tokens.append(token)
+            n_out = len(output)
                 # Below max_tokens means below max_model_len too (checked at admission).
-                if n_out >= req.max_tokens or (
-                    token in req.stop_ids and n_out >= req.sampling_params.min_tokens
-                ):
-                    finished[rid] = self._finish_sampled(req, token, logprobs)
+            if n_out >= req.max_tokens or (
+                token in req.stop_ids and n_out >= req.sampling_params.min_tokens
+            ):
+                finished[rid] = self._finish_sampled(req, token, logprobs)
+        if skipped:  # a decode batch lists each request once
+            kept = [(r, t) for r, t in zip(sampled_ids, new_tokens) if r not in skipped]
+            sampled_ids = [r for r, _ in kept]
+            new_tokens = [t for _, t in kept]
+        more_ids: list[str] = []
+        more_tokens: list[int] = []
         for sr in out.requests:
             rid = sr.req_id
             req = requests.get(rid)
@@ -658,8 +667,8 @@ class Scheduler:
             output = req.output_token_ids
             output.append(token)
             tokens.append(token)
-            add_request(req)
-            add_token(token)
+            more_ids.append(rid)
+            more_tokens.append(token)
             n_out = len(output)
             if n_out >= req.max_tokens or (
                 token in req.stop_ids and n_out >= req.sampling_params.min_tokens
@@ -667,7 +676,10 @@ class Scheduler:
                 finished[rid] = self._finish_sampled(req, token, logprobs)
         if finished or forked:
             self._drop_finished_and_forked(forked)
-        return StepUpdates(sampled_by, new_tokens, finished, logprobs)
+        if more_ids:
+            sampled_ids = sampled_ids + more_ids
+            new_tokens = new_tokens + more_tokens
+        return StepUpdates(sampled_ids, new_tokens, finished, logprobs, requests)
 
     def _finish_sampled(
         self, req: Request, token: int, logprobs: dict[str, TokenLogprobs]

@@ -116,7 +116,8 @@ def test_decode_batch_is_the_same_step_as_scheduled_requests() -> None:
         ups_a = columnar.update(out_a, runner_a.execute(out_a))
         ups_b = objects.update(out_b, runner_b.execute(out_b))
         assert list(ups_a) == list(ups_b)
-        assert [r.req_id for r in ups_a.requests] == [u.req_id for u in ups_b]
+        assert ups_a.req_ids == [u.req_id for u in ups_b]
+        assert ups_a.token_ids == [u.new_token_ids[0] for u in ups_b]
         assert set(ups_a.finished) == {u.req_id for u in ups_a if u.finished}
     assert not objects.has_unfinished_requests() and decodes > 50
     assert columnar.check_invariants() == [] and objects.check_invariants() == []
