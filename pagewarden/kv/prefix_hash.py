@@ -6,7 +6,8 @@
     h_1 = H(h_0,   tokens[bs:2bs], extra_keys)      a hit on h_1 implies the whole prefix
 
 H is blake2b-256 over a canonical byte encoding: the 32-byte parent, the tagged extra
-keys (self-delimiting), then the tokens as little-endian int64. A hit is still confirmed
+keys (self-delimiting), then the tokens as little-endian uint32 (so parent, keys and a
+16-token block fit one 128-byte compression block). A hit is still confirmed
 by an exact token compare (``KVBlock.token_ids``), so a collision can never serve KV.
 """
 
@@ -65,7 +66,7 @@ def encode_extra_keys(
     return out
 
 
-#: Compiled ``<{n}q`` packers by token count (one per block size in practice).
+#: Compiled ``<{n}I`` packers by token count (one per block size in practice).
 _token_packers: dict[int, struct.Struct] = {}
 
 #: An empty blake2b-256 hasher with the person string set. ``copy()`` of it gives the
@@ -78,19 +79,24 @@ _EMPTY_HASHER = blake2b(digest_size=32, person=_PERSON)
 def _token_packer(n: int) -> struct.Struct:
     packer = _token_packers.get(n)
     if packer is None:
-        packer = _token_packers[n] = struct.Struct(f"<{n}q")
+        packer = _token_packers[n] = struct.Struct(f"<{n}I")
     return packer
 
 
 def hash_block_tokens(
     parent: BlockHash | None, token_ids: Sequence[int], extra_keys: bytes
 ) -> BlockHash:
-    """``H(parent, token_ids, extra_keys)`` for one full block."""
+    """``H(parent, token_ids, extra_keys)`` for one full block; token ids must be in
+    ``[0, 2**32)`` (``ValueError`` otherwise)."""
     h = _EMPTY_HASHER.copy()
     h.update(parent if parent is not None else _ROOT)
     h.update(extra_keys)
     packer = _token_packers.get(len(token_ids)) or _token_packer(len(token_ids))
-    h.update(packer.pack(*token_ids))
+    try:
+        h.update(packer.pack(*token_ids))
+    except struct.error:
+        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < 1 << 32)]
+        raise ValueError(f"token ids must be ints in [0, 2**32), got {bad[:4]}") from None
     # The digest is the BlockHash; calling the NewType would cost a Python-level call.
     return h.digest()  # type: ignore[return-value]
 

@@ -76,17 +76,25 @@ class DecodeBatch:
     range(positions[i], positions[i] + 1), block_tables[i], [slot_mapping[i]], True,
     ...inputs[i])``; ``scheduled_requests()`` builds exactly those. Most of a busy step is
     decodes, and a column append costs a fraction of building one object per request.
+    The slots are derived from the tables on demand, where the runner wants them.
     """
 
+    block_size: int
     req_ids: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
-    slot_mapping: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
     inputs: list[SamplingInputs] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.req_ids)
+
+    @property
+    def slot_mapping(self) -> list[int]:
+        """The physical slot each entry's token writes: ``table[p // bs] * bs + p % bs``."""
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs
+                for table, p in zip(self.block_tables, self.positions)]
 
     def scheduled_requests(self) -> list[ScheduledRequest]:
         """The same entries as ``ScheduledRequest`` objects, in order."""
@@ -122,7 +130,7 @@ class SchedulerOutput:
     swap_out: list[BlockSwap] = field(default_factory=list)
     swap_in: list[BlockSwap] = field(default_factory=list)
     # Plain decodes, columnar; in step order they come before ``requests``.
-    decodes: DecodeBatch = field(default_factory=DecodeBatch)
+    decodes: DecodeBatch = field(default_factory=lambda: _NO_DECODES)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -144,7 +152,11 @@ class SchedulerOutput:
         batch), for code that works one ``ScheduledRequest`` at a time."""
         if not self.decodes.req_ids:
             return self
-        return replace(self, requests=self.all_requests(), decodes=DecodeBatch())
+        return replace(self, requests=self.all_requests(), decodes=_NO_DECODES)
+
+
+#: The empty decode batch (its lists are never appended to).
+_NO_DECODES = DecodeBatch(0)
 
 
 @dataclass(frozen=True, slots=True)

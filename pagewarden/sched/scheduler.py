@@ -391,7 +391,7 @@ class Scheduler:
         self._num_steps += 1
         scheduled: list[ScheduledRequest] = []
         copies: list[tuple[int, int]] = []
-        decodes = _new_decode_batch([], [], [], [], [], [])
+        decodes = _new_decode_batch(self.config.block_size, [], [], [], [], [])
         budget, preempted = self._schedule_running(scheduled, copies, decodes)
         if not preempted:  # a pool that just ran dry admits nobody new
             # Seats left for requests that are not running yet.
@@ -431,7 +431,6 @@ class Scheduler:
         add_id = decodes.req_ids.append
         add_token = decodes.token_ids.append
         add_position = decodes.positions.append
-        add_slot = decodes.slot_mapping.append
         add_table = decodes.block_tables.append
         add_inputs = decodes.inputs.append
         decode_ids = decodes.req_ids
@@ -455,18 +454,15 @@ class Scheduler:
                 offset = start % bs
                 if offset:
                     ids = tables[rid].ids
-                    block_id = ids[start // bs]
-                    fast = blocks[block_id].ref_cnt == 1
+                    fast = blocks[ids[start // bs]].ref_cnt == 1
                 else:  # no copy on write at offset 0: the result is [] or None
                     fast = allocate_slots(rid, start, 1) is not None
                     if fast:
                         ids = tables[rid].ids
-                        block_id = ids[start // bs]
                 if fast:
                     add_id(rid)
                     add_token(tokens[start])
                     add_position(start)
-                    add_slot(block_id * bs + offset)
                     add_table(ids)
                     add_inputs(req.sampling_inputs)
                     budget -= 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pagewarden.kv.prefix_hash import encode_extra_keys, hash_block_chain, hash_block_tokens
 
 
@@ -39,15 +41,23 @@ def test_token_encoding_is_unambiguous() -> None:
 def test_hash_encoding_is_pinned() -> None:
     """The byte encoding of the docstring, spelled out: blake2b-256 (person
     b"pagewarden-kv1") over the parent (32 zero bytes for the first block), the extra
-    keys, then the tokens as little-endian int64."""
+    keys, then the tokens as little-endian uint32."""
     import struct
     from hashlib import blake2b
 
     e = encode_extra_keys("m", "salt")
-    tokens = [1, 2**40, 31999, 0]
-    h0 = blake2b(b"\x00" * 32 + e + struct.pack("<4q", *tokens), digest_size=32,
+    tokens = [1, 2**31 + 5, 31999, 0]
+    h0 = blake2b(b"\x00" * 32 + e + struct.pack("<4I", *tokens), digest_size=32,
                  person=b"pagewarden-kv1").digest()
     assert hash_block_tokens(None, tokens, e) == h0
-    h1 = blake2b(h0 + e + struct.pack("<2q", 5, 6), digest_size=32,
+    h1 = blake2b(h0 + e + struct.pack("<2I", 5, 6), digest_size=32,
                  person=b"pagewarden-kv1").digest()
     assert hash_block_tokens(h0, (5, 6), e) == h1
+
+
+def test_token_ids_outside_uint32_are_a_clear_error() -> None:
+    e = encode_extra_keys("m", None)
+    for bad in ([-1, 2], [1 << 32], [1.5]):
+        with pytest.raises(ValueError, match="token ids must be ints"):
+            hash_block_tokens(None, bad, e)
+    hash_block_tokens(None, [0, (1 << 32) - 1], e)  # the whole range is fine
