@@ -57,7 +57,7 @@ class KVBlock:
         self.ref_cnt = 0
         self.epoch = 0
         self.block_hash: BlockHash | None = None
-        self.token_ids: tuple[int, ...] | None = None
+        self.token_ids: list[int] | None = None  # private, never mutated
         self.checksum: int | None = None
         self.state = BlockState.FREE
         self.prev_free: KVBlock | None = None

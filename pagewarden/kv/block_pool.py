@@ -149,6 +149,7 @@ class BlockPool:
         seen: set[int] = set()
         queue = self.free_queue
         cached: list[KVBlock] = []  # linked at the tail together, in order
+        num_frees = self.num_frees
         try:
             for block in blocks:
                 bid = block.block_id
@@ -162,7 +163,7 @@ class BlockPool:
                 if ref_cnt:
                     continue
                 block.epoch += 1
-                self.num_frees += 1
+                num_frees += 1
                 if block.state is _QUARANTINED:
                     continue
                 if block.block_hash is not None:
@@ -171,7 +172,8 @@ class BlockPool:
                 else:
                     block.state = _FREE
                     queue.appendleft(block)
-        finally:  # a double free raises mid-way: still link what was freed
+        finally:  # a double free raises mid-way: still link and count what was freed
+            self.num_frees = num_frees
             if cached:
                 queue.extend(cached)
 
@@ -194,7 +196,7 @@ class BlockPool:
         if block.state is _QUARANTINED:
             return
         block.block_hash = block_hash
-        block.token_ids = tuple(token_ids)
+        block.token_ids = list(token_ids)  # a private copy, never mutated
         self.hash_index.setdefault(block_hash, block)
 
     def _drop_hash(self, block: KVBlock) -> None:

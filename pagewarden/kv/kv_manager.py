@@ -131,12 +131,14 @@ class KVCacheManager:
         hits: list[KVBlock] = []
         hashes = entry.hashes
         parent: BlockHash | None = None
+        if type(token_ids) is not list:
+            token_ids = list(token_ids)  # blocks keep their tokens as lists
         for i in range(max_blocks):
             chunk = token_ids[i * bs : (i + 1) * bs]
             h = hash_block_tokens(parent, chunk, extra_keys)
             hashes.append(h)
             block = index.get(h)
-            if block is None or block.token_ids != tuple(chunk):
+            if block is None or block.token_ids != chunk:
                 break
             hits.append(block)
             parent = h
@@ -212,11 +214,13 @@ class KVCacheManager:
         hashes = entry.hashes
         pool = self.pool
         pool.check_owner()
+        if type(token_ids) is not list:
+            token_ids = list(token_ids)
         blocks = pool.blocks
         index = pool.hash_index
         ids = entry.ids
         for i in range(entry.num_sealed, num_full):
-            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
+            chunk = token_ids[i * bs : (i + 1) * bs]  # a fresh list, kept by the block
             if i < len(hashes):  # computed at lookup (the first miss): never hash twice
                 h = hashes[i]
             else:
@@ -273,9 +277,9 @@ class KVCacheManager:
         # Free by epoch-tagged ref: an entry whose block was freed under it (a stale ref)
         # no longer holds a reference, so dropping it must not decrement anything.
         live = []
-        for ref in reversed(entry.refs):
-            block = blocks[ref.block_id]
-            if block.epoch == ref.epoch and block.ref_cnt > 0:
+        for block_id, epoch in reversed(entry.refs):
+            block = blocks[block_id]
+            if block.epoch == epoch and block.ref_cnt > 0:
                 live.append(block)
             else:
                 self.stale_refs_dropped += 1
