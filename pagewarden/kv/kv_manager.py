@@ -202,6 +202,18 @@ class KVCacheManager:
             entry.ids = ids
         return copies
 
+    def append_block(self, req_id: str) -> int | None:
+        """Give the table one fresh block at its end (a decode opening a new block);
+        returns its id, or None (nothing changed) when no block is free."""
+        pool = self.pool
+        if not pool.free_queue.num_free:
+            return None
+        entry = self.tables[req_id]
+        (b,) = pool.get_new_blocks(1)
+        entry.refs.append(_new_tuple(BlockRef, (b.block_id, b.epoch)))  # _ref(b)
+        entry.ids = entry.ids + [b.block_id]  # never mutate a list a ScheduledRequest may hold
+        return b.block_id
+
     def seal_full_blocks(self, req_id: str, token_ids: Sequence[int], num_computed: int) -> None:
         """Hash and index every block that ``num_computed`` computed tokens have filled."""
         if not self.enable_prefix_caching:

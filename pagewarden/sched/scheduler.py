@@ -424,6 +424,7 @@ class Scheduler:
         tables = kv.tables
         blocks = kv.pool.blocks
         allocate_slots = kv.allocate_slots
+        append_block = kv.append_block
         bs = cfg.block_size
         budget = cfg.max_num_batched_tokens
         max_seqs = cfg.max_num_seqs
@@ -452,10 +453,14 @@ class Scheduler:
                 # it always has at least two prompt tokens to go.
                 rid = req.req_id
                 offset = start % bs
+                ids = tables[rid].ids
                 if offset:
-                    ids = tables[rid].ids
                     fast = blocks[ids[start // bs]].ref_cnt == 1
-                else:  # no copy on write at offset 0: the result is [] or None
+                elif len(ids) == start // bs:  # the token opens a new block
+                    fast = append_block(rid) is not None
+                    if fast:
+                        ids = tables[rid].ids
+                else:  # the block is there already (no copy on write at offset 0)
                     fast = allocate_slots(rid, start, 1) is not None
                     if fast:
                         ids = tables[rid].ids

@@ -32,6 +32,21 @@ def test_allocate_exact_ids_and_slot_mapping() -> None:
     assert kv.check_invariants() == []
 
 
+def test_append_block_adds_one_fresh_block_and_replaces_the_id_list() -> None:
+    kv = KVCacheManager(4, 4)
+    kv.create_table("a", E)
+    assert kv.allocate_slots("a", 0, 4) == []
+    handed_out = kv.tables["a"].ids
+    assert kv.append_block("a") == 2
+    assert handed_out == [1] and kv.block_ids("a") == [1, 2]
+    assert kv.block_refs("a")[1] == BlockRef(2, kv.pool.blocks[2].epoch)
+    assert kv.append_block("a") == 3
+    assert kv.append_block("a") is None  # dry: nothing changed
+    assert kv.block_ids("a") == [1, 2, 3] and kv.check_invariants() == []
+    kv.free("a")
+    assert kv.num_free_blocks == 3 and kv.check_invariants() == []
+
+
 def test_allocate_returns_none_without_side_effects_when_dry() -> None:
     kv = KVCacheManager(4, 4)
     kv.create_table("a", E)
