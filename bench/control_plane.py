@@ -3,11 +3,12 @@
 Requests of 64 prompt tokens (a 16-token shared prefix) and 16 output tokens.
 Prints sustained requests/s, block ops/s, and median schedule() time at batch 32 and 256.
 
-    python bench/control_plane.py
+    python bench/control_plane.py [--runs 5] [--requests 20000] [--batch 32 256]
 """
 
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
 import sys
@@ -58,9 +59,22 @@ def run(num_requests: int, batch: int) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    for batch in (32, 256):
-        rps, ops, med = run(20000, batch)
-        print(f"batch={batch}: {rps:,.0f} requests/s, {ops:,.0f} block ops/s, "
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=20000)
+    parser.add_argument("--runs", type=int, default=5,
+                        help="runs per batch size, alternated; the median is reported")
+    parser.add_argument("--batch", type=int, nargs="+", default=[32, 256])
+    args = parser.parse_args()
+    results: dict[int, list[tuple[float, float, float]]] = {b: [] for b in args.batch}
+    for _ in range(args.runs):  # alternate, so drift on a shared machine hits all sizes
+        for batch in args.batch:
+            results[batch].append(run(args.requests, batch))
+    for batch, runs in results.items():
+        rps = [r[0] for r in runs]
+        ops = statistics.median(r[1] for r in runs)
+        med = statistics.median(r[2] for r in runs)
+        print(f"batch={batch}: {statistics.median(rps):,.0f} requests/s median of {len(rps)} "
+              f"(min {min(rps):,.0f}, max {max(rps):,.0f}), {ops:,.0f} block ops/s, "
               f"median schedule() {med * 1e6:.1f} us (target 14,720 requests/s)")
 
 

@@ -121,3 +121,23 @@ def test_decode_batch_is_the_same_step_as_scheduled_requests() -> None:
         assert set(ups_a.finished) == {u.req_id for u in ups_a if u.finished}
     assert not objects.has_unfinished_requests() and decodes > 50
     assert columnar.check_invariants() == [] and objects.check_invariants() == []
+
+
+def test_update_skips_decodes_of_requests_gone_since_scheduling() -> None:
+    cfg = SchedulerConfig(num_blocks=10, block_size=4, max_num_seqs=4,
+                          max_num_batched_tokens=32, max_model_len=32)
+    s = Scheduler(cfg)
+    runner = FakeModelRunner(cfg.block_size)
+    for rid in ("a", "b", "c"):
+        s.add_request(Request(rid, [1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True)))
+    out = s.schedule()
+    s.update(out, runner.execute(out))
+    out = s.schedule()
+    assert out.decodes.req_ids == ["a", "b", "c"] and out.decodes.slot_mapping == [7, 11, 15]
+    res = runner.execute(out)
+    s.abort_requests(["b"])  # not what the engine does, but update must cope
+    ups = s.update(out, res)
+    assert ups.req_ids == ["a", "c"] and ups.token_ids == res.decode_token_ids[::2]
+    assert [u.req_id for u in ups] == ["a", "c"] and not ups.finished
+    assert s.requests["a"].output_token_ids == [runner.token_for("a", 3), runner.token_for("a", 4)]
+    assert s.check_invariants() == []
