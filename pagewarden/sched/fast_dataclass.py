@@ -1,9 +1,10 @@
 """Cheap construction of frozen, slotted dataclasses on the scheduler's hot path.
 
-The scheduler builds one ``ScheduledRequest`` and one ``RequestUpdate`` per request per
-step. A frozen dataclass's ``__init__`` stores each field through ``object.__setattr__``
-(to get past its own frozen ``__setattr__``), which made construction about a third of
-the control plane's time. ``fast_constructor(cls)`` returns a function with the same
+The scheduler builds a ``ScheduledRequest`` for every request that is not a plain
+decode, a ``RequestUpdate`` for every request that finishes, and a few outputs per step
+(plain decodes and their tokens travel in columns: ``DecodeBatch``, ``StepUpdates``). A
+frozen dataclass's ``__init__`` stores each field through ``object.__setattr__`` (to get
+past its own frozen ``__setattr__``). ``fast_constructor(cls)`` returns a function with the same
 signature as ``cls(...)`` and the same result, about four times cheaper: it fills a
 plain twin class with the same ``__slots__`` and then switches the instance's class to
 ``cls``, so what the caller gets is an ordinary (still frozen) ``cls`` instance.
@@ -15,7 +16,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["fast_constructor", "unfrozen_twin"]
+__all__ = ["fast_constructor"]
 
 _T = TypeVar("_T")
 
@@ -27,14 +28,8 @@ class _UseFactory:
 _USE_FACTORY = _UseFactory()
 
 
-def unfrozen_twin(cls: type) -> type | None:
-    """A plain class with ``cls``'s slots, or None where the trick does not apply.
-
-    For the two hottest constructions the scheduler inlines what ``fast_constructor``
-    does, which saves the call (a quarter of the cost): ``obj = twin()``, assign every
-    field, then ``obj.__class__ = cls``. A field left unassigned would raise
-    ``AttributeError`` on first read, so every field must be set.
-    """
+def _unfrozen_twin(cls: type) -> type | None:
+    """A plain class with ``cls``'s slots, or None where the trick does not apply."""
     if not dataclasses.is_dataclass(cls):
         return None
     fields = dataclasses.fields(cls)
@@ -63,7 +58,7 @@ def fast_constructor(cls: type[_T]) -> Callable[..., _T]:
     class, ``__post_init__``, ``init=False`` or keyword-only fields), so callers can use
     it unconditionally.
     """
-    twin = unfrozen_twin(cls)
+    twin = _unfrozen_twin(cls)
     if twin is None:
         return cls
     fields = dataclasses.fields(cls)  # type: ignore[arg-type]

@@ -623,6 +623,8 @@ class Scheduler:
         if sampled_ids and len(new_tokens) != len(sampled_ids):
             new_tokens = [sampled[rid] for rid in sampled_ids]
         skipped: list[str] = []
+        # The general loop below, specialised to one sampled token per request and inlined
+        # (this loop runs once per decode token: a helper call would cost a tenth of it).
         for rid, start, token in zip(sampled_ids, decodes.positions, new_tokens):
             req = requests.get(rid)
             if req is None or req.status is not _RUNNING or start != req.num_computed_tokens:
@@ -636,7 +638,7 @@ class Scheduler:
             output.append(token)
             tokens.append(token)
             n_out = len(output)
-                # Below max_tokens means below max_model_len too (checked at admission).
+            # Below max_tokens means below max_model_len too (checked at admission).
             if n_out >= req.max_tokens or (
                 token in req.stop_ids and n_out >= req.sampling_params.min_tokens
             ):
