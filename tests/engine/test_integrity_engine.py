@@ -16,7 +16,6 @@ from kv_echo_model import echo_engine, run_to_completion
 from pagewarden import LLM
 from pagewarden.engine.config import EngineConfigError
 from pagewarden.engine.core import RequestRejected
-from pagewarden.faults.chaos import scrub_until_covered
 from pagewarden.faults.injector import FAULT_KINDS, FaultInjector
 from pagewarden.kv.errors import KVOwnershipError
 from pagewarden.sampling_params import SamplingParams
