@@ -64,7 +64,7 @@ def check_invariants(pool: BlockPool, tables: Mapping[str, Sequence[BlockRef]]) 
             errors.append(f"block {block.block_id} is CACHED_FREE without a hash")
         if state is BlockState.RESERVED:
             errors.append(f"block {block.block_id} is RESERVED; only block 0 may be")
-        if (block.block_hash is None) != (block.token_ids is None):
+        if (block.block_hash is None) != (block.token_bytes is None):
             errors.append(f"block {block.block_id}: hash and stored tokens disagree")
 
     # The free queue holds each ref_cnt == 0, non-quarantined block exactly once.

@@ -35,7 +35,8 @@ class KVBlock:
     - ``epoch`` is bumped every time the block returns to the free state, so every
       ``BlockRef`` taken before that fails to resolve;
     - ``block_hash`` is set at most once per allocation, only when the block is full, and
-      ``token_ids`` then holds exactly the block's tokens (for the exact compare on hit);
+      ``token_bytes`` then holds exactly the block's tokens, packed (for the exact compare
+      on a hit);
     - ``prev_free``/``next_free`` link the block into the free queue iff its state is FREE
       or CACHED_FREE.
     """
@@ -45,7 +46,7 @@ class KVBlock:
         "ref_cnt",
         "epoch",
         "block_hash",
-        "token_ids",
+        "token_bytes",
         "checksum",
         "state",
         "prev_free",
@@ -57,7 +58,9 @@ class KVBlock:
         self.ref_cnt = 0
         self.epoch = 0
         self.block_hash: BlockHash | None = None
-        self.token_ids: list[int] | None = None  # private, never mutated
+        # The tokens in prefix_hash.pack_block_tokens' encoding (one small bytes object:
+        # cheap to keep and to drop at eviction).
+        self.token_bytes: bytes | None = None
         self.checksum: int | None = None
         self.state = BlockState.FREE
         self.prev_free: KVBlock | None = None

@@ -22,6 +22,7 @@ from pagewarden.kv.errors import (
     QuarantinedBlockError,
 )
 from pagewarden.kv.free_queue import FreeBlockQueue
+from pagewarden.kv.prefix_hash import pack_block_tokens
 
 _FREE = BlockState.FREE
 _USED = BlockState.USED
@@ -115,7 +116,7 @@ class BlockPool:
             if h is not None:  # evict: as _drop_hash, inlined for the allocation path
                 if index.get(h) is block:
                     del index[h]
-                block.block_hash = block.token_ids = block.checksum = None
+                block.block_hash = block.token_bytes = block.checksum = None
                 self.num_evictions += 1
             block.ref_cnt = 1
             block.state = _USED
@@ -196,7 +197,7 @@ class BlockPool:
         if block.state is _QUARANTINED:
             return
         block.block_hash = block_hash
-        block.token_ids = list(token_ids)  # a private copy, never mutated
+        block.token_bytes = pack_block_tokens(token_ids)
         self.hash_index.setdefault(block_hash, block)
 
     def _drop_hash(self, block: KVBlock) -> None:
@@ -204,7 +205,7 @@ class BlockPool:
         if h is not None and self.hash_index.get(h) is block:
             del self.hash_index[h]
         block.block_hash = None
-        block.token_ids = None
+        block.token_bytes = None
         block.checksum = None
 
     # -------------------------------------------------------------- quarantine

@@ -23,7 +23,7 @@ from pagewarden.kv.errors import (
     StaleBlockError,
     UnknownRequestError,
 )
-from pagewarden.kv.prefix_hash import hash_block_tokens
+from pagewarden.kv.prefix_hash import hash_and_pack_block, pack_block_tokens
 from pagewarden.kv.swap_space import BlockSwap, SwappedTable, SwapSpace
 
 
@@ -31,14 +31,16 @@ class RequestBlocks:
     """One request's block table: ``refs[i]`` is logical block i; ``ids`` mirrors the ids.
 
     ``hashes[i]`` is the chained hash of full block i, known for the first
-    ``len(hashes)`` blocks (computed at lookup or seal, never twice).
+    ``len(hashes)`` blocks (computed at lookup or seal, never twice). ``miss`` is the
+    packed tokens of the block where the prefix lookup missed, ``(index, bytes)``, so
+    sealing that block does not pack it again.
 
     ``ids`` is handed to the model runner as ``ScheduledRequest.block_table`` without a
     copy (and shared between forked children), so it is never mutated in place: every
     change assigns a new list. ``refs`` and ``hashes`` are private and grow in place.
     """
 
-    __slots__ = ("refs", "ids", "hashes", "num_sealed", "extra_keys")
+    __slots__ = ("refs", "ids", "hashes", "num_sealed", "extra_keys", "miss")
 
     def __init__(self, extra_keys: bytes) -> None:
         self.refs: list[BlockRef] = []
@@ -46,6 +48,7 @@ class RequestBlocks:
         self.hashes: list[BlockHash] = []
         self.num_sealed = 0  # blocks [0, num_sealed) carry their hash in the pool
         self.extra_keys = extra_keys
+        self.miss: tuple[int, bytes] | None = None
 
 
 class KVCacheManager:
@@ -131,14 +134,12 @@ class KVCacheManager:
         hits: list[KVBlock] = []
         hashes = entry.hashes
         parent: BlockHash | None = None
-        if type(token_ids) is not list:
-            token_ids = list(token_ids)  # blocks keep their tokens as lists
         for i in range(max_blocks):
-            chunk = token_ids[i * bs : (i + 1) * bs]
-            h = hash_block_tokens(parent, chunk, extra_keys)
+            h, packed = hash_and_pack_block(parent, token_ids[i * bs : (i + 1) * bs], extra_keys)
             hashes.append(h)
             block = index.get(h)
-            if block is None or block.token_ids != chunk:
+            if block is None or block.token_bytes != packed:
+                entry.miss = (i, packed)
                 break
             hits.append(block)
             parent = h
@@ -226,23 +227,24 @@ class KVCacheManager:
         hashes = entry.hashes
         pool = self.pool
         pool.check_owner()
-        if type(token_ids) is not list:
-            token_ids = list(token_ids)
         blocks = pool.blocks
         index = pool.hash_index
         ids = entry.ids
         for i in range(entry.num_sealed, num_full):
-            chunk = token_ids[i * bs : (i + 1) * bs]  # a fresh list, kept by the block
+            chunk = token_ids[i * bs : (i + 1) * bs]
             if i < len(hashes):  # computed at lookup (the first miss): never hash twice
                 h = hashes[i]
+                miss = entry.miss
+                packed = miss[1] if miss is not None and miss[0] == i else pack_block_tokens(chunk)
             else:
-                h = hash_block_tokens(hashes[i - 1] if i else None, chunk, entry.extra_keys)
+                h, packed = hash_and_pack_block(hashes[i - 1] if i else None, chunk,
+                                                entry.extra_keys)
                 hashes.append(h)
             block = blocks[ids[i]]
             if block.block_hash is None and block.state is _USED:
                 # pool.seal's common case, inlined: a full, unsealed block in use.
                 block.block_hash = h
-                block.token_ids = chunk
+                block.token_bytes = packed
                 index.setdefault(h, block)
             else:
                 pool.seal(block, h, chunk)
@@ -272,6 +274,7 @@ class KVCacheManager:
             child.refs = list(entry.refs)
             child.ids = entry.ids  # shared: ids is replaced, never mutated
             child.hashes = list(entry.hashes)
+            child.miss = entry.miss
             child.num_sealed = entry.num_sealed
             self.tables[cid] = child
 

@@ -8,7 +8,7 @@
 H is blake2b-256 over a canonical byte encoding: the 32-byte parent, the tagged extra
 keys (self-delimiting), then the tokens as little-endian uint32 (so parent, keys and a
 16-token block fit one 128-byte compression block). A hit is still confirmed
-by an exact token compare (``KVBlock.token_ids``), so a collision can never serve KV.
+by an exact token compare (``KVBlock.token_bytes``), so a collision can never serve KV.
 """
 
 from __future__ import annotations
@@ -83,22 +83,45 @@ def _token_packer(n: int) -> struct.Struct:
     return packer
 
 
+def pack_block_tokens(token_ids: Sequence[int]) -> bytes:
+    """The canonical encoding of a block's tokens: little-endian uint32 each. Token ids
+    must be in ``[0, 2**32)`` (``ValueError`` otherwise). Blocks keep it for the exact
+    compare on a prefix hit."""
+    packer = _token_packers.get(len(token_ids)) or _token_packer(len(token_ids))
+    try:
+        return packer.pack(*token_ids)
+    except struct.error:
+        raise _bad_token_ids(token_ids) from None
+
+
+def _bad_token_ids(token_ids: Sequence[int]) -> ValueError:
+    bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < 1 << 32)]
+    return ValueError(f"token ids must be ints in [0, 2**32), got {bad[:4]}")
+
+
 def hash_block_tokens(
     parent: BlockHash | None, token_ids: Sequence[int], extra_keys: bytes
 ) -> BlockHash:
     """``H(parent, token_ids, extra_keys)`` for one full block; token ids must be in
     ``[0, 2**32)`` (``ValueError`` otherwise)."""
+    return hash_and_pack_block(parent, token_ids, extra_keys)[0]
+
+
+def hash_and_pack_block(
+    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: bytes
+) -> tuple[BlockHash, bytes]:
+    """``(hash_block_tokens(...), pack_block_tokens(token_ids))`` in one pass."""
+    packer = _token_packers.get(len(token_ids)) or _token_packer(len(token_ids))
+    try:  # pack_block_tokens, inlined: a prefix lookup or seal runs this once per block
+        packed = packer.pack(*token_ids)
+    except struct.error:
+        raise _bad_token_ids(token_ids) from None
     h = _EMPTY_HASHER.copy()
     h.update(parent if parent is not None else _ROOT)
     h.update(extra_keys)
-    packer = _token_packers.get(len(token_ids)) or _token_packer(len(token_ids))
-    try:
-        h.update(packer.pack(*token_ids))
-    except struct.error:
-        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < 1 << 32)]
-        raise ValueError(f"token ids must be ints in [0, 2**32), got {bad[:4]}") from None
+    h.update(packed)
     # The digest is the BlockHash; calling the NewType would cost a Python-level call.
-    return h.digest()  # type: ignore[return-value]
+    return h.digest(), packed  # type: ignore[return-value]
 
 
 def hash_block_chain(

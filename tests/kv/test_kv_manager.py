@@ -6,7 +6,7 @@ import pytest
 
 from pagewarden.kv import BlockRef, KVCacheManager, StaleBlockError
 from pagewarden.kv.errors import DuplicateRequestError, UnknownRequestError
-from pagewarden.kv.prefix_hash import encode_extra_keys
+from pagewarden.kv.prefix_hash import encode_extra_keys, pack_block_tokens
 
 E = encode_extra_keys("model", None)
 
@@ -87,9 +87,9 @@ def test_salt_and_exact_token_compare_guard_hits() -> None:
     # Forge a collision: the index entry's stored tokens differ -> no hit.
     h = kv.pool.blocks[1].block_hash
     assert h is not None
-    kv.pool.blocks[1].token_ids = [99, 99, 99, 99]
+    kv.pool.blocks[1].token_bytes = pack_block_tokens([99, 99, 99, 99])
     assert kv.lookup_prefix("c", tokens, E, 8) == 0
-    kv.pool.blocks[1].token_ids = [0, 1, 2, 3]
+    kv.pool.blocks[1].token_bytes = pack_block_tokens([0, 1, 2, 3])
     assert kv.lookup_prefix("d", tokens, E, 8) == 8
 
 
