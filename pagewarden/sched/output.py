@@ -118,6 +118,10 @@ class SchedulerOutput:
     (host -> device) and ``copy_blocks``, the copy-on-write pairs
     ``(src_block_id, dst_block_id)``. A step never has both swap-outs and swap-ins (the
     scheduler swaps nothing in during a step that preempted).
+
+    The step's requests are ``decodes`` (plain decodes, in columns) followed by
+    ``requests`` (everything else: prefill chunks, copy-on-write decodes, swapped-in
+    requests); ``all_requests()`` lists them all as ``ScheduledRequest`` objects.
     """
 
     step_id: int
