@@ -455,7 +455,9 @@ class Scheduler:
                 offset = start % bs
                 ids = tables[rid].ids
                 if offset:
-                    fast = blocks[ids[start // bs]].ref_cnt == 1
+                    # Only fork children share a partly filled block (prefix hits share
+                    # full blocks only), so only they need the reference count looked up.
+                    fast = req.parent_id is None or blocks[ids[start // bs]].ref_cnt == 1
                 elif len(ids) == start // bs:  # the token opens a new block
                     fast = append_block(rid) is not None
                     if fast:
@@ -795,6 +797,21 @@ class Scheduler:
             for r in queue:
                 if r.status is not status:
                     errors.append(f"{r.req_id} in {status.value} with status {r.status.name}")
+        bs = self.config.block_size
+        blocks = self.kv.pool.blocks
+        for r in self.running:
+            # The decode fast path relies on this: only fork children share a partly
+            # filled block (see _schedule_running).
+            entry = self.kv.tables.get(r.req_id)
+            index = r.num_computed_tokens // bs
+            if (r.parent_id is not None or not r.num_computed_tokens % bs or entry is None
+                    or index >= len(entry.refs)):
+                continue
+            ref = entry.refs[index]
+            block = blocks[ref.block_id]
+            if block.epoch == ref.epoch and block.ref_cnt != 1:  # (a stale ref is its own fault)
+                errors.append(f"{r.req_id}: partly filled block {ref.block_id} is shared "
+                              f"(ref_cnt {block.ref_cnt}) but it is no fork child")
         for r in self.requests.values():
             if not 0 <= r.num_computed_tokens <= r.num_tokens:
                 errors.append(f"{r.req_id}: num_computed_tokens {r.num_computed_tokens} "

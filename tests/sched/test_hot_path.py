@@ -141,3 +141,26 @@ def test_update_skips_decodes_of_requests_gone_since_scheduling() -> None:
     assert [u.req_id for u in ups] == ["a", "c"] and not ups.finished
     assert s.requests["a"].output_token_ids == [runner.token_for("a", 3), runner.token_for("a", 4)]
     assert s.check_invariants() == []
+
+
+def test_only_fork_children_share_a_partly_filled_block() -> None:
+    """The decode fast path skips the copy-on-write check for requests that are not fork
+    children; check_invariants guards the assumption that makes that safe."""
+    cfg = SchedulerConfig(num_blocks=10, block_size=4, max_num_seqs=4,
+                          max_num_batched_tokens=32, max_model_len=32)
+    s = Scheduler(cfg)
+    runner = FakeModelRunner(cfg.block_size, verify=True)
+    s.add_request(Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=6, ignore_eos=True)))
+    s.add_request(Request("p", [1, 2, 3, 4, 5, 6], SamplingParams(n=2, max_tokens=3, ignore_eos=True)))
+    for _ in range(2):
+        out = s.schedule()
+        s.update(out, runner.execute(out))
+        assert s.check_invariants() == []
+    a_block = s.kv.tables["a"].ids[-1]
+    s.kv.pool.blocks[a_block].ref_cnt += 1  # as if something shared a's open block
+    assert any("partly filled block" in e for e in s.check_invariants())
+    s.kv.pool.blocks[a_block].ref_cnt -= 1
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        s.update(out, runner.execute(out))
+        assert s.check_invariants() == []
