@@ -15,10 +15,83 @@ Slot arithmetic, for ``block_size = 4``::
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from pagewarden.kv.swap_space import BlockSwap
 from pagewarden.sampling_params import SamplingParams
+
+
+def slot_mapping_for(block_ids: list[int], block_size: int, start: int, end: int) -> list[int]:
+    """Physical slots of positions ``[start, end)``, one contiguous run per block::
+
+        block_size = 4, block_ids = [7, 3], positions 2..6
+        block 7 (slots 28..31): 30, 31        offsets 2, 3
+        block 3 (slots 12..15): 12, 13, 14    offsets 0, 1, 2
+    """
+    if start >= end:
+        return []
+    first, offset = divmod(start, block_size)
+    last = (end - 1) // block_size
+    base = block_ids[first] * block_size
+    if first == last:
+        return list(range(base + offset, base + offset + end - start))
+    slots = list(range(base + offset, base + block_size))
+    extend = slots.extend
+    for block_id in block_ids[first + 1 : last]:
+        base = block_id * block_size
+        extend(range(base, base + block_size))
+    base = block_ids[last] * block_size
+    extend(range(base, base + end - last * block_size))
+    return slots
+
+
+class SlotRun(Sequence[int]):
+    """The physical slots of positions ``[start, end)`` through ``block_table``: a
+    read-only sequence listed on first use (``slot_mapping_for``).
+
+    A prefill chunk's slot list is most of what its ``ScheduledRequest`` costs the
+    scheduler to build, and only the worker reads it. ``block_table`` is never mutated
+    (tables are replaced, not changed), so the list is the same whenever it is made.
+    Compares equal to a list (or another run) with the same slots.
+    """
+
+    __slots__ = ("block_table", "block_size", "start", "end", "_slots")
+
+    def __init__(self, block_table: list[int], block_size: int, start: int, end: int) -> None:
+        self.block_table = block_table
+        self.block_size = block_size
+        self.start = start
+        self.end = end
+        self._slots: list[int] | None = None
+
+    def tolist(self) -> list[int]:
+        slots = self._slots
+        if slots is None:
+            slots = self._slots = slot_mapping_for(self.block_table, self.block_size,
+                                                   self.start, self.end)
+        return slots
+
+    def __len__(self) -> int:
+        return max(0, self.end - self.start)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self.tolist()[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, SlotRun):
+            return self.tolist() == other.tolist()
+        if isinstance(other, (list, tuple)):
+            return self.tolist() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"SlotRun({self.tolist()!r})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +108,7 @@ class ScheduledRequest:
     token_ids: list[int]
     positions: range
     block_table: list[int]
-    slot_mapping: list[int]
+    slot_mapping: list[int] | SlotRun  # a SlotRun for chunks the scheduler builds
     # True when this chunk ends at the last known token, so a token is sampled from it.
     sample: bool
     sampling_params: SamplingParams

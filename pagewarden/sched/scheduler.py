@@ -30,6 +30,7 @@ from pagewarden.sched.output import (
     SamplingInputs,
     ScheduledRequest,
     SchedulerOutput,
+    SlotRun,
     TokenLogprobs,
 )
 from pagewarden.sched.request import Request, RequestStatus, stop_token_set
@@ -189,36 +190,13 @@ _new_sampling_inputs = fast_constructor(SamplingInputs)
 
 
 
+
 def _target(req: Request) -> int:
     """How many of ``req``'s tokens should be computed: all of them, or ``prompt[:-1]`` for
     an ``n > 1`` parent (each child computes the last prompt token itself)."""
     if req.sampling_params.n > 1 and req.parent_id is None:
         return len(req.prompt_token_ids) - 1
     return len(req.all_token_ids)
-
-
-def _slot_mapping(block_ids: list[int], block_size: int, start: int, end: int) -> list[int]:
-    """Physical slots of positions ``[start, end)``, one contiguous run per block::
-
-        block_size = 4, block_ids = [7, 3], positions 2..6
-        block 7 (slots 28..31): 30, 31        offsets 2, 3
-        block 3 (slots 12..15): 12, 13, 14    offsets 0, 1, 2
-    """
-    if start >= end:
-        return []
-    first, offset = divmod(start, block_size)
-    last = (end - 1) // block_size
-    base = block_ids[first] * block_size
-    if first == last:
-        return list(range(base + offset, base + offset + end - start))
-    slots = list(range(base + offset, base + block_size))
-    extend = slots.extend
-    for block_id in block_ids[first + 1 : last]:
-        base = block_id * block_size
-        extend(range(base, base + block_size))
-    base = block_ids[last] * block_size
-    extend(range(base, base + end - last * block_size))
-    return slots
 
 
 class Scheduler:
@@ -569,9 +547,9 @@ class Scheduler:
         tokens = req.all_token_ids
         bs = self.config.block_size
         if num_new == 1:  # a decode that copied its block on write, or a one-token chunk
-            slots = [ids[start // bs] * bs + start % bs]
-        else:
-            slots = _slot_mapping(ids, bs, start, end)
+            slots: list[int] | SlotRun = [ids[start // bs] * bs + start % bs]
+        else:  # a chunk: its slots are listed when the worker reads them
+            slots = SlotRun(ids, bs, start, end)
         return _new_scheduled_request(
             req.req_id,
             tokens[start:end],

@@ -12,7 +12,8 @@ from pagewarden.sched import Request, Scheduler, SchedulerConfig
 from pagewarden.sched.fake_runner import FakeModelRunner
 from pagewarden.sched.fast_dataclass import fast_constructor
 from pagewarden.sched.output import ScheduledRequest, SchedulerOutput
-from pagewarden.sched.scheduler import RequestUpdate, _slot_mapping
+from pagewarden.sched.output import SlotRun, slot_mapping_for as _slot_mapping
+from pagewarden.sched.scheduler import RequestUpdate
 
 
 def test_fast_constructor_builds_equal_frozen_instances() -> None:
@@ -164,3 +165,20 @@ def test_only_fork_children_share_a_partly_filled_block() -> None:
         out = s.schedule()
         s.update(out, runner.execute(out))
         assert s.check_invariants() == []
+
+
+def test_slot_run_is_a_lazy_read_only_slot_list() -> None:
+    run = SlotRun([7, 3], 4, 2, 7)
+    assert len(run) == 5 and run._slots is None  # length needs no list
+    assert run == [30, 31, 12, 13, 14] and [30, 31, 12, 13, 14] == run
+    assert list(run) == [30, 31, 12, 13, 14] and run[1] == 31 and run[-1] == 14
+    assert run == SlotRun([7, 3], 4, 2, 7) and run != [30, 31] and run != "x"
+    assert len(SlotRun([7], 4, 2, 2)) == 0 and list(SlotRun([7], 4, 2, 2)) == []
+    # What the scheduler hands out for a chunk: the same slots as the formula.
+    cfg = SchedulerConfig(num_blocks=8, block_size=4, max_num_seqs=2,
+                          max_num_batched_tokens=16, max_model_len=32)
+    s = Scheduler(cfg)
+    s.add_request(Request("a", list(range(10)), SamplingParams(max_tokens=2)))
+    (sr,) = s.schedule().all_requests()
+    assert isinstance(sr.slot_mapping, SlotRun)
+    assert sr.slot_mapping == [4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
