@@ -4,13 +4,16 @@ Requests of 64 prompt tokens (a 16-token shared prefix) and 16 output tokens.
 Prints sustained requests/s, block ops/s, and median schedule() time at batch 32 and 256.
 
     python bench/control_plane.py [--runs 5] [--requests 20000] [--batch 32 256]
+    python bench/control_plane.py --against /tmp/old   # after: git worktree add /tmp/old REV
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -58,24 +61,59 @@ def run(num_requests: int, batch: int) -> tuple[float, float, float]:
     return num_requests / elapsed, block_ops / elapsed, statistics.median(sched_times)
 
 
+_CHILD = """
+import json, sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/bench"]
+import control_plane
+print(json.dumps([control_plane.run(int(sys.argv[2]), int(b)) for b in sys.argv[3:]]))
+"""
+
+
+def _run_in(root: str, num_requests: int, batches: list[int]) -> list[tuple[float, float, float]]:
+    """``run`` of the checkout at ``root``, in a fresh process."""
+    proc = subprocess.run([sys.executable, "-c", _CHILD, root, str(num_requests),
+                           *map(str, batches)], capture_output=True, text=True, check=True)
+    return [tuple(r) for r in json.loads(proc.stdout)]  # type: ignore[misc]
+
+
+def _report(label: str, runs: list[tuple[float, float, float]]) -> str:
+    rps = [r[0] for r in runs]
+    ops = statistics.median(r[1] for r in runs)
+    med = statistics.median(r[2] for r in runs)
+    return (f"{label}: {statistics.median(rps):,.0f} requests/s median of {len(rps)} "
+            f"(min {min(rps):,.0f}, max {max(rps):,.0f}), {ops:,.0f} block ops/s, "
+            f"median schedule() {med * 1e6:.1f} us")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--runs", type=int, default=5,
                         help="runs per batch size, alternated; the median is reported")
     parser.add_argument("--batch", type=int, nargs="+", default=[32, 256])
+    parser.add_argument("--against", metavar="DIR",
+                        help="another pagewarden checkout (e.g. a `git worktree add` of an "
+                             "older commit): both run alternated in fresh processes and "
+                             "the ratio of their medians is printed")
     args = parser.parse_args()
-    results: dict[int, list[tuple[float, float, float]]] = {b: [] for b in args.batch}
-    for _ in range(args.runs):  # alternate, so drift on a shared machine hits all sizes
-        for batch in args.batch:
-            results[batch].append(run(args.requests, batch))
-    for batch, runs in results.items():
-        rps = [r[0] for r in runs]
-        ops = statistics.median(r[1] for r in runs)
-        med = statistics.median(r[2] for r in runs)
-        print(f"batch={batch}: {statistics.median(rps):,.0f} requests/s median of {len(rps)} "
-              f"(min {min(rps):,.0f}, max {max(rps):,.0f}), {ops:,.0f} block ops/s, "
-              f"median schedule() {med * 1e6:.1f} us (target 14,720 requests/s)")
+    here = str(Path(__file__).resolve().parents[1])
+    roots = [here] + ([args.against] if args.against else [])
+    results = {(root, b): [] for root in roots for b in args.batch}
+    for _ in range(args.runs):  # alternate, so drift on a shared machine hits every side
+        for root in roots:
+            if args.against:
+                runs = _run_in(root, args.requests, args.batch)
+            else:
+                runs = [run(args.requests, b) for b in args.batch]
+            for batch, r in zip(args.batch, runs):
+                results[root, batch].append(r)
+    for batch in args.batch:
+        print(_report(f"batch={batch}", results[here, batch]) + " (target 14,720 requests/s)")
+        if args.against:
+            print("  " + _report(f"against {args.against}", results[args.against, batch]))
+            ratio = (statistics.median(r[0] for r in results[here, batch])
+                     / statistics.median(r[0] for r in results[args.against, batch]))
+            print(f"  ratio of medians {ratio:.2f}")
 
 
 if __name__ == "__main__":
