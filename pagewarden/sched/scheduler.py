@@ -114,7 +114,11 @@ class StepUpdates:
             for rid, token in zip(self.req_ids, self.token_ids):
                 u = finished.get(rid)
                 if u is None:
-                    req = live[rid]
+                    req = live.get(rid)
+                    if req is None:
+                        raise RuntimeError(
+                            f"request {rid!r} left the scheduler before this step's updates "
+                            f"were read; read StepUpdates before aborting or stepping again")
                     lps = [logprobs[rid]] if logprobs and rid in logprobs else []
                     u = _new_request_update(rid, req.parent_id, req.index, [token], False,
                                             None, None, req.num_prompt_tokens,

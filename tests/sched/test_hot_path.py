@@ -182,3 +182,18 @@ def test_slot_run_is_a_lazy_read_only_slot_list() -> None:
     (sr,) = s.schedule().all_requests()
     assert isinstance(sr.slot_mapping, SlotRun)
     assert sr.slot_mapping == [4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
+
+
+def test_step_updates_read_after_an_abort_is_a_clear_error() -> None:
+    cfg = SchedulerConfig(num_blocks=8, block_size=4, max_num_seqs=2,
+                          max_num_batched_tokens=16, max_model_len=32)
+    s = Scheduler(cfg)
+    runner = FakeModelRunner(cfg.block_size)
+    s.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True)))
+    out = s.schedule()
+    ups = s.update(out, runner.execute(out))
+    s.abort_requests(["a"])
+    with pytest.raises(RuntimeError, match="before this step's updates were read"):
+        list(ups)
+    out = s.schedule()
+    assert out.is_empty and s.check_invariants() == []
