@@ -213,7 +213,9 @@ class EngineCore:
                 out = self.outputs.abort(request_id, reason="error")
                 if out is not None:
                     finished.append(out)
-        updates = self.scheduler.update(sched_out, result)
+        # The output side wants one RequestUpdate per token: build them now, while every
+        # request they describe is still in the scheduler.
+        updates = self.scheduler.update(sched_out, result).updates()
         self.integrity.after_step()
         self.generation_tokens += len(updates)  # one entry per sampled token
         changed, stopped = self.outputs.process(updates)
