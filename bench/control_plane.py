@@ -10,52 +10,79 @@ Prints sustained requests/s, block ops/s, and median schedule() time at batch 32
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import random
 import statistics
 import subprocess
 import sys
 import time
+from array import array
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# --against runs this file on another checkout's package.
+sys.path.insert(0, os.environ.get("PAGEWARDEN_ROOT") or str(Path(__file__).resolve().parents[1]))
+
+try:
+    from pagewarden.gc_policy import tune_gc_for_serving
+except ImportError:  # a checkout from before gc_policy: the same settings, here
+    def tune_gc_for_serving() -> tuple[int, int, int]:
+        previous = gc.get_threshold()
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(20_000, previous[1], previous[2])
+        return previous
 
 from pagewarden.sampling_params import SamplingParams  # noqa: E402
 from pagewarden.sched import Request, Scheduler, SchedulerConfig  # noqa: E402
 from pagewarden.sched.fake_runner import FakeModelRunner  # noqa: E402
 
 
-def _requests(n: int, rng: random.Random) -> list[Request]:
+def _prompts(n: int, rng: random.Random) -> list[array]:
+    """``n`` prompts of 64 tokens sharing their first 16. Kept as arrays (no objects for
+    the garbage collector to walk): a server holds the prompts of requests that have not
+    arrived yet nowhere at all."""
     prefix = [rng.randrange(32000) for _ in range(16)]
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
-    return [
-        Request(f"r{i}", prefix + [rng.randrange(32000) for _ in range(48)], params)
-        for i in range(n)
-    ]
+    return [array("I", prefix + [rng.randrange(32000) for _ in range(48)]) for _ in range(n)]
 
 
-def run(num_requests: int, batch: int) -> tuple[float, float, float]:
+def run(num_requests: int, batch: int, tuned_gc: bool = True) -> tuple[float, float, float]:
+    """Sustained requests/s, block operations/s and median ``schedule()`` seconds.
+
+    Requests arrive as the running ones finish (``batch`` in flight, ``batch`` waiting); each
+    is built when it arrives and dropped when it finishes, as a server would. ``tuned_gc``
+    runs under ``tune_gc_for_serving`` (what ``pagewarden serve`` uses), else under
+    Python's default collector settings.
+    """
     cfg = SchedulerConfig(num_blocks=batch * 6 + 64, block_size=16, max_num_seqs=batch,
                           max_num_batched_tokens=max(2048, batch * 64), max_model_len=2048)
     s = Scheduler(cfg)
     runner = FakeModelRunner(16)
-    reqs = _requests(num_requests, random.Random(0))
-    sched_times = []
-    t0 = time.perf_counter()
-    it = iter(reqs)
-    for r in it:
-        s.add_request(r)
-        if len(s.waiting) >= batch:
-            break
-    while s.has_unfinished_requests():
-        a = time.perf_counter()
-        out = s.schedule()
-        sched_times.append(time.perf_counter() - a)
-        for _ in s.update(out, runner.execute(out)).finished:
-            nxt = next(it, None)
-            if nxt is not None:
-                s.add_request(nxt)
-    elapsed = time.perf_counter() - t0
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    prompts = _prompts(num_requests, random.Random(0))
+    previous = tune_gc_for_serving() if tuned_gc else None
+    try:
+        sched_times = []
+        t0 = time.perf_counter()
+        arrivals = iter(range(num_requests))
+        for i in arrivals:
+            s.add_request(Request(f"r{i}", prompts[i], params))
+            if len(s.waiting) >= batch:
+                break
+        while s.has_unfinished_requests():
+            a = time.perf_counter()
+            out = s.schedule()
+            sched_times.append(time.perf_counter() - a)
+            for _ in s.update(out, runner.execute(out)).finished:
+                i = next(arrivals, -1)
+                if i >= 0:
+                    s.add_request(Request(f"r{i}", prompts[i], params))
+        elapsed = time.perf_counter() - t0
+    finally:
+        if previous is not None:
+            gc.set_threshold(*previous)
+            gc.unfreeze()
     pool = s.kv.pool
     block_ops = pool.num_allocations + pool.num_frees
     return num_requests / elapsed, block_ops / elapsed, statistics.median(sched_times)
@@ -63,16 +90,20 @@ def run(num_requests: int, batch: int) -> tuple[float, float, float]:
 
 _CHILD = """
 import json, sys
-sys.path[:0] = [sys.argv[1], sys.argv[1] + "/bench"]
+sys.path.insert(0, sys.argv[1])
 import control_plane
-print(json.dumps([control_plane.run(int(sys.argv[2]), int(b)) for b in sys.argv[3:]]))
+print(json.dumps([control_plane.run(int(sys.argv[2]), int(b), sys.argv[3] == "tuned")
+                  for b in sys.argv[4:]]))
 """
 
 
-def _run_in(root: str, num_requests: int, batches: list[int]) -> list[tuple[float, float, float]]:
-    """``run`` of the checkout at ``root``, in a fresh process."""
-    proc = subprocess.run([sys.executable, "-c", _CHILD, root, str(num_requests),
-                           *map(str, batches)], capture_output=True, text=True, check=True)
+def _run_in(root: str, num_requests: int, batches: list[int],
+            gc_mode: str) -> list[tuple[float, float, float]]:
+    """``run`` on the pagewarden package of the checkout at ``root``, in a fresh process."""
+    env = dict(os.environ, PAGEWARDEN_ROOT=root)
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(Path(__file__).parent),
+                           str(num_requests), gc_mode, *map(str, batches)],
+                          capture_output=True, text=True, check=True, env=env)
     return [tuple(r) for r in json.loads(proc.stdout)]  # type: ignore[misc]
 
 
@@ -91,29 +122,41 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5,
                         help="runs per batch size, alternated; the median is reported")
     parser.add_argument("--batch", type=int, nargs="+", default=[32, 256])
+    parser.add_argument("--gc", choices=("tuned", "default", "both"), default="both",
+                        help="garbage collector settings: pagewarden serve's "
+                             "(gc_policy.tune_gc_for_serving), Python's default, or both")
     parser.add_argument("--against", metavar="DIR",
                         help="another pagewarden checkout (e.g. a `git worktree add` of an "
-                             "older commit): both run alternated in fresh processes and "
-                             "the ratio of their medians is printed")
+                             "older commit): its package runs this benchmark, alternated "
+                             "with this one in fresh processes, and the ratio of the "
+                             "medians is printed")
     args = parser.parse_args()
     here = str(Path(__file__).resolve().parents[1])
     roots = [here] + ([args.against] if args.against else [])
-    results = {(root, b): [] for root in roots for b in args.batch}
+    modes = ["tuned", "default"] if args.gc == "both" else [args.gc]
+    results: dict[tuple[str, str, int], list[tuple[float, float, float]]] = {
+        (root, mode, b): [] for root in roots for mode in modes for b in args.batch}
     for _ in range(args.runs):  # alternate, so drift on a shared machine hits every side
-        for root in roots:
+        for mode in modes:
+            for root in roots:
+                if args.against:
+                    runs = _run_in(root, args.requests, args.batch, mode)
+                else:
+                    runs = [run(args.requests, b, mode == "tuned") for b in args.batch]
+                for batch, r in zip(args.batch, runs):
+                    results[root, mode, batch].append(r)
+    for mode in modes:
+        print(f"{mode} gc" + (" (as pagewarden serve runs)" if mode == "tuned" else
+                              " (Python's defaults)"))
+        for batch in args.batch:
+            print("  " + _report(f"batch={batch}", results[here, mode, batch])
+                  + " (target 14,720 requests/s)")
             if args.against:
-                runs = _run_in(root, args.requests, args.batch)
-            else:
-                runs = [run(args.requests, b) for b in args.batch]
-            for batch, r in zip(args.batch, runs):
-                results[root, batch].append(r)
-    for batch in args.batch:
-        print(_report(f"batch={batch}", results[here, batch]) + " (target 14,720 requests/s)")
-        if args.against:
-            print("  " + _report(f"against {args.against}", results[args.against, batch]))
-            ratio = (statistics.median(r[0] for r in results[here, batch])
-                     / statistics.median(r[0] for r in results[args.against, batch]))
-            print(f"  ratio of medians {ratio:.2f}")
+                print("    " + _report(f"against {args.against}",
+                                       results[args.against, mode, batch]))
+                ratio = (statistics.median(r[0] for r in results[here, mode, batch])
+                         / statistics.median(r[0] for r in results[args.against, mode, batch]))
+                print(f"    ratio of medians {ratio:.2f}")
 
 
 if __name__ == "__main__":
