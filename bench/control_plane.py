@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 # --against runs this file on another checkout's package.
@@ -44,6 +45,14 @@ def _prompts(n: int, rng: random.Random) -> list[tuple[int, ...]]:
     its first collection; a server holds no prompt before its request arrives)."""
     prefix = [rng.randrange(32000) for _ in range(16)]
     return [tuple(prefix + [rng.randrange(32000) for _ in range(48)]) for _ in range(n)]
+
+
+def _finished(updates) -> Iterable[object]:
+    """One entry per request that finished this step. ``update()`` returns ``StepUpdates``
+    (its ``finished`` dict); checkouts from before it (for --against) return a list of
+    ``RequestUpdate``."""
+    finished = getattr(updates, "finished", None)
+    return finished if finished is not None else [u for u in updates if u.finished]
 
 
 def run(num_requests: int, batch: int, tuned_gc: bool = True) -> tuple[float, float, float]:
@@ -73,7 +82,7 @@ def run(num_requests: int, batch: int, tuned_gc: bool = True) -> tuple[float, fl
             a = time.perf_counter()
             out = s.schedule()
             sched_times.append(time.perf_counter() - a)
-            for _ in s.update(out, runner.execute(out)).finished:
+            for _ in _finished(s.update(out, runner.execute(out))):
                 i = next(arrivals, -1)
                 if i >= 0:
                     s.add_request(Request(f"r{i}", prompts[i], params))
