@@ -411,12 +411,13 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         max_seqs = cfg.max_num_seqs
         running = self.running
-        add_id = decodes.req_ids.append
-        add_token = decodes.token_ids.append
-        add_position = decodes.positions.append
-        add_table = decodes.block_tables.append
-        add_inputs = decodes.inputs.append
+        # Columns appended to directly: ``lst.append(x)`` is a specialised, call-free
+        # instruction, a pre-bound ``append`` is a full call.
         decode_ids = decodes.req_ids
+        decode_tokens = decodes.token_ids
+        decode_positions = decodes.positions
+        decode_tables = decodes.block_tables
+        decode_inputs = decodes.inputs
         preempted = False
         # Each running request is scheduled at most once and preemption only shrinks
         # ``running``, so the seat limit can only bind when running is over it (forks).
@@ -449,11 +450,11 @@ class Scheduler:
                     if fast:
                         ids = tables[rid].ids
                 if fast:
-                    add_id(rid)
-                    add_token(tokens[start])
-                    add_position(start)
-                    add_table(ids)
-                    add_inputs(req.sampling_inputs)
+                    decode_ids.append(rid)
+                    decode_tokens.append(tokens[start])
+                    decode_positions.append(start)
+                    decode_tables.append(ids)
+                    decode_inputs.append(req.sampling_inputs)
                     budget -= 1
                     continue
             num_new = _target(req) - start
