@@ -215,6 +215,19 @@ class KVCacheManager:
         entry.ids = entry.ids + [b.block_id]  # never mutate a list a ScheduledRequest may hold
         return b.block_id
 
+    def append_blocks(self, req_ids: Sequence[str]) -> bool:
+        """``append_block`` for each of ``req_ids`` (distinct ids), in order, as one
+        allocation; returns False (nothing changed) when fewer blocks are free."""
+        pool = self.pool
+        if len(req_ids) > pool.free_queue.num_free:
+            return False
+        tables = self.tables
+        entries = [tables[rid] for rid in req_ids]  # unknown ids raise before allocating
+        for entry, b in zip(entries, pool.get_new_blocks(len(entries))):
+            entry.refs.append(_new_tuple(BlockRef, (b.block_id, b.epoch)))  # _ref(b)
+            entry.ids = entry.ids + [b.block_id]  # never mutated in place (see append_block)
+        return True
+
     def seal_full_blocks(self, req_id: str, token_ids: Sequence[int], num_computed: int) -> None:
         """Hash and index every block that ``num_computed`` computed tokens have filled."""
         if not self.enable_prefix_caching:

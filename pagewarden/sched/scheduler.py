@@ -186,6 +186,27 @@ class RecoveryReport:
         return bool(self.failed)
 
 
+class _DecodeCarry:
+    """What ``update`` leaves for the next ``schedule`` when every running request sampled
+    exactly one token: the next step is then all plain decodes, in running order.
+
+    ``reqs`` is the running list as ``update`` left it and ``positions`` each request's
+    ``num_computed_tokens`` then; ``schedule`` uses the carry only if both still hold (an
+    abort, a rollback or a preemption since changes one of them), so what it builds is
+    exactly what ``_schedule_running`` would.
+    """
+
+    __slots__ = ("reqs", "req_ids", "token_ids", "positions", "inputs")
+
+    def __init__(self, reqs: list[Request], req_ids: list[str], token_ids: list[int],
+                 positions: list[int], inputs: list[SamplingInputs]) -> None:
+        self.reqs = reqs
+        self.req_ids = req_ids
+        self.token_ids = token_ids
+        self.positions = positions
+        self.inputs = inputs
+
+
 _new_scheduled_request = fast_constructor(ScheduledRequest)
 _new_request_update = fast_constructor(RequestUpdate)
 _new_scheduler_output = fast_constructor(SchedulerOutput)
@@ -228,6 +249,7 @@ class Scheduler:
         self._preempted_ids: list[str] = []
         self._num_steps = 0
         self.num_preemptions = 0
+        self._carry: _DecodeCarry | None = None
 
     # ------------------------------------------------------------- admission
     def add_request(self, request: Request) -> None:
@@ -373,8 +395,12 @@ class Scheduler:
         self._num_steps += 1
         scheduled: list[ScheduledRequest] = []
         copies: list[tuple[int, int]] = []
-        decodes = _new_decode_batch(self.config.block_size, [], [], [], [], [])
-        budget, preempted = self._schedule_running(scheduled, copies, decodes)
+        decodes = self._carried_decodes()
+        if decodes is None:
+            decodes = _new_decode_batch(self.config.block_size, [], [], [], [], [])
+            budget, preempted = self._schedule_running(scheduled, copies, decodes)
+        else:
+            budget, preempted = self.config.max_num_batched_tokens - len(decodes.req_ids), False
         if not preempted:  # a pool that just ran dry admits nobody new
             # Seats left for requests that are not running yet.
             seats = self.config.max_num_seqs - len(decodes.req_ids)
@@ -393,6 +419,45 @@ class Scheduler:
                                          swap_out, swap_in, decodes)
         return _new_scheduler_output(self._num_steps, scheduled, copies, left, pre,
                                      decodes=decodes)
+
+    def _carried_decodes(self) -> DecodeBatch | None:
+        """The step's decode batch from the last ``update``'s carry, or None when it does
+        not apply (then ``_schedule_running`` goes request by request).
+
+        It applies when the running list and every running request's progress are as
+        ``update`` left them, every request fits the budget and the seats, and no fork
+        family is alive (so no open block is shared and nothing is copied on write).
+        Decodes that open a block get it here, in running order, as
+        ``_schedule_running`` would; when the pool has too few free blocks for all of
+        them, the general path preempts instead.
+        """
+        carry = self._carry
+        if carry is None:
+            return None
+        self._carry = None
+        running = self.running
+        cfg = self.config
+        n = len(running)
+        if (n > cfg.max_num_batched_tokens or n > cfg.max_num_seqs or self._children
+                or running != carry.reqs):  # compares by identity, in C
+            return None
+        positions = [r.num_computed_tokens for r in running]
+        if positions != carry.positions:
+            return None  # rolled back since
+        bs = cfg.block_size
+        kv = self.kv
+        tables = kv.tables
+        req_ids = carry.req_ids
+        opening = [i for i, p in enumerate(positions) if not p % bs]
+        if opening:
+            # Each of these tokens opens a block its table does not have yet (anything
+            # else is the general path's to sort out), and all of them must get one.
+            grow = [req_ids[i] for i in opening]
+            if any(len(tables[grow[k]].ids) != positions[i] // bs
+                   for k, i in enumerate(opening)) or not kv.append_blocks(grow):
+                return None
+        return _new_decode_batch(bs, req_ids, carry.token_ids, positions,
+                                 [tables[rid].ids for rid in req_ids], carry.inputs)
 
     def _schedule_running(
         self, scheduled: list[ScheduledRequest], copies: list[tuple[int, int]],
@@ -634,6 +699,7 @@ class Scheduler:
             new_tokens = [t for _, t in kept]
         more_ids: list[str] = []
         more_tokens: list[int] = []
+        more_reqs: list[Request] = []
         for sr in out.requests:
             rid = sr.req_id
             req = requests.get(rid)
@@ -657,6 +723,7 @@ class Scheduler:
             tokens.append(token)
             more_ids.append(rid)
             more_tokens.append(token)
+            more_reqs.append(req)
             n_out = len(output)
             if n_out >= req.max_tokens or (
                 token in req.stop_ids and n_out >= req.sampling_params.min_tokens
@@ -667,7 +734,42 @@ class Scheduler:
         if more_ids:
             sampled_ids = sampled_ids + more_ids
             new_tokens = new_tokens + more_tokens
+        self._carry = None
+        if (not skipped and not forked and not self._children
+                and len(self.running) == len(sampled_ids) - len(finished)):
+            # Every running request sampled one token: the next step is all decodes.
+            self._carry = self._decode_carry(decodes, more_reqs, sampled_ids, new_tokens,
+                                             finished)
         return StepUpdates(sampled_ids, new_tokens, finished, logprobs, requests)
+
+    def _decode_carry(self, decodes: DecodeBatch, more_reqs: list[Request],
+                      req_ids: list[str], token_ids: list[int],
+                      finished: dict[str, RequestUpdate]) -> _DecodeCarry | None:
+        """The carry for the next step, once every running request has sampled one token:
+        ``req_ids``/``token_ids`` in step order, the step's decodes (all of them) and then
+        ``more_reqs``, the requests that sampled after a prefill chunk."""
+        requests = self.requests
+        positions = [p + 1 for p in decodes.positions]
+        inputs = list(decodes.inputs)
+        for req in more_reqs:
+            positions.append(req.num_computed_tokens)
+            inputs.append(req.sampling_inputs)
+        if len(positions) != len(req_ids):
+            return None
+        if len(finished) > 8:
+            keep = [i for i, rid in enumerate(req_ids) if rid not in finished]
+            req_ids = [req_ids[i] for i in keep]
+            token_ids = [token_ids[i] for i in keep]
+            positions = [positions[i] for i in keep]
+            inputs = [inputs[i] for i in keep]
+        else:  # a few: deleting them in place beats rebuilding every column
+            req_ids = list(req_ids)
+            token_ids = list(token_ids)
+            for rid in finished:
+                i = req_ids.index(rid)
+                del req_ids[i], token_ids[i], positions[i], inputs[i]
+        return _DecodeCarry([requests[rid] for rid in req_ids], req_ids, token_ids,
+                            positions, inputs)
 
     def _finish_sampled(
         self, req: Request, token: int, logprobs: dict[str, TokenLogprobs]

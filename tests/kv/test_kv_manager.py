@@ -47,6 +47,27 @@ def test_append_block_adds_one_fresh_block_and_replaces_the_id_list() -> None:
     assert kv.num_free_blocks == 3 and kv.check_invariants() == []
 
 
+def test_append_blocks_is_append_block_for_each_in_one_allocation() -> None:
+    kv = KVCacheManager(6, 4)
+    for rid in "abc":
+        kv.create_table(rid, E)
+        assert kv.allocate_slots(rid, 0, 4) == []  # blocks 1, 2, 3
+    handed_out = kv.tables["a"].ids
+    with pytest.raises(KeyError):
+        kv.append_blocks(["a", "nobody"])
+    assert kv.num_free_blocks == 2 and kv.block_ids("a") == [1]  # raised before allocating
+    assert kv.append_blocks(["b", "a"])
+    assert handed_out == [1]  # replaced, not mutated
+    assert kv.block_ids("a") == [1, 5] and kv.block_ids("b") == [2, 4]
+    assert kv.block_refs("b")[1] == BlockRef(4, kv.pool.blocks[4].epoch)
+    assert not kv.append_blocks(["a", "c"])  # one block free: nothing changes
+    assert kv.block_ids("a") == [1, 5] and kv.block_ids("c") == [3] and kv.num_free_blocks == 0
+    assert kv.check_invariants() == []
+    for rid in "abc":
+        kv.free(rid)
+    assert kv.num_free_blocks == 5 and kv.check_invariants() == []
+
+
 def test_allocate_returns_none_without_side_effects_when_dry() -> None:
     kv = KVCacheManager(4, 4)
     kv.create_table("a", E)
