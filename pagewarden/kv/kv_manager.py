@@ -67,6 +67,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.tables: dict[str, RequestBlocks] = {}
+        # Bumped whenever any table is created, dropped or given a new ``ids`` list, so a
+        # caller holding ``ids`` lists can tell in O(1) that they are all still current.
+        self.table_version = 0
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens served from cache
         self.stale_refs_dropped = 0  # stale refs found (and skipped) when freeing a table
@@ -124,6 +127,7 @@ class KVCacheManager:
             raise DuplicateRequestError(f"request {req_id!r} already has a block table")
         entry = RequestBlocks(extra_keys)
         self.tables[req_id] = entry
+        self.table_version += 1
         if not self.enable_prefix_caching:
             return 0
         bs = self.block_size
@@ -160,6 +164,7 @@ class KVCacheManager:
         if req_id in self.tables:
             raise DuplicateRequestError(f"request {req_id!r} already has a block table")
         self.tables[req_id] = RequestBlocks(extra_keys)
+        self.table_version += 1
 
     # -------------------------------------------------------------- allocation
     def allocate_slots(
@@ -185,6 +190,7 @@ class KVCacheManager:
             return _NO_COPIES
         if total > pool.free_queue.num_free:
             return None
+        self.table_version += 1
         copies: list[tuple[int, int]] = []
         ids = ids[:]  # never mutate a list a ScheduledRequest may hold
         if cow_index >= 0:
@@ -211,6 +217,7 @@ class KVCacheManager:
             return None
         entry = self.tables[req_id]
         (b,) = pool.get_new_blocks(1)
+        self.table_version += 1
         entry.refs.append(_new_tuple(BlockRef, (b.block_id, b.epoch)))  # _ref(b)
         entry.ids = entry.ids + [b.block_id]  # never mutate a list a ScheduledRequest may hold
         return b.block_id
@@ -223,6 +230,7 @@ class KVCacheManager:
             return False
         tables = self.tables
         entries = [tables[rid] for rid in req_ids]  # unknown ids raise before allocating
+        self.table_version += 1
         for entry, b in zip(entries, pool.get_new_blocks(len(entries))):
             entry.refs.append(_new_tuple(BlockRef, (b.block_id, b.epoch)))  # _ref(b)
             entry.ids = entry.ids + [b.block_id]  # never mutated in place (see append_block)
@@ -271,6 +279,7 @@ class KVCacheManager:
         by ``len(child_ids) - 1``.
         """
         entry = self.tables.pop(parent_id)
+        self.table_version += 1
         if not child_ids:
             self.pool.free_blocks(self.pool.blocks[i] for i in reversed(entry.ids))
             return
@@ -301,6 +310,7 @@ class KVCacheManager:
         entry = self.tables.pop(req_id, None)
         if entry is None:
             return
+        self.table_version += 1
         blocks = self.pool.blocks
         # Free by epoch-tagged ref: an entry whose block was freed under it (a stale ref)
         # no longer holds a reference, so dropping it must not decrement anything.
@@ -364,6 +374,7 @@ class KVCacheManager:
         entry.ids = [block.block_id for block in blocks]
         entry.hashes = table.hashes
         self.tables[req_id] = entry
+        self.table_version += 1
         del self.swap.tables[req_id]
         self.swap.release(host_ids)
         self.swap.num_swapped_in += len(host_ids)
@@ -407,6 +418,7 @@ class KVCacheManager:
         dropped = entry.refs[num_blocks:]
         del entry.refs[num_blocks:]
         entry.ids = entry.ids[:num_blocks]  # replaced, never mutated (see RequestBlocks)
+        self.table_version += 1
         entry.num_sealed = min(entry.num_sealed, num_blocks)
         blocks = self.pool.blocks
         live = [blocks[r.block_id] for r in reversed(dropped)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import compress
 
 from pagewarden.kv.block import BlockState
 from pagewarden.kv.kv_manager import KVCacheManager
@@ -190,20 +191,25 @@ class _DecodeCarry:
     """What ``update`` leaves for the next ``schedule`` when every running request sampled
     exactly one token: the next step is then all plain decodes, in running order.
 
-    ``reqs`` is the running list as ``update`` left it and ``positions`` each request's
-    ``num_computed_tokens`` then; ``schedule`` uses the carry only if both still hold (an
-    abort, a rollback or a preemption since changes one of them), so what it builds is
+    ``reqs`` is the running list as ``update`` left it, ``positions`` each request's
+    ``num_computed_tokens`` then, and ``block_tables`` their ``ids`` lists as of the
+    manager's ``table_version``. ``schedule`` uses the carry only if all three still hold
+    (an abort, a rollback or a preemption since changes them), so what it builds is
     exactly what ``_schedule_running`` would.
     """
 
-    __slots__ = ("reqs", "req_ids", "token_ids", "positions", "inputs")
+    __slots__ = ("reqs", "req_ids", "token_ids", "positions", "block_tables", "inputs",
+                 "table_version")
 
     def __init__(self, reqs: list[Request], req_ids: list[str], token_ids: list[int],
-                 positions: list[int], inputs: list[SamplingInputs]) -> None:
+                 positions: list[int], block_tables: list[list[int]],
+                 inputs: list[SamplingInputs], table_version: int) -> None:
         self.reqs = reqs
+        self.table_version = table_version
         self.req_ids = req_ids
         self.token_ids = token_ids
         self.positions = positions
+        self.block_tables = block_tables
         self.inputs = inputs
 
 
@@ -424,8 +430,9 @@ class Scheduler:
         """The step's decode batch from the last ``update``'s carry, or None when it does
         not apply (then ``_schedule_running`` goes request by request).
 
-        It applies when the running list and every running request's progress are as
-        ``update`` left them, every request fits the budget and the seats, and no fork
+        It applies when the running list, every running request's progress and every
+        block table are as ``update`` left them, every request fits the budget and the
+        seats, and no fork
         family is alive (so no open block is shared and nothing is copied on write).
         Decodes that open a block get it here, in running order, as
         ``_schedule_running`` would; when the pool has too few free blocks for all of
@@ -439,25 +446,28 @@ class Scheduler:
         cfg = self.config
         n = len(running)
         if (n > cfg.max_num_batched_tokens or n > cfg.max_num_seqs or self._children
+                or self.kv.table_version != carry.table_version
                 or running != carry.reqs):  # compares by identity, in C
             return None
         positions = [r.num_computed_tokens for r in running]
         if positions != carry.positions:
             return None  # rolled back since
         bs = cfg.block_size
-        kv = self.kv
-        tables = kv.tables
         req_ids = carry.req_ids
+        block_tables = carry.block_tables  # current: no table has changed since
         opening = [i for i, p in enumerate(positions) if not p % bs]
         if opening:
             # Each of these tokens opens a block its table does not have yet (anything
             # else is the general path's to sort out), and all of them must get one.
-            grow = [req_ids[i] for i in opening]
-            if any(len(tables[grow[k]].ids) != positions[i] // bs
-                   for k, i in enumerate(opening)) or not kv.append_blocks(grow):
+            kv = self.kv
+            if any(len(block_tables[i]) != positions[i] // bs for i in opening) \
+                    or not kv.append_blocks([req_ids[i] for i in opening]):
                 return None
-        return _new_decode_batch(bs, req_ids, carry.token_ids, positions,
-                                 [tables[rid].ids for rid in req_ids], carry.inputs)
+            tables = kv.tables
+            for i in opening:
+                block_tables[i] = tables[req_ids[i]].ids
+        return _new_decode_batch(bs, req_ids, carry.token_ids, positions, block_tables,
+                                 carry.inputs)
 
     def _schedule_running(
         self, scheduled: list[ScheduledRequest], copies: list[tuple[int, int]],
@@ -748,28 +758,27 @@ class Scheduler:
         """The carry for the next step, once every running request has sampled one token:
         ``req_ids``/``token_ids`` in step order, the step's decodes (all of them) and then
         ``more_reqs``, the requests that sampled after a prefill chunk."""
-        requests = self.requests
         positions = [p + 1 for p in decodes.positions]
+        tables = list(decodes.block_tables)
         inputs = list(decodes.inputs)
-        for req in more_reqs:
-            positions.append(req.num_computed_tokens)
-            inputs.append(req.sampling_inputs)
+        if more_reqs:
+            kv_tables = self.kv.tables
+            for req in more_reqs:
+                positions.append(req.num_computed_tokens)
+                entry = kv_tables.get(req.req_id)  # None: it finished (dropped below)
+                tables.append(entry.ids if entry is not None else [])
+                inputs.append(req.sampling_inputs)
         if len(positions) != len(req_ids):
             return None
-        if len(finished) > 8:
-            keep = [i for i, rid in enumerate(req_ids) if rid not in finished]
-            req_ids = [req_ids[i] for i in keep]
-            token_ids = [token_ids[i] for i in keep]
-            positions = [positions[i] for i in keep]
-            inputs = [inputs[i] for i in keep]
-        else:  # a few: deleting them in place beats rebuilding every column
-            req_ids = list(req_ids)
-            token_ids = list(token_ids)
-            for rid in finished:
-                i = req_ids.index(rid)
-                del req_ids[i], token_ids[i], positions[i], inputs[i]
+        req_ids = list(req_ids)
+        token_ids = list(token_ids)
+        if finished:  # find them in C, then delete back to front (each del shifts the tail)
+            gone = list(compress(range(len(req_ids)), map(finished.__contains__, req_ids)))
+            for i in reversed(gone):
+                del req_ids[i], token_ids[i], positions[i], tables[i], inputs[i]
+        requests = self.requests
         return _DecodeCarry([requests[rid] for rid in req_ids], req_ids, token_ids,
-                            positions, inputs)
+                            positions, tables, inputs, self.kv.table_version)
 
     def _finish_sampled(
         self, req: Request, token: int, logprobs: dict[str, TokenLogprobs]

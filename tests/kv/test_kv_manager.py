@@ -68,6 +68,38 @@ def test_append_blocks_is_append_block_for_each_in_one_allocation() -> None:
     assert kv.num_free_blocks == 5 and kv.check_invariants() == []
 
 
+def test_table_version_moves_with_every_table_change_and_only_then() -> None:
+    kv = KVCacheManager(8, 4)
+    seen = [kv.table_version]
+
+    def changed(expected: bool) -> None:
+        assert (kv.table_version != seen[-1]) is expected
+        seen.append(kv.table_version)
+
+    kv.create_table("a", E)
+    changed(True)
+    assert kv.allocate_slots("a", 0, 6) == []
+    changed(True)
+    assert kv.allocate_slots("a", 6, 1) == []  # the block is there already
+    changed(False)
+    kv.seal_full_blocks("a", list(range(8)), 4)
+    changed(False)
+    assert kv.append_block("a") is not None
+    changed(True)
+    assert kv.append_blocks(["a"])
+    changed(True)
+    kv.truncate("a", 1)
+    changed(True)
+    kv.fork("a", ["a#0", "a#1"])
+    changed(True)
+    kv.free("a#0")
+    changed(True)
+    kv.free("a#0")  # already gone
+    changed(False)
+    kv.free("a#1")
+    changed(True)
+
+
 def test_allocate_returns_none_without_side_effects_when_dry() -> None:
     kv = KVCacheManager(4, 4)
     kv.create_table("a", E)
