@@ -55,7 +55,8 @@ def _finished(updates) -> Iterable[object]:
     return finished if finished is not None else [u for u in updates if u.finished]
 
 
-def run(num_requests: int, batch: int, tuned_gc: bool = True) -> tuple[float, float, float]:
+def run(num_requests: int, batch: int, tuned_gc: bool = True,
+        output_tokens: tuple[int, int] = (16, 16)) -> tuple[float, float, float]:
     """Sustained requests/s, block operations/s and median ``schedule()`` seconds.
 
     Requests arrive as the running ones finish (``batch`` in flight, ``batch`` waiting); each
@@ -67,7 +68,10 @@ def run(num_requests: int, batch: int, tuned_gc: bool = True) -> tuple[float, fl
                           max_num_batched_tokens=max(2048, batch * 64), max_model_len=2048)
     s = Scheduler(cfg)
     runner = FakeModelRunner(16)
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    lo, hi = output_tokens  # each request's output length, uniform in [lo, hi]
+    by_len = {n: SamplingParams(max_tokens=n, ignore_eos=True) for n in range(lo, hi + 1)}
+    lengths = random.Random(1)
+    params = [by_len[lengths.randint(lo, hi)] for _ in range(num_requests)]
     prompts = _prompts(num_requests, random.Random(0))
     previous = tune_gc_for_serving() if tuned_gc else None
     try:
@@ -75,7 +79,7 @@ def run(num_requests: int, batch: int, tuned_gc: bool = True) -> tuple[float, fl
         t0 = time.perf_counter()
         arrivals = iter(range(num_requests))
         for i in arrivals:
-            s.add_request(Request(f"r{i}", prompts[i], params))
+            s.add_request(Request(f"r{i}", prompts[i], params[i]))
             if len(s.waiting) >= batch:
                 break
         while s.has_unfinished_requests():
@@ -85,7 +89,7 @@ def run(num_requests: int, batch: int, tuned_gc: bool = True) -> tuple[float, fl
             for _ in _finished(s.update(out, runner.execute(out))):
                 i = next(arrivals, -1)
                 if i >= 0:
-                    s.add_request(Request(f"r{i}", prompts[i], params))
+                    s.add_request(Request(f"r{i}", prompts[i], params[i]))
         elapsed = time.perf_counter() - t0
     finally:
         if previous is not None:
@@ -100,17 +104,19 @@ _CHILD = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import control_plane
-print(json.dumps([control_plane.run(int(sys.argv[2]), int(b), sys.argv[3] == "tuned")
-                  for b in sys.argv[4:]]))
+lo, hi = map(int, sys.argv[4].split("-"))
+print(json.dumps([control_plane.run(int(sys.argv[2]), int(b), sys.argv[3] == "tuned", (lo, hi))
+                  for b in sys.argv[5:]]))
 """
 
 
-def _run_in(root: str, num_requests: int, batches: list[int],
-            gc_mode: str) -> list[tuple[float, float, float]]:
+def _run_in(root: str, num_requests: int, batches: list[int], gc_mode: str,
+            output_tokens: tuple[int, int]) -> list[tuple[float, float, float]]:
     """``run`` on the pagewarden package of the checkout at ``root``, in a fresh process."""
     env = dict(os.environ, PAGEWARDEN_ROOT=root)
     proc = subprocess.run([sys.executable, "-c", _CHILD, str(Path(__file__).parent),
-                           str(num_requests), gc_mode, *map(str, batches)],
+                           str(num_requests), gc_mode, "%d-%d" % output_tokens,
+                           *map(str, batches)],
                           capture_output=True, text=True, check=True, env=env)
     return [tuple(r) for r in json.loads(proc.stdout)]  # type: ignore[misc]
 
@@ -124,12 +130,29 @@ def _report(label: str, runs: list[tuple[float, float, float]]) -> str:
             f"median schedule() {med * 1e6:.1f} us")
 
 
+def _token_range(text: str) -> tuple[int, int]:
+    """``"16"`` -> (16, 16); ``"1-31"`` -> (1, 31)."""
+    try:
+        lo, _, hi = text.partition("-")
+        bounds = (int(lo), int(hi or lo))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or LO-HI, got {text!r}") from None
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI, got {text!r}")
+    return bounds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--runs", type=int, default=5,
                         help="runs per batch size, alternated; the median is reported")
     parser.add_argument("--batch", type=int, nargs="+", default=[32, 256])
+    parser.add_argument("--output-tokens", type=_token_range, default=(16, 16),
+                        metavar="N or LO-HI",
+                        help="each request's output length: 16 (every request finishes "
+                             "in step with the others) or a range drawn uniformly per "
+                             "request, e.g. 1-31 (finishes and arrivals every step)")
     parser.add_argument("--gc", choices=("tuned", "default", "both"), default="both",
                         help="garbage collector settings: pagewarden serve's "
                              "(gc_policy.tune_gc_for_serving), Python's default, or both")
@@ -148,9 +171,11 @@ def main() -> None:
         for mode in modes:
             for root in roots:
                 if args.against:
-                    runs = _run_in(root, args.requests, args.batch, mode)
+                    runs = _run_in(root, args.requests, args.batch, mode,
+                                   args.output_tokens)
                 else:
-                    runs = [run(args.requests, b, mode == "tuned") for b in args.batch]
+                    runs = [run(args.requests, b, mode == "tuned", args.output_tokens)
+                            for b in args.batch]
                 for batch, r in zip(args.batch, runs):
                     results[root, mode, batch].append(r)
     for mode in modes:
