@@ -212,15 +212,9 @@ class KVCacheManager:
     def append_block(self, req_id: str) -> int | None:
         """Give the table one fresh block at its end (a decode opening a new block);
         returns its id, or None (nothing changed) when no block is free."""
-        pool = self.pool
-        if not pool.free_queue.num_free:
+        if not self.append_blocks((req_id,)):
             return None
-        entry = self.tables[req_id]
-        (b,) = pool.get_new_blocks(1)
-        self.table_version += 1
-        entry.refs.append(_new_tuple(BlockRef, (b.block_id, b.epoch)))  # _ref(b)
-        entry.ids = entry.ids + [b.block_id]  # never mutate a list a ScheduledRequest may hold
-        return b.block_id
+        return self.tables[req_id].ids[-1]
 
     def append_blocks(self, req_ids: Sequence[str]) -> bool:
         """``append_block`` for each of ``req_ids`` (distinct ids), in order, as one
@@ -233,7 +227,7 @@ class KVCacheManager:
         self.table_version += 1
         for entry, b in zip(entries, pool.get_new_blocks(len(entries))):
             entry.refs.append(_new_tuple(BlockRef, (b.block_id, b.epoch)))  # _ref(b)
-            entry.ids = entry.ids + [b.block_id]  # never mutated in place (see append_block)
+            entry.ids = entry.ids + [b.block_id]  # never mutate a list a ScheduledRequest may hold
         return True
 
     def seal_full_blocks(self, req_id: str, token_ids: Sequence[int], num_computed: int) -> None:
