@@ -432,8 +432,8 @@ class Scheduler:
 
         It applies when the running list, every running request's progress and every
         block table are as ``update`` left them, every request fits the budget and the
-        seats, and no fork
-        family is alive (so no open block is shared and nothing is copied on write).
+        seats, and no fork family is alive (so no open block is shared and nothing is
+        copied on write).
         Decodes that open a block get it here, in running order, as
         ``_schedule_running`` would; when the pool has too few free blocks for all of
         them, the general path preempts instead.
