@@ -27,12 +27,14 @@ sys.path.insert(0, os.environ.get("PAGEWARDEN_ROOT") or str(Path(__file__).resol
 try:
     from pagewarden.gc_policy import tune_gc_for_serving
 except ImportError:  # a checkout from before gc_policy: the same settings, here
+
     def tune_gc_for_serving() -> tuple[int, int, int]:
         previous = gc.get_threshold()
         gc.collect()
         gc.freeze()
         gc.set_threshold(20_000, previous[1], previous[2])
         return previous
+
 
 from pagewarden.sampling_params import SamplingParams  # noqa: E402
 from pagewarden.sched import Request, Scheduler, SchedulerConfig  # noqa: E402
@@ -55,8 +57,9 @@ def _finished(updates) -> Iterable[object]:
     return finished if finished is not None else [u for u in updates if u.finished]
 
 
-def run(num_requests: int, batch: int, tuned_gc: bool = True,
-        output_tokens: tuple[int, int] = (16, 16)) -> tuple[float, float, float]:
+def run(
+    num_requests: int, batch: int, tuned_gc: bool = True, output_tokens: tuple[int, int] = (16, 16)
+) -> tuple[float, float, float]:
     """Sustained requests/s, block operations/s and median ``schedule()`` seconds.
 
     Requests arrive as the running ones finish (``batch`` in flight, ``batch`` waiting); each
@@ -64,8 +67,13 @@ def run(num_requests: int, batch: int, tuned_gc: bool = True,
     runs under ``tune_gc_for_serving`` (what ``pagewarden serve`` uses), else under
     Python's default collector settings.
     """
-    cfg = SchedulerConfig(num_blocks=batch * 6 + 64, block_size=16, max_num_seqs=batch,
-                          max_num_batched_tokens=max(2048, batch * 64), max_model_len=2048)
+    cfg = SchedulerConfig(
+        num_blocks=batch * 6 + 64,
+        block_size=16,
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(2048, batch * 64),
+        max_model_len=2048,
+    )
     s = Scheduler(cfg)
     runner = FakeModelRunner(16)
     lo, hi = output_tokens  # each request's output length, uniform in [lo, hi]
@@ -110,14 +118,27 @@ print(json.dumps([control_plane.run(int(sys.argv[2]), int(b), sys.argv[3] == "tu
 """
 
 
-def _run_in(root: str, num_requests: int, batches: list[int], gc_mode: str,
-            output_tokens: tuple[int, int]) -> list[tuple[float, float, float]]:
+def _run_in(
+    root: str, num_requests: int, batches: list[int], gc_mode: str, output_tokens: tuple[int, int]
+) -> list[tuple[float, float, float]]:
     """``run`` on the pagewarden package of the checkout at ``root``, in a fresh process."""
     env = dict(os.environ, PAGEWARDEN_ROOT=root)
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(Path(__file__).parent),
-                           str(num_requests), gc_mode, "%d-%d" % output_tokens,
-                           *map(str, batches)],
-                          capture_output=True, text=True, check=True, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _CHILD,
+            str(Path(__file__).parent),
+            str(num_requests),
+            gc_mode,
+            f"{output_tokens[0]}-{output_tokens[1]}",
+            *map(str, batches),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    )
     return [tuple(r) for r in json.loads(proc.stdout)]  # type: ignore[misc]
 
 
@@ -125,9 +146,11 @@ def _report(label: str, runs: list[tuple[float, float, float]]) -> str:
     rps = [r[0] for r in runs]
     ops = statistics.median(r[1] for r in runs)
     med = statistics.median(r[2] for r in runs)
-    return (f"{label}: {statistics.median(rps):,.0f} requests/s median of {len(rps)} "
-            f"(min {min(rps):,.0f}, max {max(rps):,.0f}), {ops:,.0f} block ops/s, "
-            f"median schedule() {med * 1e6:.1f} us")
+    return (
+        f"{label}: {statistics.median(rps):,.0f} requests/s median of {len(rps)} "
+        f"(min {min(rps):,.0f}, max {max(rps):,.0f}), {ops:,.0f} block ops/s, "
+        f"median schedule() {med * 1e6:.1f} us"
+    )
 
 
 def _token_range(text: str) -> tuple[int, int]:
@@ -145,50 +168,74 @@ def _token_range(text: str) -> tuple[int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=20000)
-    parser.add_argument("--runs", type=int, default=5,
-                        help="runs per batch size, alternated; the median is reported")
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=5,
+        help="runs per batch size, alternated; the median is reported",
+    )
     parser.add_argument("--batch", type=int, nargs="+", default=[32, 256])
-    parser.add_argument("--output-tokens", type=_token_range, default=(16, 16),
-                        metavar="N or LO-HI",
-                        help="each request's output length: 16 (every request finishes "
-                             "in step with the others) or a range drawn uniformly per "
-                             "request, e.g. 1-31 (finishes and arrivals every step)")
-    parser.add_argument("--gc", choices=("tuned", "default", "both"), default="both",
-                        help="garbage collector settings: pagewarden serve's "
-                             "(gc_policy.tune_gc_for_serving), Python's default, or both")
-    parser.add_argument("--against", metavar="DIR",
-                        help="another pagewarden checkout (e.g. a `git worktree add` of an "
-                             "older commit): its package runs this benchmark, alternated "
-                             "with this one in fresh processes, and the ratio of the "
-                             "medians is printed")
+    parser.add_argument(
+        "--output-tokens",
+        type=_token_range,
+        default=(16, 16),
+        metavar="N or LO-HI",
+        help="each request's output length: 16 (every request finishes "
+        "in step with the others) or a range drawn uniformly per "
+        "request, e.g. 1-31 (finishes and arrivals every step)",
+    )
+    parser.add_argument(
+        "--gc",
+        choices=("tuned", "default", "both"),
+        default="both",
+        help="garbage collector settings: pagewarden serve's "
+        "(gc_policy.tune_gc_for_serving), Python's default, or both",
+    )
+    parser.add_argument(
+        "--against",
+        metavar="DIR",
+        help="another pagewarden checkout (e.g. a `git worktree add` of an "
+        "older commit): its package runs this benchmark, alternated "
+        "with this one in fresh processes, and the ratio of the "
+        "medians is printed",
+    )
     args = parser.parse_args()
     here = str(Path(__file__).resolve().parents[1])
     roots = [here] + ([args.against] if args.against else [])
     modes = ["tuned", "default"] if args.gc == "both" else [args.gc]
     results: dict[tuple[str, str, int], list[tuple[float, float, float]]] = {
-        (root, mode, b): [] for root in roots for mode in modes for b in args.batch}
+        (root, mode, b): [] for root in roots for mode in modes for b in args.batch
+    }
     for _ in range(args.runs):  # alternate, so drift on a shared machine hits every side
         for mode in modes:
             for root in roots:
                 if args.against:
-                    runs = _run_in(root, args.requests, args.batch, mode,
-                                   args.output_tokens)
+                    runs = _run_in(root, args.requests, args.batch, mode, args.output_tokens)
                 else:
-                    runs = [run(args.requests, b, mode == "tuned", args.output_tokens)
-                            for b in args.batch]
+                    runs = [
+                        run(args.requests, b, mode == "tuned", args.output_tokens)
+                        for b in args.batch
+                    ]
                 for batch, r in zip(args.batch, runs):
                     results[root, mode, batch].append(r)
     for mode in modes:
-        print(f"{mode} gc" + (" (as pagewarden serve runs)" if mode == "tuned" else
-                              " (Python's defaults)"))
+        print(
+            f"{mode} gc"
+            + (" (as pagewarden serve runs)" if mode == "tuned" else " (Python's defaults)")
+        )
         for batch in args.batch:
-            print("  " + _report(f"batch={batch}", results[here, mode, batch])
-                  + " (target 14,720 requests/s)")
+            print(
+                "  "
+                + _report(f"batch={batch}", results[here, mode, batch])
+                + " (target 14,720 requests/s)"
+            )
             if args.against:
-                print("    " + _report(f"against {args.against}",
-                                       results[args.against, mode, batch]))
-                ratio = (statistics.median(r[0] for r in results[here, mode, batch])
-                         / statistics.median(r[0] for r in results[args.against, mode, batch]))
+                print(
+                    "    " + _report(f"against {args.against}", results[args.against, mode, batch])
+                )
+                ratio = statistics.median(
+                    r[0] for r in results[here, mode, batch]
+                ) / statistics.median(r[0] for r in results[args.against, mode, batch])
                 print(f"    ratio of medians {ratio:.2f}")
 
 

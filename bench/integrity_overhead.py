@@ -31,14 +31,22 @@ from pagewarden.sampling_params import SamplingParams  # noqa: E402
 LEVELS = ("off", "audit", "standard", "strict")
 
 
-def run_levels(levels: list[str], loaded, prompts: list[list[int]], output_len: int,
-               args: argparse.Namespace) -> dict[str, tuple[float, dict[str, list[int]]]]:
+def run_levels(
+    levels: list[str], loaded, prompts: list[list[int]], output_len: int, args: argparse.Namespace
+) -> dict[str, tuple[float, dict[str, list[int]]]]:
     """Output tok/s of each level, and its tokens per request, stepped interleaved."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     engines = {}
     for level in levels:
-        engine = EngineCore(EngineConfig(model=args.model, dtype=args.dtype, integrity=level,
-                                         kv_cache_memory=args.kv_cache_memory), loaded)
+        engine = EngineCore(
+            EngineConfig(
+                model=args.model,
+                dtype=args.dtype,
+                integrity=level,
+                kv_cache_memory=args.kv_cache_memory,
+            ),
+            loaded,
+        )
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, params)
         engines[level] = engine
@@ -46,7 +54,7 @@ def run_levels(levels: list[str], loaded, prompts: list[list[int]], output_len: 
     tokens: dict[str, dict[str, list[int]]] = {level: {} for level in levels}
     turn = 0
     while any(e.has_unfinished() for e in engines.values()):
-        order = levels[turn % len(levels):] + levels[:turn % len(levels)]
+        order = levels[turn % len(levels) :] + levels[: turn % len(levels)]
         turn += 1
         for level in order:
             engine = engines[level]
@@ -85,9 +93,11 @@ def main() -> None:
     loaded = load_model(args.model, EngineConfig(dtype=args.dtype).torch_dtype)
     rng = random.Random(0)
     vocab = loaded.config.vocab_size
-    prompts = [[rng.randrange(100, vocab - 100) for _ in range(args.input_len)]
-               for _ in range(args.num_prompts)]
-    run_levels(levels, loaded, prompts[:4], 4, args)          # warm-up (and kernel compile)
+    prompts = [
+        [rng.randrange(100, vocab - 100) for _ in range(args.input_len)]
+        for _ in range(args.num_prompts)
+    ]
+    run_levels(levels, loaded, prompts[:4], 4, args)  # warm-up (and kernel compile)
 
     speed: dict[str, list[float]] = {lv: [] for lv in levels}
     ratios: dict[str, list[float]] = {lv: [] for lv in levels}
@@ -100,20 +110,25 @@ def main() -> None:
             if reference is None:
                 reference = tokens
             same = tokens == reference
-            print(f"run {r + 1} {level:<9} {tps:7.1f} output tok/s  tokens equal: {same}",
-                  flush=True)
+            print(
+                f"run {r + 1} {level:<9} {tps:7.1f} output tok/s  tokens equal: {same}", flush=True
+            )
             speed[level].append(tps)
             this_run[level] = tps
         for level in levels:
             ratios[level].append(this_run[level] / this_run["off"])
 
-    print(f"\n{args.num_prompts}x{args.input_len}/{args.output_len}, {args.dtype}, "
-          f"{args.runs} runs (medians)")
+    print(
+        f"\n{args.num_prompts}x{args.input_len}/{args.output_len}, {args.dtype}, "
+        f"{args.runs} runs (medians)"
+    )
     off = statistics.median(speed["off"])
     for level in levels:
         med = statistics.median(speed[level])
-        print(f"{level:<9} {med:7.1f} output tok/s   ratio to off {med / off:.3f}   "
-              f"median per-run ratio {statistics.median(ratios[level]):.3f}")
+        print(
+            f"{level:<9} {med:7.1f} output tok/s   ratio to off {med / off:.3f}   "
+            f"median per-run ratio {statistics.median(ratios[level]):.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -34,13 +34,15 @@ def run_pagewarden(llm, prompts, output_len: int) -> float:
 
 
 def load_hf(model_path, dtype):
-    import transformers
     from pathlib import Path
+
+    import transformers
 
     p = Path(model_path)
     if p.suffix == ".gguf":
         return transformers.AutoModelForCausalLM.from_pretrained(
-            str(p.parent), gguf_file=p.name, dtype=dtype)
+            str(p.parent), gguf_file=p.name, dtype=dtype
+        )
     return transformers.AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype)
 
 
@@ -49,9 +51,15 @@ def run_hf(model, prompts, output_len: int, cache: str | None) -> float:
     kwargs = {"cache_implementation": cache} if cache else {}
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=output_len, min_new_tokens=output_len,
-                             pad_token_id=0, **kwargs)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            pad_token_id=0,
+            **kwargs,
+        )
     elapsed = time.perf_counter() - start
     assert out.shape[1] == ids.shape[1] + output_len
     return len(prompts) * output_len / elapsed
@@ -66,9 +74,12 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--hf-cache", default="static", help="transformers cache_implementation")
-    ap.add_argument("--hf-dtype", default=None,
-                    help="dtype of the transformers run (default: --dtype); on CPUs without bf16 "
-                         "GEMM kernels float32 is transformers' fastest setting")
+    ap.add_argument(
+        "--hf-dtype",
+        default=None,
+        help="dtype of the transformers run (default: --dtype); on CPUs without bf16 "
+        "GEMM kernels float32 is transformers' fastest setting",
+    )
     ap.add_argument("--no-hf", action="store_true")
     args = ap.parse_args()
 
@@ -91,13 +102,18 @@ def main() -> None:
         pw.append(run_pagewarden(llm, prompts, args.output_len))
         if hf is not None:
             ref.append(run_hf(hf, prompts, args.output_len, args.hf_cache))
-        print(f"run {i}: pagewarden {pw[-1]:.1f} tok/s"
-              + (f", transformers {ref[-1]:.1f} tok/s" if ref else ""), flush=True)
+        print(
+            f"run {i}: pagewarden {pw[-1]:.1f} tok/s"
+            + (f", transformers {ref[-1]:.1f} tok/s" if ref else ""),
+            flush=True,
+        )
     pw_med = statistics.median(pw)
     gemm = llm.engine.loaded.model.lm_head.weight.dtype
     print(f"pagewarden   GEMMs in {str(gemm).removeprefix('torch.')}")
-    print(f"pagewarden   median {pw_med:.1f} output tok/s  ({args.num_prompts}x"
-          f"{args.input_len}/{args.output_len}, {args.dtype})")
+    print(
+        f"pagewarden   median {pw_med:.1f} output tok/s  ({args.num_prompts}x"
+        f"{args.input_len}/{args.output_len}, {args.dtype})"
+    )
     if ref:
         ref_med = statistics.median(ref)
         print(f"transformers median {ref_med:.1f} output tok/s (cache={args.hf_cache}, {hf_dtype})")

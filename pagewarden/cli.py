@@ -12,8 +12,11 @@ from pagewarden.engine.config import EngineConfig
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags, named as vLLM names them."""
     d = EngineConfig()
-    parser.add_argument("--model", default=None,
-                        help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("--dtype", default=d.dtype, help="bfloat16 | float32 | float16")
     parser.add_argument("--block-size", type=int, default=d.block_size)
     parser.add_argument("--kv-cache-memory", default=None, help="e.g. 2GiB (default 1GiB)")
@@ -21,20 +24,42 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=d.enable_prefix_caching)
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_prefix_caching,
+    )
     parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--integrity", default=d.integrity,
-                        choices=("off", "audit", "standard", "strict"),
-                        help="KV integrity checks (default standard; see README)")
-    parser.add_argument("--audit-interval", type=int, default=d.audit_interval,
-                        help="steps between metadata invariant audits")
-    parser.add_argument("--scrub-blocks-per-step", type=int, default=d.scrub_blocks_per_step,
-                        help="sealed blocks the scrubber re-verifies each step")
-    parser.add_argument("--swap-space", type=float, default=d.swap_space,
-                        help="GiB of host memory for swapped-out KV (default 0: no host tier)")
-    parser.add_argument("--preemption-mode", default=None, choices=("recompute", "swap"),
-                        help="default: swap when --swap-space > 0, else recompute")
+    parser.add_argument(
+        "--integrity",
+        default=d.integrity,
+        choices=("off", "audit", "standard", "strict"),
+        help="KV integrity checks (default standard; see README)",
+    )
+    parser.add_argument(
+        "--audit-interval",
+        type=int,
+        default=d.audit_interval,
+        help="steps between metadata invariant audits",
+    )
+    parser.add_argument(
+        "--scrub-blocks-per-step",
+        type=int,
+        default=d.scrub_blocks_per_step,
+        help="sealed blocks the scrubber re-verifies each step",
+    )
+    parser.add_argument(
+        "--swap-space",
+        type=float,
+        default=d.swap_space,
+        help="GiB of host memory for swapped-out KV (default 0: no host tier)",
+    )
+    parser.add_argument(
+        "--preemption-mode",
+        default=None,
+        choices=("recompute", "swap"),
+        help="default: swap when --swap-space > 0, else recompute",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -53,8 +78,13 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 def _sampling(args: argparse.Namespace):
     from pagewarden.sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, seed=args.sample_seed)
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sample_seed,
+    )
 
 
 def _llm(args: argparse.Namespace):
@@ -99,10 +129,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_chaos(args: argparse.Namespace) -> int:
     from pagewarden.faults.chaos import run_chaos
 
-    report = run_chaos(model=args.model, num_faults=args.faults, integrity=args.integrity,
-                       num_requests=args.requests, max_tokens=args.max_tokens, seed=args.seed,
-                       dtype=args.dtype, num_kv_blocks=args.num_kv_blocks,
-                       block_size=args.block_size, num_swap_blocks=args.num_swap_blocks)
+    report = run_chaos(
+        model=args.model,
+        num_faults=args.faults,
+        integrity=args.integrity,
+        num_requests=args.requests,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        dtype=args.dtype,
+        num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size,
+        num_swap_blocks=args.num_swap_blocks,
+    )
     print(report.table())
     return 0
 
@@ -112,8 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one prompt and print the text")
     gen.add_argument("prompt")
-    gen.add_argument("--chat-template", action="store_true",
-                     help="wrap the prompt as a user message with the model's chat template")
+    gen.add_argument(
+        "--chat-template",
+        action="store_true",
+        help="wrap the prompt as a user message with the model's chat template",
+    )
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
@@ -121,23 +162,36 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
-    chaos = sub.add_parser("chaos", help="inject KV faults into a mixed workload and report "
-                                         "detection, recovery and output equality")
+    chaos = sub.add_parser(
+        "chaos",
+        help="inject KV faults into a mixed workload and report "
+        "detection, recovery and output equality",
+    )
     chaos.add_argument("--model", default=None, help="HF model directory or .gguf file")
     chaos.add_argument("--faults", type=int, default=20, help="faults to inject")
-    chaos.add_argument("--integrity", default="strict",
-                       choices=("off", "audit", "standard", "strict"))
+    chaos.add_argument(
+        "--integrity", default="strict", choices=("off", "audit", "standard", "strict")
+    )
     chaos.add_argument("--requests", type=int, default=16)
     chaos.add_argument("--max-tokens", type=int, default=24)
-    chaos.add_argument("--dtype", default="float32",
-                       help="float32 by default so recomputed KV is bit-identical")
+    chaos.add_argument(
+        "--dtype", default="float32", help="float32 by default so recomputed KV is bit-identical"
+    )
     chaos.add_argument("--block-size", type=int, default=8)
-    chaos.add_argument("--num-kv-blocks", type=int, default=None,
-                       help="default: about a third of what the workload needs (preemption)")
-    chaos.add_argument("--num-swap-blocks", type=int, default=None,
-                       help="host (swap) tier blocks; default half the KV blocks (too few "
-                            "for every victim, so preemption both swaps and recomputes); "
-                            "0: recompute only")
+    chaos.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="default: about a third of what the workload needs (preemption)",
+    )
+    chaos.add_argument(
+        "--num-swap-blocks",
+        type=int,
+        default=None,
+        help="host (swap) tier blocks; default half the KV blocks (too few "
+        "for every victim, so preemption both swaps and recomputes); "
+        "0: recompute only",
+    )
     chaos.add_argument("--seed", type=int, default=0)
     chaos.set_defaults(func=cmd_chaos)
     try:

@@ -88,9 +88,7 @@ class SamplingParams:
                 f"min_tokens must be in [0, max_tokens], got {self.min_tokens}",
             )
         if self.logprobs is not None and self.logprobs < 0:
-            raise SamplingParamsError(
-                "logprobs", f"logprobs must be >= 0, got {self.logprobs}"
-            )
+            raise SamplingParamsError("logprobs", f"logprobs must be >= 0, got {self.logprobs}")
         if self.stop is None:
             self.stop_strings = []
         elif isinstance(self.stop, str):

@@ -34,9 +34,15 @@ def make_tiny_tokenizer(path: Path, vocab_size: int = 512) -> int:
     )
     tok.train_from_iterator(_CORPUS, trainer)
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE,
-    }))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|im_start|>",
+                "eos_token": "<|im_end|>",
+                "chat_template": CHAT_TEMPLATE,
+            }
+        )
+    )
     return tok.get_vocab_size()
 
 
@@ -48,9 +54,17 @@ def make_tiny_llama(path: str | Path, **config_overrides) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     vocab = make_tiny_tokenizer(path)
     kw = dict(
-        vocab_size=max(vocab, 512), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        vocab_size=max(vocab, 512),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     kw.update(config_overrides)
     torch.manual_seed(0)

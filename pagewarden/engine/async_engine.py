@@ -57,11 +57,26 @@ class _Tracker:
 
 def _snapshot(out: RequestOutput) -> RequestOutput:
     """Copy an output so the event loop never sees the engine thread mutate it."""
-    outputs = [CompletionOutput(c.index, c.text, list(c.token_ids), c.finish_reason,
-                                c.stop_reason, list(c.logprobs) if c.logprobs is not None else None)
-               for c in out.outputs]
-    return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, outputs,
-                         out.finished, out.num_cached_tokens, dict(out.metrics))
+    outputs = [
+        CompletionOutput(
+            c.index,
+            c.text,
+            list(c.token_ids),
+            c.finish_reason,
+            c.stop_reason,
+            list(c.logprobs) if c.logprobs is not None else None,
+        )
+        for c in out.outputs
+    ]
+    return RequestOutput(
+        out.request_id,
+        out.prompt,
+        out.prompt_token_ids,
+        outputs,
+        out.finished,
+        out.num_cached_tokens,
+        dict(out.metrics),
+    )
 
 
 class RequestStream:
@@ -97,10 +112,15 @@ class RequestStream:
 class AsyncEngine:
     """An ``EngineCore`` driven by a background thread, with asyncio streaming."""
 
-    def __init__(self, config: EngineConfig | None, core=None, *,
-                 max_waiting_requests: int | None = None,
-                 max_queued_tokens: int | None = None,
-                 heartbeat_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None,
+        core=None,
+        *,
+        max_waiting_requests: int | None = None,
+        max_queued_tokens: int | None = None,
+        heartbeat_timeout_s: float = 60.0,
+    ) -> None:
         if core is None:
             from pagewarden.engine.core import EngineCore
 
@@ -125,9 +145,14 @@ class AsyncEngine:
         self._thread.start()
 
     # ---- event-loop side ---------------------------------------------------------
-    async def add_request(self, request_id: str, prompt_token_ids: list[int],
-                          params: SamplingParams, prompt: str | None = None,
-                          cache_salt: str | None = None) -> RequestStream:
+    async def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
         """Validate, admit and enqueue a request; raises before anything is queued.
 
         Raises ``RequestRejected`` (never runnable), ``AdmissionRejected`` (queue full),
@@ -141,32 +166,44 @@ class AsyncEngine:
         with self._lock:
             if request_id in self._trackers:
                 raise ValueError(f"request id {request_id!r} is already running")
-            if (self.max_waiting_requests is not None
-                    and self._num_waiting >= self.max_waiting_requests):
+            if (
+                self.max_waiting_requests is not None
+                and self._num_waiting >= self.max_waiting_requests
+            ):
                 self.frontend_stats.admission_rejected()
                 raise AdmissionRejected(
                     f"the server has {self._num_waiting} requests waiting (limit "
-                    f"{self.max_waiting_requests}); retry later")
-            if (self.max_queued_tokens is not None and self._num_waiting > 0
-                    and self._queued_tokens + n_prompt > self.max_queued_tokens):
+                    f"{self.max_waiting_requests}); retry later"
+                )
+            if (
+                self.max_queued_tokens is not None
+                and self._num_waiting > 0
+                and self._queued_tokens + n_prompt > self.max_queued_tokens
+            ):
                 self.frontend_stats.admission_rejected()
                 raise AdmissionRejected(
                     f"the server has {self._queued_tokens} prompt tokens waiting (limit "
-                    f"{self.max_queued_tokens}); retry later")
-            self.core.add_request(request_id, prompt_token_ids, params, prompt=prompt,
-                                  cache_salt=cache_salt)
+                    f"{self.max_queued_tokens}); retry later"
+                )
+            self.core.add_request(
+                request_id, prompt_token_ids, params, prompt=prompt, cache_salt=cache_salt
+            )
             self._trackers[request_id] = _Tracker(loop, queue, n_prompt, time.monotonic())
             self._num_waiting += 1
             self._queued_tokens += n_prompt
         self._wake.set()
         return RequestStream(self, request_id, queue)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, prompt: str | None = None,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs until finished; cancelling or closing aborts."""
-        stream = await self.add_request(request_id, prompt_token_ids, params, prompt,
-                                        cache_salt)
+        stream = await self.add_request(request_id, prompt_token_ids, params, prompt, cache_salt)
         try:
             async for out in stream:
                 yield out
@@ -180,8 +217,12 @@ class AsyncEngine:
 
     def is_alive(self) -> bool:
         """True while the engine thread runs and its heartbeat is recent."""
-        return (self._thread.is_alive() and not self._stopping and self._error is None
-                and time.monotonic() - self._heartbeat < self.heartbeat_timeout_s)
+        return (
+            self._thread.is_alive()
+            and not self._stopping
+            and self._error is None
+            and time.monotonic() - self._heartbeat < self.heartbeat_timeout_s
+        )
 
     def engine_stats(self):
         """The ``EngineStats`` the engine thread published after its latest step."""
@@ -224,9 +265,13 @@ class AsyncEngine:
             logger.exception("engine thread crashed")
             self._error = exc
         finally:
-            self._fail_all(EngineDeadError(
-                "the engine stopped" if self._error is None else
-                f"the engine crashed: {self._error!r}"))
+            self._fail_all(
+                EngineDeadError(
+                    "the engine stopped"
+                    if self._error is None
+                    else f"the engine crashed: {self._error!r}"
+                )
+            )
 
     def _step(self) -> None:
         step_start = time.monotonic()
@@ -247,8 +292,9 @@ class AsyncEngine:
                     tracker.first_token = now
                     self._leave_waiting(tracker)
                     # Queue time: until the start of the step that produced the first token.
-                    self.frontend_stats.first_token(now - tracker.arrival,
-                                                    step_start - tracker.arrival)
+                    self.frontend_stats.first_token(
+                        now - tracker.arrival, step_start - tracker.arrival
+                    )
                 else:
                     self.frontend_stats.inter_token(now - tracker.last_token)
                 tracker.last_token = now

@@ -8,10 +8,17 @@ import torch
 
 from pagewarden.worker.kv_guard import INTEGRITY_LEVELS
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-           "auto": torch.bfloat16}
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "auto": torch.bfloat16,
+}
 
 #: KV budget when neither ``kv_cache_memory`` nor ``num_kv_blocks`` is given.
 DEFAULT_KV_CACHE_MEMORY = "1GiB"
@@ -37,8 +44,8 @@ class EngineConfig:
     seed: int = 0
     # off | audit | standard | strict (see README, "Integrity levels")
     integrity: str = "standard"
-    audit_interval: int = 64           # steps between check_invariants() runs
-    scrub_blocks_per_step: int = 4     # sealed blocks the scrubber re-verifies each step
+    audit_interval: int = 64  # steps between check_invariants() runs
+    scrub_blocks_per_step: int = 4  # sealed blocks the scrubber re-verifies each step
     # Host (swap) tier: GiB of host memory (as vLLM's --swap-space) or an exact block count.
     swap_space: float = 0.0
     num_swap_blocks: int | None = None
@@ -62,28 +69,36 @@ class EngineConfig:
             raise EngineConfigError("give kv_cache_memory or num_kv_blocks, not both")
         if self.integrity not in INTEGRITY_LEVELS:
             raise EngineConfigError(
-                f"integrity {self.integrity!r} is not one of {', '.join(INTEGRITY_LEVELS)}")
+                f"integrity {self.integrity!r} is not one of {', '.join(INTEGRITY_LEVELS)}"
+            )
         if not isinstance(self.audit_interval, int) or self.audit_interval < 1:
             raise EngineConfigError(
-                f"audit_interval must be a positive integer, got {self.audit_interval!r}")
+                f"audit_interval must be a positive integer, got {self.audit_interval!r}"
+            )
         if not isinstance(self.scrub_blocks_per_step, int) or self.scrub_blocks_per_step < 0:
-            raise EngineConfigError(f"scrub_blocks_per_step must be an integer >= 0, got "
-                                    f"{self.scrub_blocks_per_step!r}")
-        if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
-            raise EngineConfigError(f"swap_space is GiB of host memory, >= 0; got "
-                                    f"{self.swap_space!r}")
-        if self.num_swap_blocks is not None and (
-                not isinstance(self.num_swap_blocks, int) or self.num_swap_blocks < 0):
             raise EngineConfigError(
-                f"num_swap_blocks must be an integer >= 0, got {self.num_swap_blocks!r}")
+                f"scrub_blocks_per_step must be an integer >= 0, got {self.scrub_blocks_per_step!r}"
+            )
+        if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
+            raise EngineConfigError(
+                f"swap_space is GiB of host memory, >= 0; got {self.swap_space!r}"
+            )
+        if self.num_swap_blocks is not None and (
+            not isinstance(self.num_swap_blocks, int) or self.num_swap_blocks < 0
+        ):
+            raise EngineConfigError(
+                f"num_swap_blocks must be an integer >= 0, got {self.num_swap_blocks!r}"
+            )
         if self.num_swap_blocks is not None and self.swap_space:
             raise EngineConfigError("give swap_space or num_swap_blocks, not both")
         if self.preemption_mode not in (None, "recompute", "swap"):
-            raise EngineConfigError(f"preemption_mode must be 'recompute' or 'swap', got "
-                                    f"{self.preemption_mode!r}")
+            raise EngineConfigError(
+                f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
+            )
         if self.preemption_mode == "swap" and not (self.swap_space or self.num_swap_blocks):
-            raise EngineConfigError("preemption_mode 'swap' needs a host tier: set "
-                                    "swap_space (GiB) or num_swap_blocks")
+            raise EngineConfigError(
+                "preemption_mode 'swap' needs a host tier: set swap_space (GiB) or num_swap_blocks"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise EngineConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

@@ -56,7 +56,7 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     integrity: IntegrityStats
-    num_swapped: int = 0             # requests whose KV is in the host tier
+    num_swapped: int = 0  # requests whose KV is in the host tier
     host_blocks: int = 0
     free_host_blocks: int = 0
     swapped_out_blocks: int = 0
@@ -76,36 +76,51 @@ class EngineCore:
         self.loaded = loaded if loaded is not None else load_model(config.model, config.torch_dtype)
         mcfg = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
-        shape_args = dict(num_layers=mcfg.num_hidden_layers, block_size=config.block_size,
-                          num_kv_heads=mcfg.num_key_value_heads, head_dim=mcfg.head_dim,
-                          dtype=config.torch_dtype)
+        shape_args = dict(
+            num_layers=mcfg.num_hidden_layers,
+            block_size=config.block_size,
+            num_kv_heads=mcfg.num_key_value_heads,
+            head_dim=mcfg.head_dim,
+            dtype=config.torch_dtype,
+        )
         if config.num_kv_blocks is not None:
             shape = KVCacheShape(num_blocks=config.num_kv_blocks, **shape_args)
         else:
-            shape = KVCacheShape.from_budget(config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY,
-                                             **shape_args)
+            shape = KVCacheShape.from_budget(
+                config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, **shape_args
+            )
         if config.num_swap_blocks is not None:
             num_host_blocks = config.num_swap_blocks
         else:
             num_host_blocks = int(config.swap_space * 2**30) // shape.bytes_per_block
         self.kv_store = KVStore(shape, num_host_blocks=num_host_blocks)
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
-        self.scheduler = Scheduler(SchedulerConfig(
-            num_blocks=shape.num_blocks, block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            enable_prefix_caching=config.enable_prefix_caching,
-            model_id=self.loaded.name,
-            preemption_mode=(config.resolved_preemption_mode if num_host_blocks
-                             else "recompute"),
-            num_host_blocks=num_host_blocks,
-        ))
-        self.runner = ModelRunner(self.loaded.model, self.kv_store, mcfg.vocab_size,
-                                  seed=config.seed, integrity=config.integrity,
-                                  scrub_blocks_per_step=config.scrub_blocks_per_step)
-        self.integrity = IntegrityMonitor(self.scheduler, self.runner.guard, config.integrity,
-                                          config.audit_interval)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=shape.num_blocks,
+                block_size=config.block_size,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_prefix_caching=config.enable_prefix_caching,
+                model_id=self.loaded.name,
+                preemption_mode=(
+                    config.resolved_preemption_mode if num_host_blocks else "recompute"
+                ),
+                num_host_blocks=num_host_blocks,
+            )
+        )
+        self.runner = ModelRunner(
+            self.loaded.model,
+            self.kv_store,
+            mcfg.vocab_size,
+            seed=config.seed,
+            integrity=config.integrity,
+            scrub_blocks_per_step=config.scrub_blocks_per_step,
+        )
+        self.integrity = IntegrityMonitor(
+            self.scheduler, self.runner.guard, config.integrity, config.audit_interval
+        )
         # The constructing thread owns scheduler and KV state until another thread
         # claims it (the async front end's engine thread does, before its first step).
         self.claim_ownership()
@@ -129,26 +144,43 @@ class EngineCore:
         if n >= self.max_model_len:
             raise RequestRejected(
                 f"the prompt has {n} tokens; this model's context is {self.max_model_len} "
-                "tokens, which leaves no room for output", "prompt")
+                "tokens, which leaves no room for output",
+                "prompt",
+            )
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
         if n + max_tokens > self.max_model_len:
             raise RequestRejected(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
-                f"the context length {self.max_model_len}; lower max_tokens", "max_tokens")
+                f"the context length {self.max_model_len}; lower max_tokens",
+                "max_tokens",
+            )
         blocks = math.ceil((n + max_tokens) / self.config.block_size)
         # Block 0 is reserved; retired blocks (failed checks repeatedly) never return.
         usable = self.kv_store.shape.num_blocks - 1 - len(self.scheduler.kv.pool.retired)
         if blocks > usable:
             raise RequestRejected(
                 f"the request needs up to {blocks} KV blocks but the pool has {usable}; "
-                "raise kv_cache_memory or lower max_tokens", "max_tokens")
+                "raise kv_cache_memory or lower max_tokens",
+                "max_tokens",
+            )
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, cache_salt: str | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
         """Validate and enqueue a request; it joins at the start of the next step."""
         self.validate(prompt_token_ids, params)
-        request = Request(request_id, list(prompt_token_ids), params,
-                          eos_token_ids=self.tokenizer.eos_token_ids, cache_salt=cache_salt)
+        request = Request(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            cache_salt=cache_salt,
+        )
         with self._lock:
             self._pending_adds.append((request, prompt))
 
@@ -171,8 +203,9 @@ class EngineCore:
             self._pending_aborts.clear()
         aborted = []
         for request, prompt in adds:
-            self.outputs.add(request.req_id, prompt, request.prompt_token_ids,
-                             request.sampling_params)
+            self.outputs.add(
+                request.req_id, prompt, request.prompt_token_ids, request.sampling_params
+            )
             try:
                 self.scheduler.add_request(request)
             except RequestRejectedError as exc:
@@ -226,14 +259,25 @@ class EngineCore:
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()
         return EngineStats(
-            total_blocks=s.total_blocks, free_blocks=s.free_blocks, cached_blocks=s.cached_blocks,
-            used_blocks=s.used_blocks, quarantined_blocks=s.quarantined_blocks,
-            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-            num_preemptions=s.num_preemptions, num_steps=s.num_steps, num_running=s.num_running,
-            num_waiting=s.num_waiting, block_allocations=s.block_allocations,
-            block_frees=s.block_frees, prompt_tokens=self.prompt_tokens,
-            generation_tokens=self.generation_tokens, integrity=self.integrity.stats(),
-            num_swapped=s.num_swapped, host_blocks=s.host_blocks,
-            free_host_blocks=s.free_host_blocks, swapped_out_blocks=s.swapped_out_blocks,
+            total_blocks=s.total_blocks,
+            free_blocks=s.free_blocks,
+            cached_blocks=s.cached_blocks,
+            used_blocks=s.used_blocks,
+            quarantined_blocks=s.quarantined_blocks,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+            num_steps=s.num_steps,
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            block_allocations=s.block_allocations,
+            block_frees=s.block_frees,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            integrity=self.integrity.stats(),
+            num_swapped=s.num_swapped,
+            host_blocks=s.host_blocks,
+            free_host_blocks=s.free_host_blocks,
+            swapped_out_blocks=s.swapped_out_blocks,
             swapped_in_blocks=s.swapped_in_blocks,
         )

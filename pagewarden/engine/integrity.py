@@ -36,24 +36,24 @@ class IntegrityStats:
     """Integrity counters (monotonic)."""
 
     level: str
-    tag_checks: int                 # context positions whose slot tag was compared
-    block_verifies: int             # block checksums recomputed and compared
-    slot_verifies: int              # slot checksums recomputed and compared
-    seals: int                      # blocks sealed with a checksum
-    scrubbed_blocks: int            # sealed blocks re-verified by the scrubber
-    audits: int                     # check_invariants() runs
+    tag_checks: int  # context positions whose slot tag was compared
+    block_verifies: int  # block checksums recomputed and compared
+    slot_verifies: int  # slot checksums recomputed and compared
+    seals: int  # blocks sealed with a checksum
+    scrubbed_blocks: int  # sealed blocks re-verified by the scrubber
+    audits: int  # check_invariants() runs
     invariant_violations: int
     # "<kind>/<found_by>" -> count: checksum/read|reuse|seal|scrub, slot_tag/read,
     # stale_ref/schedule, table_mismatch/schedule, stale_ref/free
     failures: dict[str, int] = field(default_factory=dict)
-    recoveries: int = 0             # faults recovered (holders rolled back, none failed)
+    recoveries: int = 0  # faults recovered (holders rolled back, none failed)
     rolled_back_requests: int = 0
     recomputed_tokens: int = 0
-    quarantined_blocks: int = 0     # blocks quarantined (cumulative)
-    quarantine_releases: int = 0    # blocks scrubbed, re-verified and returned to service
-    retired_blocks: int = 0         # blocks out for good after repeated failures
-    ownership_violations: int = 0   # pool/scheduler mutations refused on a foreign thread
-    failed_requests: int = 0        # requests failed by an unrecoverable fault
+    quarantined_blocks: int = 0  # blocks quarantined (cumulative)
+    quarantine_releases: int = 0  # blocks scrubbed, re-verified and returned to service
+    retired_blocks: int = 0  # blocks out for good after repeated failures
+    ownership_violations: int = 0  # pool/scheduler mutations refused on a foreign thread
+    failed_requests: int = 0  # requests failed by an unrecoverable fault
 
     @property
     def detections(self) -> int:
@@ -64,8 +64,9 @@ class IntegrityStats:
 class IntegrityMonitor:
     """Runs recovery and audits for one engine; engine-core thread only."""
 
-    def __init__(self, scheduler: Scheduler, guard: KVGuard, level: str,
-                 audit_interval: int) -> None:
+    def __init__(
+        self, scheduler: Scheduler, guard: KVGuard, level: str, audit_interval: int
+    ) -> None:
         self.scheduler = scheduler
         self.guard = guard
         self.level = level
@@ -79,7 +80,7 @@ class IntegrityMonitor:
         self.quarantined_blocks = 0
         self.quarantine_releases = 0
         self.failed_requests = 0
-        self.failures: dict[str, int] = {}   # scheduler-found kinds (worker's in guard)
+        self.failures: dict[str, int] = {}  # scheduler-found kinds (worker's in guard)
         self._steps = 0
 
     def before_schedule(self) -> None:
@@ -91,11 +92,17 @@ class IntegrityMonitor:
             self.failures[key] = self.failures.get(key, 0) + 1
             self.recoveries += 1
             self.rolled_back_requests += 1
-            logger.warning("integrity: %s: request %s, block %d; recomputing from position %d",
-                           event.kind, event.req_id, event.block_id, event.position)
+            logger.warning(
+                "integrity: %s: request %s, block %d; recomputing from position %d",
+                event.kind,
+                event.req_id,
+                event.block_id,
+                event.position,
+            )
 
-    def recover(self, out: SchedulerOutput,
-                result: ModelRunnerOutput) -> tuple[SchedulerOutput, RecoveryReport]:
+    def recover(
+        self, out: SchedulerOutput, result: ModelRunnerOutput
+    ) -> tuple[SchedulerOutput, RecoveryReport]:
         """Apply the step's faults; returns the output without the rolled-back requests."""
         report = self._recover(result.faults)
         gone = set(report.rolled_back)
@@ -116,16 +123,23 @@ class IntegrityMonitor:
         report = self.scheduler.recover(faults)
         self.guard.unseal(report.quarantined)
         for f in faults:
-            logger.warning("integrity: %s fault found by %s in blocks %s (%s); rolling back %s",
-                           f.kind, f.found_by, list(f.block_ids), f.detail,
-                           dict(sorted(report.rolled_back.items())))
+            logger.warning(
+                "integrity: %s fault found by %s in blocks %s (%s); rolling back %s",
+                f.kind,
+                f.found_by,
+                list(f.block_ids),
+                f.detail,
+                dict(sorted(report.rolled_back.items())),
+            )
         self.quarantined_blocks += len(report.quarantined)
         self.rolled_back_requests += len(report.rolled_back)
         self.recomputed_tokens += report.recomputed_tokens
         if report.failed:
             self.failed_requests += len(report.failed)
-            logger.error("integrity: no healthy KV blocks left for requests %s; they fail",
-                         list(report.failed))
+            logger.error(
+                "integrity: no healthy KV blocks left for requests %s; they fail",
+                list(report.failed),
+            )
         else:
             self.recoveries += len(faults)
         return report
@@ -151,8 +165,11 @@ class IntegrityMonitor:
         violations = self.scheduler.check_invariants()
         if violations:
             self.invariant_violations += len(violations)
-            logger.error("integrity: %d invariant violation(s): %s", len(violations),
-                         "; ".join(violations[:5]))
+            logger.error(
+                "integrity: %d invariant violation(s): %s",
+                len(violations),
+                "; ".join(violations[:5]),
+            )
         return violations
 
     def stats(self) -> IntegrityStats:
@@ -164,13 +181,21 @@ class IntegrityMonitor:
         if self.scheduler.kv.stale_refs_dropped:
             failures["stale_ref/free"] = self.scheduler.kv.stale_refs_dropped
         return IntegrityStats(
-            level=self.level, tag_checks=c.tag_checks, block_verifies=c.block_verifies,
-            slot_verifies=c.slot_verifies, seals=c.seals, scrubbed_blocks=c.scrubbed_blocks,
-            audits=self.audits, invariant_violations=self.invariant_violations,
-            failures=failures, recoveries=self.recoveries,
+            level=self.level,
+            tag_checks=c.tag_checks,
+            block_verifies=c.block_verifies,
+            slot_verifies=c.slot_verifies,
+            seals=c.seals,
+            scrubbed_blocks=c.scrubbed_blocks,
+            audits=self.audits,
+            invariant_violations=self.invariant_violations,
+            failures=failures,
+            recoveries=self.recoveries,
             rolled_back_requests=self.rolled_back_requests,
             recomputed_tokens=self.recomputed_tokens,
             quarantined_blocks=self.quarantined_blocks,
-            quarantine_releases=self.quarantine_releases, retired_blocks=s.retired_blocks,
-            ownership_violations=s.ownership_violations, failed_requests=self.failed_requests,
+            quarantine_releases=self.quarantine_releases,
+            retired_blocks=s.retired_blocks,
+            ownership_violations=s.ownership_violations,
+            failed_requests=self.failed_requests,
         )

@@ -26,21 +26,41 @@ class LLM:
     ``LLM(model=None)`` loads the default model (SmolLM2-135M-Instruct, GGUF).
     """
 
-    def __init__(self, model: str | None = None, dtype: str = "bfloat16", block_size: int = 16,
-                 kv_cache_memory: int | str | None = None, num_kv_blocks: int | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 seed: int = 0, integrity: str = "standard", audit_interval: int = 64,
-                 scrub_blocks_per_step: int = 4, swap_space: float = 0.0,
-                 num_swap_blocks: int | None = None,
-                 preemption_mode: str | None = None) -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "bfloat16",
+        block_size: int = 16,
+        kv_cache_memory: int | str | None = None,
+        num_kv_blocks: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        integrity: str = "standard",
+        audit_interval: int = 64,
+        scrub_blocks_per_step: int = 4,
+        swap_space: float = 0.0,
+        num_swap_blocks: int | None = None,
+        preemption_mode: str | None = None,
+    ) -> None:
         self.config = EngineConfig(
-            model=model, dtype=dtype, block_size=block_size, kv_cache_memory=kv_cache_memory,
-            num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching, seed=seed, integrity=integrity,
-            audit_interval=audit_interval, scrub_blocks_per_step=scrub_blocks_per_step,
-            swap_space=swap_space, num_swap_blocks=num_swap_blocks,
+            model=model,
+            dtype=dtype,
+            block_size=block_size,
+            kv_cache_memory=kv_cache_memory,
+            num_kv_blocks=num_kv_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            seed=seed,
+            integrity=integrity,
+            audit_interval=audit_interval,
+            scrub_blocks_per_step=scrub_blocks_per_step,
+            swap_space=swap_space,
+            num_swap_blocks=num_swap_blocks,
             preemption_mode=preemption_mode,
         )
         self.engine = EngineCore(self.config)
@@ -63,9 +83,12 @@ class LLM:
             f"got {type(prompt).__name__}"
         )
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -74,8 +97,11 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
-                       else [sampling_params] * len(prompts))
+        params_list = (
+            list(sampling_params)
+            if isinstance(sampling_params, (list, tuple))
+            else [sampling_params] * len(prompts)
+        )
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
         encoded = [self._to_token_ids(p) for p in prompts]
@@ -104,16 +130,27 @@ class LLM:
             bar.close()
         return sorted(results.values(), key=lambda o: order[o.request_id])
 
-    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
-             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation and generate."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tokenizer = self.engine.tokenizer
-        prompts = [{"prompt": (text := tokenizer.apply_chat_template(
-                        conv, add_generation_prompt=add_generation_prompt)),
-                    "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
-                   for conv in conversations]
+        prompts = [
+            {
+                "prompt": (
+                    text := tokenizer.apply_chat_template(
+                        conv, add_generation_prompt=add_generation_prompt
+                    )
+                ),
+                "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False),
+            }
+            for conv in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def stats(self) -> EngineStats:

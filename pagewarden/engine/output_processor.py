@@ -30,18 +30,26 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._states: dict[str, _RequestState] = {}
 
-    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-            params: SamplingParams) -> None:
+    def add(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
         outputs = [
-            CompletionOutput(index=i, text="", token_ids=[],
-                             logprobs=[] if params.logprobs is not None else None)
+            CompletionOutput(
+                index=i, text="", token_ids=[], logprobs=[] if params.logprobs is not None else None
+            )
             for i in range(params.n)
         ]
         self._states[request_id] = _RequestState(
             output=RequestOutput(request_id, prompt, prompt_token_ids, outputs),
             params=params,
-            detokenizers=[IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
-                          for _ in range(params.n)],
+            detokenizers=[
+                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+                for _ in range(params.n)
+            ],
             done=[False] * params.n,
         )
 
@@ -85,9 +93,13 @@ class OutputProcessor:
                 completion.finish_reason, completion.stop_reason = "stop", delta.stop_string
             elif upd.finished:
                 completion.text += detok.flush()
-                completion.finish_reason, completion.stop_reason = upd.finish_reason, upd.stop_reason
-            state.output.num_cached_tokens = max(state.output.num_cached_tokens,
-                                                 upd.num_cached_tokens)
+                completion.finish_reason, completion.stop_reason = (
+                    upd.finish_reason,
+                    upd.stop_reason,
+                )
+            state.output.num_cached_tokens = max(
+                state.output.num_cached_tokens, upd.num_cached_tokens
+            )
             if finished:
                 state.done[upd.index] = True
             if all(state.done):

@@ -35,8 +35,8 @@ class KindReport:
     injected: int
     detected: int
     recovered: int
-    harmless: int            # never read again before it became unreachable (overwritten)
-    max_delay: int | None    # steps from injection to detection, worst case
+    harmless: int  # never read again before it became unreachable (overwritten)
+    max_delay: int | None  # steps from injection to detection, worst case
 
 
 @dataclass
@@ -57,7 +57,7 @@ class ChaosReport:
     swapped_out_blocks: int = 0
     prefix_hit_tokens: int = 0
     invariant_violations: list[str] = field(default_factory=list)
-    crash: str | None = None        # the engine raised during the faulty run
+    crash: str | None = None  # the engine raised during the faulty run
 
     @property
     def injected(self) -> int:
@@ -69,49 +69,70 @@ class ChaosReport:
 
     def table(self) -> str:
         """The report as a fixed-width text table."""
-        head = (f"{'fault kind':<16}{'injected':>9}{'detected':>9}{'recovered':>10}"
-                f"{'harmless':>9}{'max delay':>10}")
-        lines = [f"pagewarden chaos: integrity={self.integrity}, {self.num_requests} requests, "
-                 f"{self.steps_clean} steps fault-free / {self.steps_faulty} with faults, "
-                 f"{self.preemptions} preemptions ({self.swapped_out_blocks} blocks swapped "
-                 f"out), {self.prefix_hit_tokens} prefix-hit tokens",
-                 head, "-" * len(head)]
+        head = (
+            f"{'fault kind':<16}{'injected':>9}{'detected':>9}{'recovered':>10}"
+            f"{'harmless':>9}{'max delay':>10}"
+        )
+        lines = [
+            f"pagewarden chaos: integrity={self.integrity}, {self.num_requests} requests, "
+            f"{self.steps_clean} steps fault-free / {self.steps_faulty} with faults, "
+            f"{self.preemptions} preemptions ({self.swapped_out_blocks} blocks swapped "
+            f"out), {self.prefix_hit_tokens} prefix-hit tokens",
+            head,
+            "-" * len(head),
+        ]
         for r in self.rows:
             delay = "-" if r.max_delay is None else str(r.max_delay)
-            lines.append(f"{r.kind:<16}{r.injected:>9}{r.detected:>9}{r.recovered:>10}"
-                         f"{r.harmless:>9}{delay:>10}")
+            lines.append(
+                f"{r.kind:<16}{r.injected:>9}{r.detected:>9}{r.recovered:>10}"
+                f"{r.harmless:>9}{delay:>10}"
+            )
         lines.append("-" * len(head))
-        lines.append(f"{'total':<16}{self.injected:>9}{self.detected:>9}"
-                     f"{sum(r.recovered for r in self.rows):>10}"
-                     f"{sum(r.harmless for r in self.rows):>9}")
+        lines.append(
+            f"{'total':<16}{self.injected:>9}{self.detected:>9}"
+            f"{sum(r.recovered for r in self.rows):>10}"
+            f"{sum(r.harmless for r in self.rows):>9}"
+        )
         lines.append(f"corrupted tokens released: {self.corrupted_tokens}")
         lines.append(f"requests failed: {self.failed_requests}")
-        lines.append(f"outputs identical to the fault-free run: "
-                     f"{'yes' if self.outputs_equal else 'NO ' + str(self.mismatched_requests)}")
+        lines.append(
+            f"outputs identical to the fault-free run: "
+            f"{'yes' if self.outputs_equal else 'NO ' + str(self.mismatched_requests)}"
+        )
         lines.append(f"metadata invariant violations at the end: {len(self.invariant_violations)}")
         if self.crash is not None:
             lines.append(f"ENGINE CRASHED during the faulty run: {self.crash}")
         return "\n".join(lines)
 
 
-def make_workload(vocab_size: int, num_requests: int, seed: int = 0,
-                  max_tokens: int = 24) -> list[tuple[list[int], SamplingParams]]:
+def make_workload(
+    vocab_size: int, num_requests: int, seed: int = 0, max_tokens: int = 24
+) -> list[tuple[list[int], SamplingParams]]:
     """Prompts over three shared prefixes, every fourth request with ``n = 2``."""
     rng = random.Random(seed)
-    low = min(100, vocab_size // 4)   # stay clear of special tokens at the start
-    prefixes = [[rng.randrange(low, vocab_size) for _ in range(rng.randrange(24, 40))]
-                for _ in range(3)]
+    low = min(100, vocab_size // 4)  # stay clear of special tokens at the start
+    prefixes = [
+        [rng.randrange(low, vocab_size) for _ in range(rng.randrange(24, 40))] for _ in range(3)
+    ]
     workload = []
     for i in range(num_requests):
         tail = [rng.randrange(low, vocab_size) for _ in range(rng.randrange(3, 20))]
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                                n=2 if i % 4 == 3 else 1)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, n=2 if i % 4 == 3 else 1
+        )
         workload.append((prefixes[i % 3] + tail, params))
     return workload
 
 
-def _run(config: EngineConfig, loaded: LoadedModel, workload, injector_seed: int | None,
-         num_faults: int, fault_steps: list[int], kinds: list[str]):
+def _run(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    workload,
+    injector_seed: int | None,
+    num_faults: int,
+    fault_steps: list[int],
+    kinds: list[str],
+):
     engine = EngineCore(config, loaded)
     for i, (ids, params) in enumerate(workload):
         engine.add_request(str(i), ids, params)
@@ -127,7 +148,7 @@ def _run(config: EngineConfig, loaded: LoadedModel, workload, injector_seed: int
             while injector is not None and plan and plan[0][0] <= steps:
                 _, kind = plan[0]
                 if injector.inject(kind) is None:
-                    break          # no running request to target yet: try after this step
+                    break  # no running request to target yet: try after this step
                 plan.pop(0)
             for out in engine.step():
                 if out.finished:
@@ -159,11 +180,19 @@ def scrub_until_covered(engine: EngineCore, injector: FaultInjector) -> None:
         injector.steps += 1
 
 
-def run_chaos(model: str | None = None, num_faults: int = 20, integrity: str = "strict",
-              num_requests: int = 16, max_tokens: int = 24, seed: int = 0,
-              dtype: str = "float32", num_kv_blocks: int | None = None,
-              block_size: int = 8, loaded: LoadedModel | None = None,
-              num_swap_blocks: int | None = None) -> ChaosReport:
+def run_chaos(
+    model: str | None = None,
+    num_faults: int = 20,
+    integrity: str = "strict",
+    num_requests: int = 16,
+    max_tokens: int = 24,
+    seed: int = 0,
+    dtype: str = "float32",
+    num_kv_blocks: int | None = None,
+    block_size: int = 8,
+    loaded: LoadedModel | None = None,
+    num_swap_blocks: int | None = None,
+) -> ChaosReport:
     """Run the workload fault-free and with ``num_faults`` faults; compare and report."""
     if loaded is None:
         loaded = load_model(model, EngineConfig(dtype=dtype).torch_dtype)
@@ -171,43 +200,69 @@ def run_chaos(model: str | None = None, num_faults: int = 20, integrity: str = "
     if num_kv_blocks is None:
         # Enough for about a third of the requests at full length: forces preemption.
         longest = max(len(ids) + max_tokens for ids, _ in workload)
-        num_kv_blocks = max(2 + 3 * ((longest + block_size - 1) // block_size),
-                            num_requests * ((longest + block_size - 1) // block_size) // 3)
+        num_kv_blocks = max(
+            2 + 3 * ((longest + block_size - 1) // block_size),
+            num_requests * ((longest + block_size - 1) // block_size) // 3,
+        )
     if num_swap_blocks is None:
         num_swap_blocks = num_kv_blocks // 2
-    config = EngineConfig(model=model, dtype=dtype, block_size=block_size,
-                          num_kv_blocks=num_kv_blocks, max_num_batched_tokens=256,
-                          integrity=integrity, seed=seed, num_swap_blocks=num_swap_blocks)
+    config = EngineConfig(
+        model=model,
+        dtype=dtype,
+        block_size=block_size,
+        num_kv_blocks=num_kv_blocks,
+        max_num_batched_tokens=256,
+        integrity=integrity,
+        seed=seed,
+        num_swap_blocks=num_swap_blocks,
+    )
     clean_cfg = dataclasses.replace(config, integrity="off")
     _, _, clean, _, steps_clean, _ = _run(clean_cfg, loaded, workload, None, 0, [], [])
     rng = random.Random(seed + 1)
-    fault_steps = sorted(rng.randrange(1, max(2, int(steps_clean * 0.8)))
-                         for _ in range(num_faults))
+    fault_steps = sorted(
+        rng.randrange(1, max(2, int(steps_clean * 0.8))) for _ in range(num_faults)
+    )
     kinds: list[str] = []
     while len(kinds) < num_faults:
         batch = list(FAULT_KINDS)
         rng.shuffle(batch)
         kinds.extend(batch)
     engine, injector, faulty, failed, steps_faulty, crash = _run(
-        config, loaded, workload, seed + 2, num_faults, fault_steps, kinds[:num_faults])
+        config, loaded, workload, seed + 2, num_faults, fault_steps, kinds[:num_faults]
+    )
     mismatched = sorted((rid for rid in clean if faulty.get(rid) != clean[rid]), key=int)
     stats = engine.stats()
     rows = []
     for kind in FAULT_KINDS:
-        of_kind = [f for f in injector.faults
-                   if f.kind == kind and f not in injector.pending_faults]
+        of_kind = [
+            f for f in injector.faults if f.kind == kind and f not in injector.pending_faults
+        ]
         detected = [f for f in of_kind if f.detected]
         delays = [f.delay for f in detected if f.delay is not None]
-        rows.append(KindReport(
-            kind=kind, injected=len(of_kind), detected=len(detected),
-            recovered=len(detected) if not failed else 0,
-            harmless=sum(1 for f in of_kind if not f.detected and not f.live_blocks),
-            max_delay=max(delays) if delays else None))
+        rows.append(
+            KindReport(
+                kind=kind,
+                injected=len(of_kind),
+                detected=len(detected),
+                recovered=len(detected) if not failed else 0,
+                harmless=sum(1 for f in of_kind if not f.detected and not f.live_blocks),
+                max_delay=max(delays) if delays else None,
+            )
+        )
     return ChaosReport(
-        integrity=integrity, num_requests=num_requests, steps_clean=steps_clean,
-        steps_faulty=steps_faulty, rows=rows, corrupted_tokens=injector.corrupted_tokens,
-        failed_requests=failed, outputs_equal=not mismatched and len(faulty) == len(clean),
-        mismatched_requests=mismatched, faults=list(injector.faults),
-        preemptions=stats.num_preemptions, swapped_out_blocks=stats.swapped_out_blocks,
+        integrity=integrity,
+        num_requests=num_requests,
+        steps_clean=steps_clean,
+        steps_faulty=steps_faulty,
+        rows=rows,
+        corrupted_tokens=injector.corrupted_tokens,
+        failed_requests=failed,
+        outputs_equal=not mismatched and len(faulty) == len(clean),
+        mismatched_requests=mismatched,
+        faults=list(injector.faults),
+        preemptions=stats.num_preemptions,
+        swapped_out_blocks=stats.swapped_out_blocks,
         prefix_hit_tokens=stats.prefix_cache_hits,
-        invariant_violations=engine.scheduler.check_invariants(), crash=crash)
+        invariant_violations=engine.scheduler.check_invariants(),
+        crash=crash,
+    )

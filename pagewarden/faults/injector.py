@@ -51,14 +51,28 @@ from pagewarden.kv.errors import KVOwnershipError
 from pagewarden.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 FAULT_KINDS: tuple[str, ...] = (
-    "sealed_bitflip", "open_bitflip", "tag_corruption", "table_redirect", "slot_redirect",
-    "use_after_free", "foreign_thread", "swap_corruption",
+    "sealed_bitflip",
+    "open_bitflip",
+    "tag_corruption",
+    "table_redirect",
+    "slot_redirect",
+    "use_after_free",
+    "foreign_thread",
+    "swap_corruption",
 )
 _MAPPING = frozenset({"table_redirect", "slot_redirect"})
 #: Kinds whose reads return wrong K/V until detected (tag corruption changes no K/V; a
 #: refused foreign mutation changes nothing).
-_ALTERS_KV = frozenset({"sealed_bitflip", "open_bitflip", "table_redirect", "slot_redirect",
-                        "use_after_free", "swap_corruption"})
+_ALTERS_KV = frozenset(
+    {
+        "sealed_bitflip",
+        "open_bitflip",
+        "table_redirect",
+        "slot_redirect",
+        "use_after_free",
+        "swap_corruption",
+    }
+)
 
 
 @dataclass
@@ -67,9 +81,9 @@ class InjectedFault:
 
     fault_id: int
     kind: str
-    step: int                       # engine steps completed when it was injected
-    blocks: set[int]                # physical blocks it altered or misdirected to
-    req_ids: tuple[str, ...]        # requests whose view it altered (mapping faults)
+    step: int  # engine steps completed when it was injected
+    blocks: set[int]  # physical blocks it altered or misdirected to
+    req_ids: tuple[str, ...]  # requests whose view it altered (mapping faults)
     detail: str
     detected_step: int | None = None
     found_by: str | None = None
@@ -97,13 +111,13 @@ class FaultInjector:
         self.faults: list[InjectedFault] = []
         self.corrupted_tokens = 0
         self.steps = 0
-        self._pending: list[InjectedFault] = []                   # applied in a later step
+        self._pending: list[InjectedFault] = []  # applied in a later step
         self._copied: set[int] = set()
         self._written: set[int] = set()
         self._original: dict[str, ScheduledRequest] = {}
-        self._view: dict[str, ScheduledRequest] = {}   # the worker's view of this step
-        self._stale: dict[int, tuple[str, int, int]] = {}         # fault -> (rid, block, epoch)
-        self._in_host: dict[int, int] = {}   # swap fault -> host block, until swapped in
+        self._view: dict[str, ScheduledRequest] = {}  # the worker's view of this step
+        self._stale: dict[int, tuple[str, int, int]] = {}  # fault -> (rid, block, epoch)
+        self._in_host: dict[int, int] = {}  # swap fault -> host block, until swapped in
         self._hook()
 
     # ----------------------------------------------------------------- plumbing
@@ -139,10 +153,18 @@ class FaultInjector:
         sched = self.engine.scheduler
         return [r for r in sched.running if r.req_id in sched.kv.tables]
 
-    def _new(self, kind: str, blocks: set[int], req_ids: tuple[str, ...],
-             detail: str) -> InjectedFault:
-        fault = InjectedFault(len(self.faults), kind, self.steps, set(blocks), req_ids, detail,
-                              live_blocks=set(blocks) if kind in _ALTERS_KV else set())
+    def _new(
+        self, kind: str, blocks: set[int], req_ids: tuple[str, ...], detail: str
+    ) -> InjectedFault:
+        fault = InjectedFault(
+            len(self.faults),
+            kind,
+            self.steps,
+            set(blocks),
+            req_ids,
+            detail,
+            live_blocks=set(blocks) if kind in _ALTERS_KV else set(),
+        )
         self.faults.append(fault)
         return fault
 
@@ -164,7 +186,7 @@ class FaultInjector:
     # ------------------------------------------------------------ ground truth
     def _reads_corrupt(self, sr: ScheduledRequest) -> bool:
         bs = self.engine.config.block_size
-        read = set(sr.block_table[:(sr.positions.stop + bs - 1) // bs])
+        read = set(sr.block_table[: (sr.positions.stop + bs - 1) // bs])
         for f in self.faults:
             if not f.live_blocks:
                 continue
@@ -206,15 +228,17 @@ class FaultInjector:
             if f.kind == "use_after_free":
                 rid, bid, epoch = self._stale[f.fault_id]
                 entry = tables.get(rid)
-                if entry is None or all(not (r.block_id == bid and r.epoch == epoch)
-                                        for r in entry.refs):
+                if entry is None or all(
+                    not (r.block_id == bid and r.epoch == epoch) for r in entry.refs
+                ):
                     f.live_blocks.clear()
                 continue
             for b in list(f.live_blocks):
                 block = blocks[b]
                 epoch, block_hash = f.origins.get(b, (block.epoch, block.block_hash))
                 rewritten = block.block_hash != block_hash or (
-                    block_hash is None and block.epoch != epoch)
+                    block_hash is None and block.epoch != epoch
+                )
                 unreachable = block.ref_cnt == 0 and block.block_hash is None
                 if block.state is BlockState.QUARANTINED or rewritten or unreachable:
                     f.live_blocks.discard(b)
@@ -249,8 +273,11 @@ class FaultInjector:
         # start of the step (altering them first would be erased, not a fault); a
         # swap-out source's alteration would leave with it for the host tier, which the
         # ground truth follows only for swap_corruption.
-        self._copied = ({dst for _, dst in out.copy_blocks} | {w.dst for w in out.swap_in}
-                        | {w.src for w in out.swap_out})
+        self._copied = (
+            {dst for _, dst in out.copy_blocks}
+            | {w.dst for w in out.swap_in}
+            | {w.src for w in out.swap_out}
+        )
         bs = self.engine.config.block_size
         self._written = {slot // bs for r in out.requests for slot in r.slot_mapping}
         self._original = {r.req_id: r for r in out.requests}
@@ -269,7 +296,7 @@ class FaultInjector:
             blocks = self.engine.scheduler.kv.pool.blocks
             fault.origins = {b: (blocks[b].epoch, blocks[b].block_hash) for b in fault.blocks}
             if fault.kind == "table_redirect":
-                fault.live_blocks = {-1}   # live for this step only (see _after_step)
+                fault.live_blocks = {-1}  # live for this step only (see _after_step)
         self._pending = still
         self._view = {r.req_id: r for r in requests}
         return dataclasses.replace(out, requests=requests)
@@ -289,7 +316,7 @@ class FaultInjector:
             if host not in moved:
                 table = kv.swap.tables.get(f.req_ids[0])
                 if table is None or host not in table.host_ids:
-                    del self._in_host[f.fault_id]   # aborted while swapped: never read
+                    del self._in_host[f.fault_id]  # aborted while swapped: never read
                 continue
             dst = moved[host]
             del self._in_host[f.fault_id]
@@ -297,8 +324,9 @@ class FaultInjector:
             f.origins = {dst: (blocks[dst].epoch, blocks[dst].block_hash)}
             f.detail += f"; swapped in to device block {dst}"
 
-    def _apply_swap_corruption(self, requests: list[ScheduledRequest], k: int,
-                               fault: InjectedFault) -> bool:
+    def _apply_swap_corruption(
+        self, requests: list[ScheduledRequest], k: int, fault: InjectedFault
+    ) -> bool:
         store = self.engine.kv_store
         swap = self.engine.scheduler.kv.swap
         out = self._current
@@ -306,8 +334,12 @@ class FaultInjector:
         # the step runs: a flip now would be overwritten, not a fault.
         filling = {w.dst for w in out.swap_out}
         bs = self.engine.config.block_size
-        used = [(h, min(bs, t.num_tokens - i * bs)) for rid, t in swap.tables.items()
-                for i, h in enumerate(t.host_ids) if h not in filling]
+        used = [
+            (h, min(bs, t.num_tokens - i * bs))
+            for rid, t in swap.tables.items()
+            for i, h in enumerate(t.host_ids)
+            if h not in filling
+        ]
         if not used or not store.host_caches:
             return False
         host, num_slots = self.rng.choice(used)
@@ -320,13 +352,17 @@ class FaultInjector:
         fault.detail = f"host block {host} of swapped-out {owner}: {flip!r}"
         return True
 
-    def _apply_sealed_bitflip(self, requests: list[ScheduledRequest], k: int,
-                              fault: InjectedFault) -> bool:
+    def _apply_sealed_bitflip(
+        self, requests: list[ScheduledRequest], k: int, fault: InjectedFault
+    ) -> bool:
         sr = requests[k]
         guard = self.engine.runner.guard
-        full = sr.block_table[:sr.positions.start // self.engine.config.block_size]
-        candidates = [b for b in full if (not guard.sums_on or bool(guard.sealed[b]))
-                      and b not in self._copied]
+        full = sr.block_table[: sr.positions.start // self.engine.config.block_size]
+        candidates = [
+            b
+            for b in full
+            if (not guard.sums_on or bool(guard.sealed[b])) and b not in self._copied
+        ]
         if not candidates:
             return False
         block = self.rng.choice(candidates)
@@ -335,8 +371,9 @@ class FaultInjector:
         fault.blocks, fault.req_ids, fault.detail = {block}, (sr.req_id,), repr(flip)
         return True
 
-    def _apply_open_bitflip(self, requests: list[ScheduledRequest], k: int,
-                            fault: InjectedFault) -> bool:
+    def _apply_open_bitflip(
+        self, requests: list[ScheduledRequest], k: int, fault: InjectedFault
+    ) -> bool:
         sr = requests[k]
         bs = self.engine.config.block_size
         written = sr.positions.start % bs
@@ -351,8 +388,9 @@ class FaultInjector:
         fault.blocks, fault.req_ids, fault.detail = {block}, (sr.req_id,), repr(flip)
         return True
 
-    def _apply_tag_corruption(self, requests: list[ScheduledRequest], k: int,
-                              fault: InjectedFault) -> bool:
+    def _apply_tag_corruption(
+        self, requests: list[ScheduledRequest], k: int, fault: InjectedFault
+    ) -> bool:
         sr = requests[k]
         bs = self.engine.config.block_size
         if sr.positions.start == 0:
@@ -369,23 +407,29 @@ class FaultInjector:
         """Blocks of other running requests that ``sr`` does not list."""
         own = set(sr.block_table)
         tables = self.engine.scheduler.kv.tables
-        return sorted({b for rid, e in tables.items() if rid != sr.req_id
-                       for b in e.ids if b not in own})
+        return sorted(
+            {b for rid, e in tables.items() if rid != sr.req_id for b in e.ids if b not in own}
+        )
 
-    def _apply_table_redirect(self, requests: list[ScheduledRequest], k: int,
-                              fault: InjectedFault) -> bool:
+    def _apply_table_redirect(
+        self, requests: list[ScheduledRequest], k: int, fault: InjectedFault
+    ) -> bool:
         sr = requests[k]
         n_ctx = sr.positions.start // self.engine.config.block_size
         others = self._other_live_blocks(sr)
         if n_ctx == 0 or not others or sr is not self._original[sr.req_id]:
-            return False     # one mapping fault per request and step keeps truth simple
+            return False  # one mapping fault per request and step keeps truth simple
         index = self.rng.randrange(n_ctx)
         caches = self.engine.kv_store.caches
         # A block with the same bytes (a sibling of n > 1 with the same tokens) would
         # read back correct K/V: that redirect alters nothing, so it is not a fault.
         # Nor would one rewritten with those bytes in this very step, before it is read.
-        others = [b for b in others if b not in self._written and not all(
-            torch.equal(c[:, b], c[:, sr.block_table[index]]) for c in caches)]
+        others = [
+            b
+            for b in others
+            if b not in self._written
+            and not all(torch.equal(c[:, b], c[:, sr.block_table[index]]) for c in caches)
+        ]
         if not others:
             return False
         target = self.rng.choice(others)
@@ -396,8 +440,9 @@ class FaultInjector:
         fault.detail = f"{sr.req_id} table[{index}]: block {old} -> {target}"
         return True
 
-    def _apply_slot_redirect(self, requests: list[ScheduledRequest], k: int,
-                             fault: InjectedFault) -> bool:
+    def _apply_slot_redirect(
+        self, requests: list[ScheduledRequest], k: int, fault: InjectedFault
+    ) -> bool:
         """Scatter one new token's K/V over a written slot of another running request."""
         sr = requests[k]
         if sr is not self._original[sr.req_id]:
@@ -405,12 +450,16 @@ class FaultInjector:
         bs = self.engine.config.block_size
         tables = self.engine.scheduler.kv.tables
         own = set(sr.block_table)
-        mine = (sr.prompt_token_ids + sr.output_token_ids)[:sr.positions.start + 1]
+        mine = (sr.prompt_token_ids + sr.output_token_ids)[: sr.positions.start + 1]
         # Overwriting a slot with the very same (token chain, position) alters nothing.
-        victims = [(r, p) for r in self._running() if r.req_id != sr.req_id
-                   for p in range(r.num_computed_tokens)
-                   if tables[r.req_id].ids[p // bs] not in own
-                   and not (p == sr.positions.start and r.all_token_ids[:p + 1] == mine)]
+        victims = [
+            (r, p)
+            for r in self._running()
+            if r.req_id != sr.req_id
+            for p in range(r.num_computed_tokens)
+            if tables[r.req_id].ids[p // bs] not in own
+            and not (p == sr.positions.start and r.all_token_ids[: p + 1] == mine)
+        ]
         if not victims:
             return False
         victim, pos = self.rng.choice(victims)
@@ -420,22 +469,27 @@ class FaultInjector:
         slots[0] = target * bs + pos % bs
         requests[k] = dataclasses.replace(sr, slot_mapping=slots)
         fault.blocks, fault.req_ids = {old // bs, target}, (sr.req_id,)
-        fault.detail = (f"{sr.req_id} position {sr.positions.start}: slot {old} -> "
-                        f"{slots[0]} ({victim.req_id} position {pos})")
+        fault.detail = (
+            f"{sr.req_id} position {sr.positions.start}: slot {old} -> "
+            f"{slots[0]} ({victim.req_id} position {pos})"
+        )
         return True
 
     def _inject_use_after_free(self) -> InjectedFault | None:
         kv = self.engine.scheduler.kv
         pool = kv.pool
-        candidates = [(r, i, b) for r in self._running()
-                      for i, b in enumerate(kv.tables[r.req_id].ids)
-                      if pool.blocks[b].ref_cnt == 1]
+        candidates = [
+            (r, i, b)
+            for r in self._running()
+            for i, b in enumerate(kv.tables[r.req_id].ids)
+            if pool.blocks[b].ref_cnt == 1
+        ]
         if not candidates:
             return None
         req, index, block_id = self.rng.choice(candidates)
         block = pool.blocks[block_id]
         epoch = block.epoch
-        pool.free_blocks([block])          # the bug: freed while the table still lists it
+        pool.free_blocks([block])  # the bug: freed while the table still lists it
         # ... and handed out again: first in line for the next allocation, content gone.
         if block.block_hash is not None:
             pool.free_queue.remove(block)
@@ -444,8 +498,12 @@ class FaultInjector:
             pool.free_queue.appendleft(block)
         for cache in self.engine.kv_store.caches:
             cache[:, block_id] = torch.randn_like(cache[:, block_id])
-        fault = self._new("use_after_free", {block_id}, (req.req_id,),
-                          f"block {block_id} (index {index} of {req.req_id}) freed and reused")
+        fault = self._new(
+            "use_after_free",
+            {block_id},
+            (req.req_id,),
+            f"block {block_id} (index {index} of {req.req_id}) freed and reused",
+        )
         self._stale[fault.fault_id] = (req.req_id, block_id, epoch)
         return fault
 

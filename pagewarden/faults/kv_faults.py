@@ -19,11 +19,11 @@ class BitFlip:
     """One bit flipped in a stored K or V byte."""
 
     layer: int
-    kv: int            # 0 = K, 1 = V
+    kv: int  # 0 = K, 1 = V
     block_id: int
-    offset: int        # slot offset within the block
-    byte_index: int    # byte within the slot's (num_kv_heads, head_dim) row
-    bit: int           # 0..7 within that byte
+    offset: int  # slot offset within the block
+    byte_index: int  # byte within the slot's (num_kv_heads, head_dim) row
+    bit: int  # 0..7 within that byte
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +51,14 @@ def _slot_bytes(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(torch.uint8).view(two, num_blocks, block_size, -1)
 
 
-def _flip(caches: list[torch.Tensor], layer: int, block_id: int, offset: int,
-          rng: random.Random, kv: int | None) -> BitFlip:
+def _flip(
+    caches: list[torch.Tensor],
+    layer: int,
+    block_id: int,
+    offset: int,
+    rng: random.Random,
+    kv: int | None,
+) -> BitFlip:
     data = _slot_bytes(caches[layer])
     kv = rng.randrange(2) if kv is None else kv
     byte_index = rng.randrange(data.shape[-1])
@@ -62,15 +68,17 @@ def _flip(caches: list[torch.Tensor], layer: int, block_id: int, offset: int,
     return BitFlip(layer, kv, block_id, offset, byte_index, bit)
 
 
-def flip_bit(caches: list[torch.Tensor], block_id: int, layer: int,
-             rng: random.Random, kv: int | None = None) -> BitFlip:
+def flip_bit(
+    caches: list[torch.Tensor], block_id: int, layer: int, rng: random.Random, kv: int | None = None
+) -> BitFlip:
     """Flip one random bit of K or V anywhere in ``block_id`` of ``layer``."""
     offset = rng.randrange(caches[layer].shape[2])
     return _flip(caches, layer, block_id, offset, rng, kv)
 
 
-def flip_slot_bit(caches: list[torch.Tensor], slot: int, layer: int,
-                  rng: random.Random, kv: int | None = None) -> BitFlip:
+def flip_slot_bit(
+    caches: list[torch.Tensor], slot: int, layer: int, rng: random.Random, kv: int | None = None
+) -> BitFlip:
     """Flip one random bit of the K/V in flat ``slot`` (e.g. a written slot of an open block)."""
     block_size = caches[layer].shape[2]
     return _flip(caches, layer, slot // block_size, slot % block_size, rng, kv)
@@ -82,8 +90,9 @@ def undo_bit_flip(caches: list[torch.Tensor], flip: BitFlip) -> None:
     data[flip.kv, flip.block_id, flip.offset, flip.byte_index] ^= 1 << flip.bit
 
 
-def corrupt_tag(tags: SlotTags | torch.Tensor, block_id: int, offset: int,
-                xor_mask: int = 0x5A5A5A5A) -> TagCorruption:
+def corrupt_tag(
+    tags: SlotTags | torch.Tensor, block_id: int, offset: int, xor_mask: int = 0x5A5A5A5A
+) -> TagCorruption:
     """XOR the tag of slot ``(block_id, offset)`` with a nonzero mask."""
     assert xor_mask != 0, "a zero mask changes nothing"
     table = tags.tags if isinstance(tags, SlotTags) else tags
@@ -92,8 +101,9 @@ def corrupt_tag(tags: SlotTags | torch.Tensor, block_id: int, offset: int,
     return TagCorruption(block_id, offset, old, int(table[block_id, offset]))
 
 
-def redirect_block_table(block_table: list[int], index: int,
-                         other_block: int) -> BlockTableRedirect:
+def redirect_block_table(
+    block_table: list[int], index: int, other_block: int
+) -> BlockTableRedirect:
     """Point ``block_table[index]`` at ``other_block`` (in place)."""
     old = block_table[index]
     assert old != other_block, "redirecting to the same block is not a fault"

@@ -25,7 +25,10 @@ def check_invariants(pool: BlockPool, tables: Mapping[str, Sequence[BlockRef]]) 
     counts = pool.state_counts()
     if sum(counts.values()) != total:
         errors.append(f"conservation: states sum to {sum(counts.values())}, total is {total}")
-    if counts[BlockState.RESERVED] != 1 or blocks[RESERVED_BLOCK_ID].state is not BlockState.RESERVED:
+    if (
+        counts[BlockState.RESERVED] != 1
+        or blocks[RESERVED_BLOCK_ID].state is not BlockState.RESERVED
+    ):
         errors.append("conservation: block 0 must be the one reserved block")
 
     # Ref counts equal the references the tables hold (each table holds one per block).
@@ -90,12 +93,16 @@ def check_invariants(pool: BlockPool, tables: Mapping[str, Sequence[BlockRef]]) 
     # Every hash index entry points at a block carrying that hash.
     for h, block in pool.hash_index.items():
         if block.block_hash != h:
-            errors.append(f"hash index entry {h.hex()[:12]} points at block {block.block_id} with another hash")
+            errors.append(
+                f"hash index entry {h.hex()[:12]} points at block {block.block_id} with another hash"
+            )
         if block.state is BlockState.QUARANTINED:
             errors.append(f"hash index points at quarantined block {block.block_id}")
 
     # Quarantine set and states agree.
     q_states = {b.block_id for b in blocks if b.state is BlockState.QUARANTINED}
     if q_states != pool.quarantined:
-        errors.append(f"quarantine set {sorted(pool.quarantined)} != quarantined states {sorted(q_states)}")
+        errors.append(
+            f"quarantine set {sorted(pool.quarantined)} != quarantined states {sorted(q_states)}"
+        )
     return errors

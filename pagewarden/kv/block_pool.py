@@ -241,8 +241,9 @@ class BlockPool:
         if block.state is not _QUARANTINED:
             raise BlockStateError(f"block {block_id} is not quarantined")
         if block_id in self.retired:
-            raise BlockStateError(f"block {block_id} failed {MAX_BLOCK_FAILURES} checks "
-                                  f"and is retired for good")
+            raise BlockStateError(
+                f"block {block_id} failed {MAX_BLOCK_FAILURES} checks and is retired for good"
+            )
         self.quarantined.discard(BlockId(block_id))
         if block.ref_cnt:
             block.state = _USED

@@ -59,7 +59,10 @@ class KVCacheManager:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
         num_host_blocks: int = 0,
     ) -> None:
         self.pool = BlockPool(num_blocks, block_size)
@@ -252,8 +255,9 @@ class KVCacheManager:
                 miss = entry.miss
                 packed = miss[1] if miss is not None and miss[0] == i else pack_block_tokens(chunk)
             else:
-                h, packed = hash_and_pack_block(hashes[i - 1] if i else None, chunk,
-                                                entry.extra_keys)
+                h, packed = hash_and_pack_block(
+                    hashes[i - 1] if i else None, chunk, entry.extra_keys
+                )
                 hashes.append(h)
             block = blocks[ids[i]]
             if block.block_hash is None and block.state is _USED:
@@ -335,15 +339,19 @@ class KVCacheManager:
         ids = entry.ids
         bs = self.block_size
         assert len(ids) == (num_tokens + bs - 1) // bs, (
-            f"{req_id}: {len(ids)} blocks do not hold exactly {num_tokens} tokens")
+            f"{req_id}: {len(ids)} blocks do not hold exactly {num_tokens} tokens"
+        )
         host_ids = self.swap.allocate(len(ids))
         if host_ids is None:
             return None
-        swaps = [BlockSwap(d, h, _slots_used(i, num_tokens, bs))
-                 for i, (d, h) in enumerate(zip(ids, host_ids))]
+        swaps = [
+            BlockSwap(d, h, _slots_used(i, num_tokens, bs))
+            for i, (d, h) in enumerate(zip(ids, host_ids))
+        ]
         self.free(req_id)
-        self.swap.tables[req_id] = SwappedTable(host_ids, entry.hashes, entry.extra_keys,
-                                                num_tokens)
+        self.swap.tables[req_id] = SwappedTable(
+            host_ids, entry.hashes, entry.extra_keys, num_tokens
+        )
         self.swap.num_swapped_out += len(host_ids)
         return swaps
 
@@ -373,8 +381,10 @@ class KVCacheManager:
         self.swap.release(host_ids)
         self.swap.num_swapped_in += len(host_ids)
         bs = self.block_size
-        return [BlockSwap(h, d, _slots_used(i, table.num_tokens, bs))
-                for i, (h, d) in enumerate(zip(host_ids, entry.ids))]
+        return [
+            BlockSwap(h, d, _slots_used(i, table.num_tokens, bs))
+            for i, (h, d) in enumerate(zip(host_ids, entry.ids))
+        ]
 
     # --------------------------------------------------------------- integrity
     def first_unsound_block(self, req_id: str) -> int | None:
@@ -415,8 +425,11 @@ class KVCacheManager:
         self.table_version += 1
         entry.num_sealed = min(entry.num_sealed, num_blocks)
         blocks = self.pool.blocks
-        live = [blocks[r.block_id] for r in reversed(dropped)
-                if blocks[r.block_id].epoch == r.epoch and blocks[r.block_id].ref_cnt > 0]
+        live = [
+            blocks[r.block_id]
+            for r in reversed(dropped)
+            if blocks[r.block_id].epoch == r.epoch and blocks[r.block_id].ref_cnt > 0
+        ]
         if live:
             self.pool.free_blocks(live)
 
@@ -438,6 +451,7 @@ _USED = BlockState.USED
 def _slots_used(index: int, num_tokens: int, block_size: int) -> int:
     """Slots of logical block ``index`` that ``num_tokens`` tokens fill."""
     return min(block_size, num_tokens - index * block_size)
+
 
 _new_tuple = tuple.__new__
 

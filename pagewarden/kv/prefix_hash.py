@@ -132,6 +132,8 @@ def hash_block_chain(
     out: list[BlockHash] = []
     parent: BlockHash | None = None
     for i in range(n):
-        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys)
+        parent = hash_block_tokens(
+            parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys
+        )
         out.append(parent)
     return out

@@ -44,8 +44,9 @@ class SwappedTable:
 
     __slots__ = ("host_ids", "hashes", "extra_keys", "num_tokens")
 
-    def __init__(self, host_ids: list[int], hashes: list[BlockHash], extra_keys: bytes,
-                 num_tokens: int) -> None:
+    def __init__(
+        self, host_ids: list[int], hashes: list[BlockHash], extra_keys: bytes, num_tokens: int
+    ) -> None:
         self.host_ids = host_ids
         self.hashes = hashes
         self.extra_keys = extra_keys
@@ -63,7 +64,7 @@ class SwapSpace:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.tables: dict[str, SwappedTable] = {}
         self.num_swapped_out = 0  # blocks copied device -> host, ever
-        self.num_swapped_in = 0   # blocks copied host -> device, ever
+        self.num_swapped_in = 0  # blocks copied host -> device, ever
 
     @property
     def num_free_blocks(self) -> int:
@@ -102,6 +103,7 @@ class SwapSpace:
         if both:
             errors.append(f"host blocks both free and held: {sorted(both)}")
         if len(set(free)) + len(held) != self.num_blocks:
-            errors.append(f"host blocks: {len(set(free))} free + {len(held)} held != "
-                          f"{self.num_blocks}")
+            errors.append(
+                f"host blocks: {len(set(free))} free + {len(held)} held != {self.num_blocks}"
+            )
         return errors

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,12 +42,17 @@ class LlamaConfig:
             raise ValueError("head_dim must be even for RoPE")
 
     @staticmethod
-    def from_hf_dict(d: dict[str, Any]) -> "LlamaConfig":
+    def from_hf_dict(d: dict[str, Any]) -> LlamaConfig:
         """Read an HF config.json dict (both `rope_parameters` and `rope_theta` spellings)."""
         rope = d.get("rope_parameters") or {}
         theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
-        scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = d.get("rope_scaling") or (
+            rope if rope.get("rope_type", "default") != "default" else None
+        )
+        if (
+            scaling is not None
+            and scaling.get("rope_type", scaling.get("type", "default")) == "default"
+        ):
             scaling = None
         heads = d["num_attention_heads"]
         return LlamaConfig(
@@ -128,9 +134,15 @@ def compute_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 class LlamaAttention(nn.Module):
     def __init__(self, c: LlamaConfig) -> None:
         super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.n_heads, self.n_kv, self.head_dim = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        )
         self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
+        self.qkv_proj = nn.Linear(
+            c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias
+        )
         self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=c.o_proj_bias)
         self.scale = self.head_dim**-0.5
 
@@ -178,8 +190,11 @@ class LlamaModel(nn.Module):
 
 
 _FUSED = {  # HF name part -> (fused name part, shard index)
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
 }
 
 
@@ -210,12 +225,20 @@ class LlamaForCausalLM(nn.Module):
         self._rope_cache = None
         return dtype
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (T, 1, head_dim) for `positions`, from a table built once."""
         need = int(positions.max()) + 1
-        if self._rope_cache is None or self._rope_cache[0].shape[0] < need or self._rope_cache[0].dtype != dtype:
+        if (
+            self._rope_cache is None
+            or self._rope_cache[0].shape[0] < need
+            or self._rope_cache[0].dtype != dtype
+        ):
             n = max(need, self.config.max_position_embeddings)
-            freqs = torch.outer(torch.arange(n, dtype=torch.float32), rope_inv_freq(self.config))  # (n, D/2)
+            freqs = torch.outer(
+                torch.arange(n, dtype=torch.float32), rope_inv_freq(self.config)
+            )  # (n, D/2)
             emb = torch.cat((freqs, freqs), dim=-1)  # (n, D)
             dev = self.model.embed_tokens.weight.device
             self._rope_cache = (emb.cos().to(dev, dtype), emb.sin().to(dev, dtype))
@@ -255,7 +278,11 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         c = self.config
         sizes = {
-            "qkv_proj": [c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.num_key_value_heads * c.head_dim],
+            "qkv_proj": [
+                c.num_attention_heads * c.head_dim,
+                c.num_key_value_heads * c.head_dim,
+                c.num_key_value_heads * c.head_dim,
+            ],
             "gate_up_proj": [c.intermediate_size, c.intermediate_size],
         }
         for name, tensor in weights:
@@ -284,9 +311,14 @@ class LlamaForCausalLM(nn.Module):
         for n in params:
             if c.tie_word_embeddings and n == "lm_head.weight":
                 continue
-            for fused, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj"))):
+            for fused, parts in (
+                ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                ("gate_up_proj", ("gate_proj", "up_proj")),
+            ):
                 if f".{fused}." in n:
-                    missing = [n.replace(fused, p) for p in parts if n.replace(fused, p) not in loaded]
+                    missing = [
+                        n.replace(fused, p) for p in parts if n.replace(fused, p) not in loaded
+                    ]
                     break
             else:
                 missing = [] if n in loaded else [n]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,7 +55,12 @@ def load_model(path: str | Path | None, dtype: torch.dtype = torch.bfloat16) -> 
     )
 
 
-def _build(config: LlamaConfig, weights: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype, where: Path) -> LlamaForCausalLM:
+def _build(
+    config: LlamaConfig,
+    weights: Iterator[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    where: Path,
+) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to_empty(device="cpu").to(dtype)
@@ -80,6 +86,7 @@ def _load_hf_dir(p: Path, dtype: torch.dtype) -> LoadedModel:
         config = LlamaConfig.from_hf_dict(d)
     except (ValueError, KeyError) as e:
         raise ModelLoadError(f"{cfg_path}: malformed Llama config: {e}") from e
+
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for f in files:
             yield from load_file(f).items()
@@ -103,9 +110,15 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 _GGUF_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
 }
 
 
@@ -151,7 +164,9 @@ def _load_gguf(p: Path, dtype: torch.dtype) -> LoadedModel:
             try:
                 arr = gguf.quants.dequantize(t.data, t.tensor_type)
             except NotImplementedError as e:
-                raise ModelLoadError(f"{p}: tensor {name} has unsupported type {t.tensor_type.name}") from e
+                raise ModelLoadError(
+                    f"{p}: tensor {name} has unsupported type {t.tensor_type.name}"
+                ) from e
             arr = np.asarray(arr, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
             parts = name.split(".")
             if parts[0] == "blk":
@@ -162,8 +177,11 @@ def _load_gguf(p: Path, dtype: torch.dtype) -> LoadedModel:
                     arr = _unpermute(arr, config.num_key_value_heads)
                 hf = f"model.layers.{parts[1]}.{_GGUF_NAMES[kind]}.{parts[3]}"
             else:
-                hf = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                      "output.weight": "lm_head.weight"}.get(name)
+                hf = {
+                    "token_embd.weight": "model.embed_tokens.weight",
+                    "output_norm.weight": "model.norm.weight",
+                    "output.weight": "lm_head.weight",
+                }.get(name)
                 if hf is None:
                     continue  # e.g. rope_freqs
             yield hf, torch.from_numpy(np.array(arr, copy=True))

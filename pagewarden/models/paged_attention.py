@@ -49,7 +49,9 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # (T,) int64 slot of each new token
     block_index: torch.Tensor  # (S * max_blocks,) int64 padded block tables, flat
-    token_to_padded: torch.Tensor | None  # (T,) int64 index into the (S * Q) padded queries; None when T == S * Q
+    token_to_padded: (
+        torch.Tensor | None
+    )  # (T,) int64 index into the (S * Q) padded queries; None when T == S * Q
     attn_mask: torch.Tensor | None  # (S, 1, Q, kv_len) bool, True = may attend; None = all allowed
     num_seqs: int
     max_query_len: int
@@ -70,7 +72,7 @@ class AttentionMetadata:
         slot_mapping: list[int],
         block_size: int,
         device: torch.device | str = "cpu",
-    ) -> "AttentionMetadata":
+    ) -> AttentionMetadata:
         """Precompute the padded gather index and masks for one step."""
         num_seqs = len(query_lens)
         assert len(context_lens) == num_seqs == len(block_tables)
@@ -108,7 +110,9 @@ class AttentionMetadata:
         )
 
 
-def _attention_mask(query_lens: list[int], context_lens: list[int], max_q: int, kv_len: int) -> torch.Tensor:
+def _attention_mask(
+    query_lens: list[int], context_lens: list[int], max_q: int, kv_len: int
+) -> torch.Tensor:
     """(S, 1, Q, K) bool: causal inside each chunk, full view of its cached prefix."""
     q_lens = torch.tensor(query_lens, dtype=torch.long).view(-1, 1, 1)  # (S, 1, 1)
     ctx = torch.tensor(context_lens, dtype=torch.long).view(-1, 1, 1)  # (S, 1, 1)
@@ -120,7 +124,9 @@ def _attention_mask(query_lens: list[int], context_lens: list[int], max_q: int, 
     return mask.unsqueeze(1)  # (S, 1, Q, K)
 
 
-def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Scatter new K/V (T, n_kv_heads, head_dim) into `cache` at `slot_mapping` (T,)."""
     _, num_blocks, block_size, n_kv, head_dim = cache.shape
     flat = cache.view(2, num_blocks * block_size, n_kv, head_dim)  # (2, slots, n_kv, D)
@@ -161,7 +167,10 @@ def paged_attention(
         qp = q  # already (S * Q, n_heads, D)
     qh = qp.view(s, qlen, n_heads, head_dim).transpose(1, 2)  # (S, n_heads, Q, D)
     if group > 1 and not _SDPA_HAS_GQA:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (S, n_heads, K, D)
+        k, v = (
+            k.repeat_interleave(group, dim=1),
+            v.repeat_interleave(group, dim=1),
+        )  # (S, n_heads, K, D)
     gqa = {"enable_gqa": True} if group > 1 and _SDPA_HAS_GQA else {}
     out = F.scaled_dot_product_attention(
         qh, k, v, attn_mask=meta.attn_mask, scale=scale, **gqa

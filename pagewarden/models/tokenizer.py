@@ -73,8 +73,12 @@ class Tokenizer:
         """Render `messages` with the model's chat template, as transformers does."""
         if not self.chat_template:
             raise TokenizerLoadError("this tokenizer has no chat_template")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(
+            x, ensure_ascii=False, indent=indent
+        )
         env.globals["raise_exception"] = _raise_exception
         return env.from_string(self.chat_template).render(
             messages=messages,
@@ -84,7 +88,7 @@ class Tokenizer:
         )
 
     @staticmethod
-    def from_hf_dir(path: str | Path) -> "Tokenizer":
+    def from_hf_dir(path: str | Path) -> Tokenizer:
         """Load tokenizer.json (+ tokenizer_config.json, chat_template.jinja, generation_config.json)."""
         path = Path(path)
         tj = path / "tokenizer.json"
@@ -112,11 +116,13 @@ class Tokenizer:
         return Tokenizer(tok, tid("bos_token"), tid("eos_token"), template, frozenset(extra))
 
     @staticmethod
-    def from_gguf_fields(fields: dict[str, Any]) -> "Tokenizer":
+    def from_gguf_fields(fields: dict[str, Any]) -> Tokenizer:
         """Build from GGUF `tokenizer.*` metadata (byte-level BPE, tokenizer.ggml.model == "gpt2")."""
         kind = fields.get("tokenizer.ggml.model")
         if kind != "gpt2":
-            raise TokenizerLoadError(f"unsupported GGUF tokenizer model {kind!r}; supported: 'gpt2'")
+            raise TokenizerLoadError(
+                f"unsupported GGUF tokenizer model {kind!r}; supported: 'gpt2'"
+            )
         tokens: list[str] = fields["tokenizer.ggml.tokens"]
         types: list[int] = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
@@ -127,16 +133,27 @@ class Tokenizer:
             tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         else:
             tok.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+                [
+                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
             )
         tok.decoder = decoders.ByteLevel()
         alphabet = set(pre_tokenizers.ByteLevel.alphabet())
-        tok.add_special_tokens([
-            AddedToken(t, normalized=False, special=True)
-            for t, ty in zip(tokens, types) if ty == 3 and set(t) <= alphabet
-        ])
-        tok.add_tokens([AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types) if ty == 4])
+        tok.add_special_tokens(
+            [
+                AddedToken(t, normalized=False, special=True)
+                for t, ty in zip(tokens, types)
+                if ty == 3 and set(t) <= alphabet
+            ]
+        )
+        tok.add_tokens(
+            [
+                AddedToken(t, normalized=False, special=False)
+                for t, ty in zip(tokens, types)
+                if ty == 4
+            ]
+        )
         bos = fields.get("tokenizer.ggml.bos_token_id")
         eos = fields.get("tokenizer.ggml.eos_token_id")
         if fields.get("tokenizer.ggml.add_bos_token", False) and bos is not None:

@@ -23,7 +23,13 @@ class SchedulerConfig:
     num_host_blocks: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in (
+            "num_blocks",
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{name} must be an int, got {value!r}")
@@ -42,12 +48,15 @@ class SchedulerConfig:
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got "
-                             f"{self.preemption_mode!r}")
+            raise ValueError(
+                f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
+            )
         if not isinstance(self.num_host_blocks, int) or self.num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be an int >= 0, got {self.num_host_blocks!r}")
         if self.preemption_mode == "swap" and self.num_host_blocks == 0:
-            raise ValueError("preemption_mode='swap' needs host blocks: set num_host_blocks "
-                             "(--swap-space) above 0")
+            raise ValueError(
+                "preemption_mode='swap' needs host blocks: set num_host_blocks "
+                "(--swap-space) above 0"
+            )
         if not isinstance(self.model_id, str):
             raise ValueError(f"model_id must be a str, got {self.model_id!r}")

@@ -53,15 +53,22 @@ class FakeModelRunner:
         vocab = self.vocab_size
         decodes = out.decodes
         try:  # token_for(rid, position + 1), inlined
-            decode_tokens = [(seeds[rid] + position + 1) % vocab
-                             for rid, position in zip(decodes.req_ids, decodes.positions)]
+            decode_tokens = [
+                (seeds[rid] + position + 1) % vocab
+                for rid, position in zip(decodes.req_ids, decodes.positions)
+            ]
         except KeyError:  # a request's first step is a decode (a fork child)
             for rid in decodes.req_ids:
                 self._seed(rid)
-            decode_tokens = [(seeds[rid] + position + 1) % vocab
-                             for rid, position in zip(decodes.req_ids, decodes.positions)]
-        sampled = {sr.req_id: self.token_for(sr.req_id, sr.positions.stop)
-                   for sr in out.requests if sr.sample}
+            decode_tokens = [
+                (seeds[rid] + position + 1) % vocab
+                for rid, position in zip(decodes.req_ids, decodes.positions)
+            ]
+        sampled = {
+            sr.req_id: self.token_for(sr.req_id, sr.positions.stop)
+            for sr in out.requests
+            if sr.sample
+        }
         return _new_runner_output(sampled, decode_token_ids=decode_tokens)
 
     def _apply(self, out: SchedulerOutput) -> None:
@@ -70,8 +77,7 @@ class FakeModelRunner:
         slots = self.slots
         host = self.host_slots
         assert not (out.swap_out and out.swap_in), "a step swaps one way only"
-        for tier_from, tier_to, swaps in ((slots, host, out.swap_out),
-                                          (host, slots, out.swap_in)):
+        for tier_from, tier_to, swaps in ((slots, host, out.swap_out), (host, slots, out.swap_in)):
             for w in swaps:
                 for off in range(bs):
                     tier_to.pop(w.dst * bs + off, None)

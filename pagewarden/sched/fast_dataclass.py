@@ -62,8 +62,7 @@ def fast_constructor(cls: type[_T]) -> Callable[..., _T]:
     if twin is None:
         return cls
     fields = dataclasses.fields(cls)  # type: ignore[arg-type]
-    namespace: dict[str, Any] = {"_twin": twin, "_cls": cls,
-                                 "_USE_FACTORY": _USE_FACTORY}
+    namespace: dict[str, Any] = {"_twin": twin, "_cls": cls, "_USE_FACTORY": _USE_FACTORY}
     params: list[str] = []
     body: list[str] = ["    self = _twin()"]
     for f in fields:

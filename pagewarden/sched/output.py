@@ -25,9 +25,9 @@ from pagewarden.sampling_params import SamplingParams
 def slot_mapping_for(block_ids: list[int], block_size: int, start: int, end: int) -> list[int]:
     """Physical slots of positions ``[start, end)``, one contiguous run per block::
 
-        block_size = 4, block_ids = [7, 3], positions 2..6
-        block 7 (slots 28..31): 30, 31        offsets 2, 3
-        block 3 (slots 12..15): 12, 13, 14    offsets 0, 1, 2
+    block_size = 4, block_ids = [7, 3], positions 2..6
+    block 7 (slots 28..31): 30, 31        offsets 2, 3
+    block 3 (slots 12..15): 12, 13, 14    offsets 0, 1, 2
     """
     if start >= end:
         return []
@@ -68,8 +68,9 @@ class SlotRun(Sequence[int]):
     def tolist(self) -> list[int]:
         slots = self._slots
         if slots is None:
-            slots = self._slots = slot_mapping_for(self.block_table, self.block_size,
-                                                   self.start, self.end)
+            slots = self._slots = slot_mapping_for(
+                self.block_table, self.block_size, self.start, self.end
+            )
         return slots
 
     def __len__(self) -> int:
@@ -166,18 +167,31 @@ class DecodeBatch:
     def slot_mapping(self) -> list[int]:
         """The physical slot each entry's token writes: ``table[p // bs] * bs + p % bs``."""
         bs = self.block_size
-        return [table[p // bs] * bs + p % bs
-                for table, p in zip(self.block_tables, self.positions)]
+        return [table[p // bs] * bs + p % bs for table, p in zip(self.block_tables, self.positions)]
 
     def scheduled_requests(self) -> list[ScheduledRequest]:
         """The same entries as ``ScheduledRequest`` objects, in order."""
         return [
-            ScheduledRequest(rid, [tok], range(pos, pos + 1), table, [slot], True,
-                             inp.sampling_params, inp.prompt_token_ids, inp.output_token_ids,
-                             inp.seed)
+            ScheduledRequest(
+                rid,
+                [tok],
+                range(pos, pos + 1),
+                table,
+                [slot],
+                True,
+                inp.sampling_params,
+                inp.prompt_token_ids,
+                inp.output_token_ids,
+                inp.seed,
+            )
             for rid, tok, pos, slot, table, inp in zip(
-                self.req_ids, self.token_ids, self.positions, self.slot_mapping,
-                self.block_tables, self.inputs)
+                self.req_ids,
+                self.token_ids,
+                self.positions,
+                self.slot_mapping,
+                self.block_tables,
+                self.inputs,
+            )
         ]
 
 

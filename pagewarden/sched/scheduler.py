@@ -86,9 +86,14 @@ class StepUpdates:
 
     __slots__ = ("req_ids", "token_ids", "finished", "logprobs", "_live", "_updates")
 
-    def __init__(self, req_ids: list[str], token_ids: list[int],
-                 finished: dict[str, RequestUpdate], logprobs: dict[str, TokenLogprobs],
-                 live: dict[str, Request]) -> None:
+    def __init__(
+        self,
+        req_ids: list[str],
+        token_ids: list[int],
+        finished: dict[str, RequestUpdate],
+        logprobs: dict[str, TokenLogprobs],
+        live: dict[str, Request],
+    ) -> None:
         self.req_ids = req_ids
         self.token_ids = token_ids
         self.finished = finished
@@ -119,11 +124,21 @@ class StepUpdates:
                     if req is None:
                         raise RuntimeError(
                             f"request {rid!r} left the scheduler before this step's updates "
-                            f"were read; read StepUpdates before aborting or stepping again")
+                            f"were read; read StepUpdates before aborting or stepping again"
+                        )
                     lps = [logprobs[rid]] if logprobs and rid in logprobs else []
-                    u = _new_request_update(rid, req.parent_id, req.index, [token], False,
-                                            None, None, req.num_prompt_tokens,
-                                            req.num_cached_tokens, lps)
+                    u = _new_request_update(
+                        rid,
+                        req.parent_id,
+                        req.index,
+                        [token],
+                        False,
+                        None,
+                        None,
+                        req.num_prompt_tokens,
+                        req.num_cached_tokens,
+                        lps,
+                    )
                 built.append(u)
             self._updates = built
         return self._updates
@@ -151,11 +166,11 @@ class SchedulerStats:
     block_frees: int
     retired_blocks: int = 0
     ownership_violations: int = 0
-    num_swapped: int = 0              # requests whose KV is in the host tier now
+    num_swapped: int = 0  # requests whose KV is in the host tier now
     host_blocks: int = 0
     free_host_blocks: int = 0
-    swapped_out_blocks: int = 0       # device -> host block copies, ever
-    swapped_in_blocks: int = 0        # host -> device block copies, ever
+    swapped_out_blocks: int = 0  # device -> host block copies, ever
+    swapped_in_blocks: int = 0  # host -> device block copies, ever
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,8 +192,8 @@ class RecoveryReport:
     """What ``Scheduler.recover`` did."""
 
     quarantined: tuple[int, ...]
-    rolled_back: dict[str, int]          # req_id -> position it recomputes from
-    recomputed_tokens: int               # computed tokens thrown away
+    rolled_back: dict[str, int]  # req_id -> position it recomputes from
+    recomputed_tokens: int  # computed tokens thrown away
     # Requests that cannot be served any more, by top-level id (a child's parent id).
     failed: tuple[str, ...] = ()
 
@@ -198,12 +213,26 @@ class _DecodeCarry:
     exactly what ``_schedule_running`` would.
     """
 
-    __slots__ = ("reqs", "req_ids", "token_ids", "positions", "block_tables", "inputs",
-                 "table_version")
+    __slots__ = (
+        "reqs",
+        "req_ids",
+        "token_ids",
+        "positions",
+        "block_tables",
+        "inputs",
+        "table_version",
+    )
 
-    def __init__(self, reqs: list[Request], req_ids: list[str], token_ids: list[int],
-                 positions: list[int], block_tables: list[list[int]],
-                 inputs: list[SamplingInputs], table_version: int) -> None:
+    def __init__(
+        self,
+        reqs: list[Request],
+        req_ids: list[str],
+        token_ids: list[int],
+        positions: list[int],
+        block_tables: list[list[int]],
+        inputs: list[SamplingInputs],
+        table_version: int,
+    ) -> None:
         self.reqs = reqs
         self.table_version = table_version
         self.req_ids = req_ids
@@ -218,8 +247,6 @@ _new_request_update = fast_constructor(RequestUpdate)
 _new_scheduler_output = fast_constructor(SchedulerOutput)
 _new_decode_batch = fast_constructor(DecodeBatch)
 _new_sampling_inputs = fast_constructor(SamplingInputs)
-
-
 
 
 def _target(req: Request) -> int:
@@ -240,8 +267,12 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.kv = KVCacheManager(config.num_blocks, config.block_size,
-                                 config.enable_prefix_caching, config.num_host_blocks)
+        self.kv = KVCacheManager(
+            config.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.num_host_blocks,
+        )
         self.waiting: deque[Request] = deque()
         self.swapped: deque[Request] = deque()
         self._swap_by_preemption = config.preemption_mode == "swap"
@@ -305,8 +336,9 @@ class Scheduler:
         request.stop_ids = stop_token_set(params, request.eos_token_ids)
         request.extra_keys = encode_extra_keys(cfg.model_id, request.cache_salt)
         request.seed = params.seed
-        request.sampling_inputs = _new_sampling_inputs(params, request.prompt_token_ids,
-                                                       request.output_token_ids, params.seed)
+        request.sampling_inputs = _new_sampling_inputs(
+            params, request.prompt_token_ids, request.output_token_ids, params.seed
+        )
         request.status = _WAITING
         if request.is_fork_parent and num_prompt == 1:
             # prompt[:-1] is empty: nothing to share, the children start on their own.
@@ -338,8 +370,9 @@ class Scheduler:
             child.stop_ids = parent.stop_ids
             child.extra_keys = parent.extra_keys
             child.seed = None if params.seed is None else params.seed * _SEED_MIX + i
-            child.sampling_inputs = _new_sampling_inputs(params, child.prompt_token_ids,
-                                                         child.output_token_ids, child.seed)
+            child.sampling_inputs = _new_sampling_inputs(
+                params, child.prompt_token_ids, child.output_token_ids, child.seed
+            )
             child.num_cached_tokens = parent.num_cached_tokens
             child.num_computed_tokens = parent.num_computed_tokens
             children.append(child)
@@ -421,10 +454,10 @@ class Scheduler:
         if self._swap_out or self._swap_in:
             swap_out, swap_in = self._swap_out, self._swap_in
             self._swap_out, self._swap_in = [], []
-            return _new_scheduler_output(self._num_steps, scheduled, copies, left, pre,
-                                         swap_out, swap_in, decodes)
-        return _new_scheduler_output(self._num_steps, scheduled, copies, left, pre,
-                                     decodes=decodes)
+            return _new_scheduler_output(
+                self._num_steps, scheduled, copies, left, pre, swap_out, swap_in, decodes
+            )
+        return _new_scheduler_output(self._num_steps, scheduled, copies, left, pre, decodes=decodes)
 
     def _carried_decodes(self) -> DecodeBatch | None:
         """The step's decode batch from the last ``update``'s carry, or None when it does
@@ -445,9 +478,13 @@ class Scheduler:
         running = self.running
         cfg = self.config
         n = len(running)
-        if (n > cfg.max_num_batched_tokens or n > cfg.max_num_seqs or self._children
-                or self.kv.table_version != carry.table_version
-                or running != carry.reqs):  # compares by identity, in C
+        if (
+            n > cfg.max_num_batched_tokens
+            or n > cfg.max_num_seqs
+            or self._children
+            or self.kv.table_version != carry.table_version
+            or running != carry.reqs
+        ):  # compares by identity, in C
             return None
         positions = [r.num_computed_tokens for r in running]
         if positions != carry.positions:
@@ -460,17 +497,21 @@ class Scheduler:
             # Each of these tokens opens a block its table does not have yet (anything
             # else is the general path's to sort out), and all of them must get one.
             kv = self.kv
-            if any(len(block_tables[i]) != positions[i] // bs for i in opening) \
-                    or not kv.append_blocks([req_ids[i] for i in opening]):
+            if any(
+                len(block_tables[i]) != positions[i] // bs for i in opening
+            ) or not kv.append_blocks([req_ids[i] for i in opening]):
                 return None
             tables = kv.tables
             for i in opening:
                 block_tables[i] = tables[req_ids[i]].ids
-        return _new_decode_batch(bs, req_ids, carry.token_ids, positions, block_tables,
-                                 carry.inputs)
+        return _new_decode_batch(
+            bs, req_ids, carry.token_ids, positions, block_tables, carry.inputs
+        )
 
     def _schedule_running(
-        self, scheduled: list[ScheduledRequest], copies: list[tuple[int, int]],
+        self,
+        scheduled: list[ScheduledRequest],
+        copies: list[tuple[int, int]],
         decodes: DecodeBatch,
     ) -> tuple[int, bool]:
         """Schedule running requests in order, preempting from the back when the pool runs
@@ -554,9 +595,7 @@ class Scheduler:
             budget -= num_new
         return budget, preempted
 
-    def _schedule_swapped(
-        self, budget: int, scheduled: list[ScheduledRequest], seats: int
-    ) -> int:
+    def _schedule_swapped(self, budget: int, scheduled: list[ScheduledRequest], seats: int) -> int:
         """Swap requests back in, in order, while budget, seats (``seats`` minus what
         ``scheduled`` holds) and free blocks last, and schedule their next tokens; returns
         the budget left."""
@@ -588,7 +627,10 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(
-        self, budget: int, scheduled: list[ScheduledRequest], copies: list[tuple[int, int]],
+        self,
+        budget: int,
+        scheduled: list[ScheduledRequest],
+        copies: list[tuple[int, int]],
         seats: int,
     ) -> None:
         """Admit waiting requests in order while budget, seats (``seats`` minus what
@@ -745,16 +787,24 @@ class Scheduler:
             sampled_ids = sampled_ids + more_ids
             new_tokens = new_tokens + more_tokens
         self._carry = None
-        if (not skipped and not forked and not self._children
-                and len(self.running) == len(sampled_ids) - len(finished)):
+        if (
+            not skipped
+            and not forked
+            and not self._children
+            and len(self.running) == len(sampled_ids) - len(finished)
+        ):
             # Every running request sampled one token: the next step is all decodes.
-            self._carry = self._decode_carry(decodes, more_reqs, sampled_ids, new_tokens,
-                                             finished)
+            self._carry = self._decode_carry(decodes, more_reqs, sampled_ids, new_tokens, finished)
         return StepUpdates(sampled_ids, new_tokens, finished, logprobs, requests)
 
-    def _decode_carry(self, decodes: DecodeBatch, more_reqs: list[Request],
-                      req_ids: list[str], token_ids: list[int],
-                      finished: dict[str, RequestUpdate]) -> _DecodeCarry | None:
+    def _decode_carry(
+        self,
+        decodes: DecodeBatch,
+        more_reqs: list[Request],
+        req_ids: list[str],
+        token_ids: list[int],
+        finished: dict[str, RequestUpdate],
+    ) -> _DecodeCarry | None:
         """The carry for the next step, once every running request has sampled one token:
         ``req_ids``/``token_ids`` in step order, the step's decodes (all of them) and then
         ``more_reqs``, the requests that sampled after a prefill chunk."""
@@ -777,8 +827,15 @@ class Scheduler:
             for i in reversed(gone):
                 del req_ids[i], token_ids[i], positions[i], tables[i], inputs[i]
         requests = self.requests
-        return _DecodeCarry([requests[rid] for rid in req_ids], req_ids, token_ids,
-                            positions, tables, inputs, self.kv.table_version)
+        return _DecodeCarry(
+            [requests[rid] for rid in req_ids],
+            req_ids,
+            token_ids,
+            positions,
+            tables,
+            inputs,
+            self.kv.table_version,
+        )
 
     def _finish_sampled(
         self, req: Request, token: int, logprobs: dict[str, TokenLogprobs]
@@ -798,8 +855,16 @@ class Scheduler:
         rid = req.req_id
         lps = [logprobs[rid]] if logprobs and rid in logprobs else []
         return _new_request_update(
-            rid, req.parent_id, req.index, [token], True, reason, stop_reason,
-            len(req.prompt_token_ids), req.num_cached_tokens, lps,
+            rid,
+            req.parent_id,
+            req.index,
+            [token],
+            True,
+            reason,
+            stop_reason,
+            len(req.prompt_token_ids),
+            req.num_cached_tokens,
+            lps,
         )
 
     def _drop_finished_and_forked(self, forked: dict[str, list[Request]]) -> None:
@@ -862,9 +927,11 @@ class Scheduler:
     def check_invariants(self) -> list[str]:
         """Scheduler + KV invariant violations; empty when sound."""
         errors = self.kv.check_invariants()
-        queues = {"running": [r.req_id for r in self.running],
-                  "waiting": [r.req_id for r in self.waiting],
-                  "swapped": [r.req_id for r in self.swapped]}
+        queues = {
+            "running": [r.req_id for r in self.running],
+            "waiting": [r.req_id for r in self.waiting],
+            "swapped": [r.req_id for r in self.swapped],
+        }
         for name, ids in queues.items():
             if len(set(ids)) != len(ids):
                 errors.append(f"a request is listed twice in {name}")
@@ -876,18 +943,25 @@ class Scheduler:
                 seen[rid] = name
         live = set(seen)
         if live != set(self.requests):
-            errors.append(f"live requests {sorted(set(self.requests))} != "
-                          f"running+waiting+swapped {sorted(live)}")
+            errors.append(
+                f"live requests {sorted(set(self.requests))} != "
+                f"running+waiting+swapped {sorted(live)}"
+            )
         tables = set(self.kv.tables)
         if tables != set(queues["running"]):
             errors.append(
                 f"block tables {sorted(tables)} != running requests {sorted(queues['running'])}"
             )
         if set(self.kv.swap.tables) != set(queues["swapped"]):
-            errors.append(f"swapped tables {sorted(self.kv.swap.tables)} != swapped "
-                          f"requests {sorted(queues['swapped'])}")
-        for queue, status in ((self.running, _RUNNING), (self.waiting, _WAITING),
-                              (self.swapped, _SWAPPED)):
+            errors.append(
+                f"swapped tables {sorted(self.kv.swap.tables)} != swapped "
+                f"requests {sorted(queues['swapped'])}"
+            )
+        for queue, status in (
+            (self.running, _RUNNING),
+            (self.waiting, _WAITING),
+            (self.swapped, _SWAPPED),
+        ):
             for r in queue:
                 if r.status is not status:
                     errors.append(f"{r.req_id} in {status.value} with status {r.status.name}")
@@ -898,18 +972,26 @@ class Scheduler:
             # filled block (see _schedule_running).
             entry = self.kv.tables.get(r.req_id)
             index = r.num_computed_tokens // bs
-            if (r.parent_id is not None or not r.num_computed_tokens % bs or entry is None
-                    or index >= len(entry.refs)):
+            if (
+                r.parent_id is not None
+                or not r.num_computed_tokens % bs
+                or entry is None
+                or index >= len(entry.refs)
+            ):
                 continue
             ref = entry.refs[index]
             block = blocks[ref.block_id]
             if block.epoch == ref.epoch and block.ref_cnt != 1:  # (a stale ref is its own fault)
-                errors.append(f"{r.req_id}: partly filled block {ref.block_id} is shared "
-                              f"(ref_cnt {block.ref_cnt}) but it is no fork child")
+                errors.append(
+                    f"{r.req_id}: partly filled block {ref.block_id} is shared "
+                    f"(ref_cnt {block.ref_cnt}) but it is no fork child"
+                )
         for r in self.requests.values():
             if not 0 <= r.num_computed_tokens <= r.num_tokens:
-                errors.append(f"{r.req_id}: num_computed_tokens {r.num_computed_tokens} "
-                              f"outside [0, {r.num_tokens}]")
+                errors.append(
+                    f"{r.req_id}: num_computed_tokens {r.num_computed_tokens} "
+                    f"outside [0, {r.num_tokens}]"
+                )
             if r.all_token_ids != r.prompt_token_ids + r.output_token_ids:
                 errors.append(f"{r.req_id}: all_token_ids out of step with prompt + output")
         return errors
@@ -1003,8 +1085,9 @@ class Scheduler:
         scrubbed, re-verified and released."""
         pool = self.kv.pool
         blocks = pool.blocks
-        return sorted(b for b in pool.quarantined
-                      if blocks[b].ref_cnt == 0 and b not in pool.retired)
+        return sorted(
+            b for b in pool.quarantined if blocks[b].ref_cnt == 0 and b not in pool.retired
+        )
 
     def release_quarantined(self, block_ids: Iterable[int]) -> None:
         """Return scrubbed and re-verified blocks to service."""

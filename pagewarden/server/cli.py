@@ -22,10 +22,15 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--max-waiting-requests", type=int, default=None)
     p.add_argument("--max-queued-tokens", type=int, default=None)
-    p.add_argument("--gc-threshold", type=int, default=None, metavar="N",
-                   help="collect the garbage collector's young generation every N "
-                        "allocations and freeze the start-up heap (default "
-                        "gc_policy.SERVING_GEN0_THRESHOLD; 0 keeps Python's settings)")
+    p.add_argument(
+        "--gc-threshold",
+        type=int,
+        default=None,
+        metavar="N",
+        help="collect the garbage collector's young generation every N "
+        "allocations and freeze the start-up heap (default "
+        "gc_policy.SERVING_GEN0_THRESHOLD; 0 keeps Python's settings)",
+    )
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -52,8 +57,9 @@ def _graceful_server(config):
                     self.force_exit = True
                 self.should_exit = True
 
-            previous = {sig: signal.signal(sig, on_signal)
-                        for sig in (signal.SIGINT, signal.SIGTERM)}
+            previous = {
+                sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+            }
             try:
                 yield
             finally:
@@ -74,15 +80,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.gc_threshold is not None and args.gc_threshold < 0:
         raise SystemExit(f"--gc-threshold must be >= 0, got {args.gc_threshold}")
-    engine = AsyncEngine(engine_config(args), max_waiting_requests=args.max_waiting_requests,
-                         max_queued_tokens=args.max_queued_tokens)
+    engine = AsyncEngine(
+        engine_config(args),
+        max_waiting_requests=args.max_waiting_requests,
+        max_queued_tokens=args.max_queued_tokens,
+    )
     name = args.served_model_name or engine.core.loaded.name
     if args.gc_threshold != 0:  # after the model load: its objects are frozen, never walked
         tune_gc_for_serving(args.gc_threshold or SERVING_GEN0_THRESHOLD)
     app = build_app(engine, name, args.api_key)
-    server = _graceful_server(uvicorn.Config(app, host=args.host, port=args.port,
-                                             log_level="warning",
-                                             timeout_graceful_shutdown=10))
+    server = _graceful_server(
+        uvicorn.Config(
+            app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10
+        )
+    )
 
     async def serve() -> None:
         task = asyncio.create_task(server.serve())

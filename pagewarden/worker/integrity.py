@@ -175,8 +175,9 @@ def _slot_rows(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(torch.int32).view(2, num_blocks * block_size, row_bytes // 4)
 
 
-def _sum_over_layers(caches: list[torch.Tensor], rows_of: Callable[[torch.Tensor], torch.Tensor],
-                     num_rows: int) -> torch.Tensor:
+def _sum_over_layers(
+    caches: list[torch.Tensor], rows_of: Callable[[torch.Tensor], torch.Tensor], num_rows: int
+) -> torch.Tensor:
     """``sum_layer mv(rows_of(cache_layer)[kv], keys[layer, kv])``, (num_rows,) int64.
 
     ``rows_of`` maps one layer's cache to its selected rows as int32 limbs, shaped
@@ -205,10 +206,10 @@ def slot_checksums(caches: list[torch.Tensor], slots: torch.Tensor) -> torch.Ten
     slots = slots.to(device=caches[0].device, dtype=torch.int64).reshape(-1)
     if integrity_cpu.usable(caches):
         limbs = _slot_rows(caches[0]).shape[-1]
-        return integrity_cpu.slot_sums(caches, slots,
-                                       _limb_keys(len(caches), limbs, slots.device))
-    return _sum_over_layers(caches, lambda cache: _slot_rows(cache).index_select(1, slots),
-                            slots.numel())
+        return integrity_cpu.slot_sums(caches, slots, _limb_keys(len(caches), limbs, slots.device))
+    return _sum_over_layers(
+        caches, lambda cache: _slot_rows(cache).index_select(1, slots), slots.numel()
+    )
 
 
 def combine_slot_checksums(slot_sums: torch.Tensor) -> torch.Tensor:
@@ -242,9 +243,12 @@ def block_checksums(caches: list[torch.Tensor], block_ids: torch.Tensor) -> torc
     limbs_per_row = _slot_rows(caches[0]).shape[-1]
     n = block_ids.numel()
     if integrity_cpu.usable(caches):
-        return integrity_cpu.block_sums(caches, block_ids,
-                                        _limb_keys(len(caches), limbs_per_row, device),
-                                        _offset_keys(block_size, device))
+        return integrity_cpu.block_sums(
+            caches,
+            block_ids,
+            _limb_keys(len(caches), limbs_per_row, device),
+            _offset_keys(block_size, device),
+        )
 
     def rows_of(cache: torch.Tensor) -> torch.Tensor:
         blocks = cache.view(torch.int32).view(2, num_blocks, block_size * limbs_per_row)
@@ -255,23 +259,27 @@ def block_checksums(caches: list[torch.Tensor], block_ids: torch.Tensor) -> torc
     return combine_slot_checksums(sums.view(n, block_size))
 
 
-def verify_blocks(caches: list[torch.Tensor], block_ids: torch.Tensor,
-                  expected: torch.Tensor) -> list[int]:
+def verify_blocks(
+    caches: list[torch.Tensor], block_ids: torch.Tensor, expected: torch.Tensor
+) -> list[int]:
     """Ids of the blocks whose content no longer matches ``expected`` (sealed) checksums."""
     actual = block_checksums(caches, block_ids)
     bad = actual != expected.to(actual.device)
     return block_ids.reshape(-1)[bad.cpu()].tolist() if bad.any() else []
 
 
-def check_blocks(caches: list[torch.Tensor], block_ids: torch.Tensor,
-                 expected: torch.Tensor) -> None:
+def check_blocks(
+    caches: list[torch.Tensor], block_ids: torch.Tensor, expected: torch.Tensor
+) -> None:
     """Raise ``KVIntegrityError("checksum")`` if any block fails ``verify_blocks``."""
     bad = verify_blocks(caches, block_ids, expected)
     if bad:
         raise KVIntegrityError(
-            "checksum", bad,
+            "checksum",
+            bad,
             "stored K/V bytes changed since the block was sealed; quarantine the blocks "
-            "and recompute the requests that read them")
+            "and recompute the requests that read them",
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,8 +290,9 @@ class SlotMismatch:
     offset: int
 
 
-def verify_slots(caches: list[torch.Tensor], slots: torch.Tensor,
-                 recorded: torch.Tensor) -> list[SlotMismatch]:
+def verify_slots(
+    caches: list[torch.Tensor], slots: torch.Tensor, recorded: torch.Tensor
+) -> list[SlotMismatch]:
     """Slots whose bytes changed since ``recorded`` (write-time) checksums were taken.
 
     Use it for open (partially filled) blocks, which have no block checksum yet.
@@ -294,8 +303,9 @@ def verify_slots(caches: list[torch.Tensor], slots: torch.Tensor,
     return [SlotMismatch(s // block_size, s % block_size) for s in slots[bad].tolist()]
 
 
-def seal_blocks(caches: list[torch.Tensor], block_ids: torch.Tensor,
-                recorded: torch.Tensor) -> torch.Tensor:
+def seal_blocks(
+    caches: list[torch.Tensor], block_ids: torch.Tensor, recorded: torch.Tensor
+) -> torch.Tensor:
     """Re-verify each full block's slots, then its block checksum. (num_blocks,) int64.
 
     ``recorded`` is (num_blocks, block_size): the slot checksums taken at write time. Every
@@ -308,10 +318,12 @@ def seal_blocks(caches: list[torch.Tensor], block_ids: torch.Tensor,
     bad = verify_slots(caches, slots, recorded.reshape(-1))
     if bad:
         raise KVIntegrityError(
-            "checksum", [m.block_id for m in bad],
+            "checksum",
+            [m.block_id for m in bad],
             f"{len(bad)} slot(s) changed between write and seal "
             f"(first: block {bad[0].block_id} offset {bad[0].offset}); do not seal or "
-            "cache these blocks, recompute their tokens")
+            "cache these blocks, recompute their tokens",
+        )
     return combine_slot_checksums(recorded.to(caches[0].device).view(-1, block_size))
 
 
@@ -357,8 +369,9 @@ class SlotTags:
     through the same ``slot_mapping`` as K/V.
     """
 
-    def __init__(self, num_blocks: int, block_size: int,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, device: torch.device | str = "cpu"
+    ) -> None:
         self.block_size = block_size
         self.tags = torch.zeros(num_blocks, block_size, dtype=torch.int64, device=device)
 
@@ -369,8 +382,9 @@ class SlotTags:
         assert slots.shape == values.shape, (slots.shape, values.shape)
         self.tags.view(-1).index_copy_(0, slots.reshape(-1), values.reshape(-1))
 
-    def verify(self, block_tables: torch.Tensor, seq_lens: torch.Tensor | list[int],
-               expected: torch.Tensor) -> list[TagMismatch]:
+    def verify(
+        self, block_tables: torch.Tensor, seq_lens: torch.Tensor | list[int], expected: torch.Tensor
+    ) -> list[TagMismatch]:
         """Positions whose slot, read through the block tables, holds the wrong tag.
 
         ``block_tables`` (S, max_blocks) int64, ``seq_lens`` (S,), ``expected`` (S, max_len)
@@ -382,31 +396,36 @@ class SlotTags:
         seq_lens = torch.as_tensor(seq_lens, dtype=torch.int64, device=device)
         expected = torch.as_tensor(expected, dtype=torch.int64, device=device)
         max_len = expected.shape[1]
-        pos = torch.arange(max_len, dtype=torch.int64, device=device)     # (max_len,)
-        valid = pos.unsqueeze(0) < seq_lens.unsqueeze(1)                  # (S, max_len)
-        assert int(seq_lens.max()) <= block_tables.shape[1] * self.block_size, \
+        pos = torch.arange(max_len, dtype=torch.int64, device=device)  # (max_len,)
+        valid = pos.unsqueeze(0) < seq_lens.unsqueeze(1)  # (S, max_len)
+        assert int(seq_lens.max()) <= block_tables.shape[1] * self.block_size, (
             "a sequence is longer than its block table covers"
+        )
         # Positions past a table's end are masked out by ``valid``; clamp just keeps the
         # gather in range.
         block_idx = torch.clamp(pos // self.block_size, max=block_tables.shape[1] - 1)
-        blocks = block_tables[:, block_idx]                               # (S, max_len)
-        slots = blocks * self.block_size + pos % self.block_size          # same as attention
-        got = self.tags.view(-1)[slots]                                   # (S, max_len)
+        blocks = block_tables[:, block_idx]  # (S, max_len)
+        slots = blocks * self.block_size + pos % self.block_size  # same as attention
+        got = self.tags.view(-1)[slots]  # (S, max_len)
         bad = (got != expected) & valid
         if not bad.any():
             return []
         seq_i, pos_i = bad.nonzero(as_tuple=True)
-        return [TagMismatch(s, p, blocks[s, p].item())
-                for s, p in zip(seq_i.tolist(), pos_i.tolist())]
+        return [
+            TagMismatch(s, p, blocks[s, p].item()) for s, p in zip(seq_i.tolist(), pos_i.tolist())
+        ]
 
-    def check(self, block_tables: torch.Tensor, seq_lens: torch.Tensor | list[int],
-              expected: torch.Tensor) -> None:
+    def check(
+        self, block_tables: torch.Tensor, seq_lens: torch.Tensor | list[int], expected: torch.Tensor
+    ) -> None:
         """Raise ``KVIntegrityError("slot_tag")`` if ``verify`` finds any mismatch."""
         bad = self.verify(block_tables, seq_lens, expected)
         if bad:
             first = bad[0]
             raise KVIntegrityError(
-                "slot_tag", [m.block_id for m in bad],
+                "slot_tag",
+                [m.block_id for m in bad],
                 f"{len(bad)} position(s) read a slot holding another token's K/V (first: "
                 f"sequence {first.seq_index} position {first.position} in block "
-                f"{first.block_id}); the block table or slot mapping is wrong, recompute")
+                f"{first.block_id}); the block table or slot mapping is wrong, recompute",
+            )

@@ -37,8 +37,7 @@ enabled = AVAILABLE
 
 def usable(caches: list[torch.Tensor]) -> bool:
     """True when these kernels can checksum ``caches`` (CPU, contiguous, numba present)."""
-    return enabled and caches[0].device.type == "cpu" and all(
-        c.is_contiguous() for c in caches)
+    return enabled and caches[0].device.type == "cpu" and all(c.is_contiguous() for c in caches)
 
 
 def _checked_indices(index: torch.Tensor, limit: int, what: str) -> np.ndarray:
@@ -51,6 +50,7 @@ def _checked_indices(index: torch.Tensor, limit: int, what: str) -> np.ndarray:
 
 
 if AVAILABLE:
+
     @numba.njit(cache=True, nogil=True, boundscheck=False)
     def _block_sums_kernel(layers, block_ids, limb_keys, offset_keys, out):  # pragma: no cover
         # layers[l]: (2, num_blocks, block_size, limbs) int32; limb_keys: (L, 2, limbs)
@@ -110,8 +110,7 @@ def _layer_views(caches: list[torch.Tensor]):
         views = _TypedList()
         for cache in caches:
             two, num_blocks, block_size = cache.shape[:3]
-            views.append(cache.view(torch.int32).reshape(two, num_blocks, block_size, -1)
-                         .numpy())
+            views.append(cache.view(torch.int32).reshape(two, num_blocks, block_size, -1).numpy())
         _VIEWS[key] = views
         if len(_VIEWS) > _MAX_VIEWS:
             _VIEWS.popitem(last=False)
@@ -120,19 +119,23 @@ def _layer_views(caches: list[torch.Tensor]):
     return views
 
 
-def block_sums(caches: list[torch.Tensor], block_ids: torch.Tensor, limb_keys: torch.Tensor,
-               offset_keys: torch.Tensor) -> torch.Tensor:
+def block_sums(
+    caches: list[torch.Tensor],
+    block_ids: torch.Tensor,
+    limb_keys: torch.Tensor,
+    offset_keys: torch.Tensor,
+) -> torch.Tensor:
     """Block checksums, the value ``integrity.block_checksums`` defines. (n,) int64."""
     ids = _checked_indices(block_ids, caches[0].shape[1], "block id")
     out = np.empty(ids.shape[0], dtype=np.int64)
     if ids.shape[0]:
-        _block_sums_kernel(_layer_views(caches), ids, limb_keys.numpy(),
-                           offset_keys.numpy(), out)
+        _block_sums_kernel(_layer_views(caches), ids, limb_keys.numpy(), offset_keys.numpy(), out)
     return torch.from_numpy(out)
 
 
-def slot_sums(caches: list[torch.Tensor], slots: torch.Tensor,
-              limb_keys: torch.Tensor) -> torch.Tensor:
+def slot_sums(
+    caches: list[torch.Tensor], slots: torch.Tensor, limb_keys: torch.Tensor
+) -> torch.Tensor:
     """Slot checksums, the value ``integrity.slot_checksums`` defines. (n,) int64."""
     flat = _checked_indices(slots, caches[0].shape[1] * caches[0].shape[2], "slot")
     out = np.empty(flat.shape[0], dtype=np.int64)

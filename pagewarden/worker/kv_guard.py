@@ -52,7 +52,7 @@ from typing import Literal
 import torch
 
 from pagewarden.kv.swap_space import BlockSwap
-from pagewarden.sched.output import KVFault, SchedulerOutput, ScheduledRequest
+from pagewarden.sched.output import KVFault, ScheduledRequest, SchedulerOutput
 from pagewarden.worker.integrity import (
     ROOT_TAG,
     SlotTags,
@@ -73,9 +73,9 @@ _RANK = {name: i for i, name in enumerate(INTEGRITY_LEVELS)}
 class GuardCounters:
     """Checks run and failures found, by kind. Monotonic."""
 
-    tag_checks: int = 0          # context positions whose tag was compared
-    block_verifies: int = 0      # block checksums recomputed and compared
-    slot_verifies: int = 0       # slot checksums recomputed and compared (open blocks, seal)
+    tag_checks: int = 0  # context positions whose tag was compared
+    block_verifies: int = 0  # block checksums recomputed and compared
+    slot_verifies: int = 0  # slot checksums recomputed and compared (open blocks, seal)
     seals: int = 0
     scrubbed_blocks: int = 0
     failures: dict[str, int] = field(default_factory=dict)  # "<kind>/<found_by>" -> count
@@ -84,9 +84,15 @@ class GuardCounters:
 class KVGuard:
     """Integrity state and checks for one ``KVStore``; used only by the model runner."""
 
-    def __init__(self, caches: list[torch.Tensor], block_size: int, level: str = "standard",
-                 scrub_blocks_per_step: int = 4, root_tag: int = ROOT_TAG,
-                 num_host_blocks: int = 0) -> None:
+    def __init__(
+        self,
+        caches: list[torch.Tensor],
+        block_size: int,
+        level: str = "standard",
+        scrub_blocks_per_step: int = 4,
+        root_tag: int = ROOT_TAG,
+        num_host_blocks: int = 0,
+    ) -> None:
         if level not in _RANK:
             raise ValueError(f"integrity level {level!r} is not one of {INTEGRITY_LEVELS}")
         self.caches = caches
@@ -105,11 +111,11 @@ class KVGuard:
         self.slot_sums = torch.zeros(n_slots, dtype=torch.int64, device=device)
         self.block_sums = torch.zeros(self.num_blocks, dtype=torch.int64, device=device)
         self.sealed = torch.zeros(self.num_blocks, dtype=torch.bool, device=device)
-        self._chains: dict[str, list[int]] = {}   # req_id -> tag of each position
+        self._chains: dict[str, list[int]] = {}  # req_id -> tag of each position
         self._chain_tensors: dict[str, torch.Tensor] = {}
-        self._seen: set[str] = set()               # requests whose context was verified
+        self._seen: set[str] = set()  # requests whose context was verified
         self._scrub_cursor = 1
-        self._swapped_in: set[int] = set()         # blocks verified on arrival this step
+        self._swapped_in: set[int] = set()  # blocks verified on arrival this step
         # The host tier's copy of the same state (tags, slot sums, seals, block sums).
         self.host = _TierState(num_host_blocks, block_size)
         if self.sums_on:
@@ -190,9 +196,12 @@ class KVGuard:
             return []
         bs = self.block_size
         whole = [w.dst for w in swaps if w.num_slots == bs and bool(self.sealed[w.dst])]
-        slots = [w.dst * bs + o for w in swaps
-                 if not (w.num_slots == bs and bool(self.sealed[w.dst]))
-                 for o in range(w.num_slots)]
+        slots = [
+            w.dst * bs + o
+            for w in swaps
+            if not (w.num_slots == bs and bool(self.sealed[w.dst]))
+            for o in range(w.num_slots)
+        ]
         bad = self._verify_sealed(torch.tensor(whole, dtype=torch.int64))
         bad += self._verify_slots(torch.tensor(slots, dtype=torch.int64))
         # Checked on arrival, good or bad: this step's read checks skip them (a bad one
@@ -200,9 +209,13 @@ class KVGuard:
         self._swapped_in = {w.dst for w in swaps}
         if not bad:
             return []
-        fault = KVFault("checksum", tuple(sorted(set(bad))), {}, "swap_in",
-                        "a block swapped in from the host tier does not hold what was "
-                        "swapped out")
+        fault = KVFault(
+            "checksum",
+            tuple(sorted(set(bad))),
+            {},
+            "swap_in",
+            "a block swapped in from the host tier does not hold what was swapped out",
+        )
         return self._attach_readers([fault], out.all_requests())
 
     def _device_state(self) -> _TierState:
@@ -251,9 +264,11 @@ class KVGuard:
             rollback[rid] = min(rollback.get(rid, start), start)
             blocks.add(m.block_id)
         first = bad[0]
-        detail = (f"{len(bad)} position(s) read a slot holding another token's K/V; first: "
-                  f"request {reqs[first.seq_index].req_id} position {first.position} in "
-                  f"block {first.block_id}")
+        detail = (
+            f"{len(bad)} position(s) read a slot holding another token's K/V; first: "
+            f"request {reqs[first.seq_index].req_id} position {first.position} in "
+            f"block {first.block_id}"
+        )
         return [KVFault("slot_tag", tuple(sorted(blocks)), rollback, "read", detail)]
 
     def _check_contents(self, reqs: list[ScheduledRequest]) -> list[KVFault]:
@@ -272,7 +287,7 @@ class KVGuard:
                 open_slots.extend(range(base, base + n % bs))
         faults: list[KVFault] = []
         full.discard(0)
-        full -= self._swapped_in   # verified on arrival in this very step
+        full -= self._swapped_in  # verified on arrival in this very step
         if full:
             ids = torch.tensor(sorted(full), dtype=torch.int64)
             sealed = self.sealed[ids]
@@ -285,13 +300,27 @@ class KVGuard:
                 bad += self._verify_slots(slots)
             found_by = "read" if self.strict else "reuse"
             if bad:
-                faults.append(KVFault("checksum", tuple(sorted(set(bad))), {}, found_by,
-                                      "context block content changed since it was sealed"))
+                faults.append(
+                    KVFault(
+                        "checksum",
+                        tuple(sorted(set(bad))),
+                        {},
+                        found_by,
+                        "context block content changed since it was sealed",
+                    )
+                )
         if open_slots:
             bad = self._verify_slots(torch.tensor(open_slots, dtype=torch.int64))
             if bad:
-                faults.append(KVFault("checksum", tuple(sorted(set(bad))), {}, "read",
-                                      "an open block's slot changed since it was written"))
+                faults.append(
+                    KVFault(
+                        "checksum",
+                        tuple(sorted(set(bad))),
+                        {},
+                        "read",
+                        "an open block's slot changed since it was written",
+                    )
+                )
         return faults
 
     def _verify_sealed(self, ids: torch.Tensor) -> list[int]:
@@ -331,18 +360,25 @@ class KVGuard:
         if not sealed_ids.numel():
             return []
         after = sealed_ids[sealed_ids >= self._scrub_cursor]
-        picked = torch.cat([after, sealed_ids])[: min(self.scrub_blocks_per_step,
-                                                      sealed_ids.numel())]
+        picked = torch.cat([after, sealed_ids])[
+            : min(self.scrub_blocks_per_step, sealed_ids.numel())
+        ]
         self._scrub_cursor = int(picked[-1]) + 1
         self.counters.scrubbed_blocks += picked.numel()
         bad = self._verify_sealed(picked)
         if not bad:
             return []
-        return [KVFault("checksum", tuple(bad), {}, "scrub",
-                        "the scrubber found a sealed block whose content changed")]
+        return [
+            KVFault(
+                "checksum",
+                tuple(bad),
+                {},
+                "scrub",
+                "the scrubber found a sealed block whose content changed",
+            )
+        ]
 
-    def _attach_readers(self, faults: list[KVFault],
-                        reqs: list[ScheduledRequest]) -> list[KVFault]:
+    def _attach_readers(self, faults: list[KVFault], reqs: list[ScheduledRequest]) -> list[KVFault]:
         """Add every scheduled request that reads a failed block to its fault's rollback."""
         if not faults:
             return faults
@@ -367,8 +403,9 @@ class KVGuard:
         self.counters.failures[key] = self.counters.failures.get(key, 0) + 1
 
     # ------------------------------------------------------------ after forward
-    def after_write(self, out: SchedulerOutput, slot_mapping: torch.Tensor,
-                    skip: set[str]) -> list[KVFault]:
+    def after_write(
+        self, out: SchedulerOutput, slot_mapping: torch.Tensor, skip: set[str]
+    ) -> list[KVFault]:
         """Record the step's tags and write-time sums, check every read, seal full blocks.
 
         ``slot_mapping`` is the flat (T,) slot tensor the forward pass scattered into;
@@ -388,14 +425,14 @@ class KVGuard:
         for r in out.all_requests():
             start, stop = r.positions.start, r.positions.stop
             tags.append(self._chain_tensor(r, stop)[start:stop])
-            first = (start + bs - 1) // bs   # blocks that start inside this step
-            new_blocks.extend(r.block_table[first:(stop + bs - 1) // bs])
+            first = (start + bs - 1) // bs  # blocks that start inside this step
+            new_blocks.extend(r.block_table[first : (stop + bs - 1) // bs])
             if r.req_id not in skip:
                 # Blocks this step filled: [start // bs, first) had slots written by
                 # earlier steps and are re-read at seal; [first, stop // bs) were written
                 # whole by this step, from which the sums were just taken.
-                to_seal.extend(r.block_table[start // bs:min(first, stop // bs)])
-                fresh.extend(r.block_table[first:stop // bs])
+                to_seal.extend(r.block_table[start // bs : min(first, stop // bs)])
+                fresh.extend(r.block_table[first : stop // bs])
         if new_blocks:
             fresh_ids = torch.tensor(new_blocks, dtype=torch.int64)
             self.sealed[fresh_ids] = False
@@ -424,7 +461,8 @@ class KVGuard:
         the same bytes, so reading the blocks again would verify nothing new."""
         ids = torch.tensor(block_ids, dtype=torch.int64)
         self.block_sums[ids] = combine_slot_checksums(
-            self.slot_sums.view(self.num_blocks, self.block_size)[ids])
+            self.slot_sums.view(self.num_blocks, self.block_size)[ids]
+        )
         self.sealed[ids] = True
         self.counters.seals += ids.numel()
 
@@ -432,7 +470,8 @@ class KVGuard:
         """Seal full blocks from their write-time slot sums, after re-reading them."""
         ids = torch.tensor(block_ids, dtype=torch.int64)
         recorded = combine_slot_checksums(
-            self.slot_sums.view(self.num_blocks, self.block_size)[ids])
+            self.slot_sums.view(self.num_blocks, self.block_size)[ids]
+        )
         actual = block_checksums(self.caches, ids)
         ok = actual == recorded
         self.counters.seals += int(ok.sum())
@@ -442,8 +481,15 @@ class KVGuard:
         if bool(ok.all()):
             return []
         bad = ids[~ok].tolist()
-        return [KVFault("checksum", tuple(bad), {}, "seal",
-                        "a slot changed between its write and the block's seal")]
+        return [
+            KVFault(
+                "checksum",
+                tuple(bad),
+                {},
+                "seal",
+                "a slot changed between its write and the block's seal",
+            )
+        ]
 
     # ------------------------------------------------------------ quarantine
     def unseal(self, block_ids) -> None:
@@ -482,16 +528,26 @@ class _TierState:
         self.block_sums = torch.zeros(num_blocks, dtype=torch.int64)
 
     @classmethod
-    def of(cls, tags: torch.Tensor, slot_sums: torch.Tensor, sealed: torch.Tensor,
-           block_sums: torch.Tensor) -> _TierState:
+    def of(
+        cls,
+        tags: torch.Tensor,
+        slot_sums: torch.Tensor,
+        sealed: torch.Tensor,
+        block_sums: torch.Tensor,
+    ) -> _TierState:
         state = cls.__new__(cls)
         state.tags, state.slot_sums, state.sealed, state.block_sums = (
-            tags, slot_sums, sealed, block_sums)
+            tags,
+            slot_sums,
+            sealed,
+            block_sums,
+        )
         return state
 
 
-def _copy_state(source: _TierState, src: torch.Tensor, target: _TierState,
-                dst: torch.Tensor) -> None:
+def _copy_state(
+    source: _TierState, src: torch.Tensor, target: _TierState, dst: torch.Tensor
+) -> None:
     """Block ``src[i]`` of ``source`` -> block ``dst[i]`` of ``target`` (all state)."""
     bs = source.tags.shape[1]
     device = target.tags.device

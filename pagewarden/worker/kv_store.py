@@ -23,8 +23,18 @@ import torch
 
 from pagewarden.kv.swap_space import BlockSwap
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 class KVCacheSizeError(ValueError):
@@ -67,8 +77,14 @@ class KVCacheShape:
 
     @classmethod
     def from_budget(
-        cls, memory: int | str, *, num_layers: int, block_size: int, num_kv_heads: int,
-        head_dim: int, dtype: torch.dtype,
+        cls,
+        memory: int | str,
+        *,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
     ) -> KVCacheShape:
         """The largest cache that fits in ``memory`` bytes."""
         probe = cls(num_layers, 1, block_size, num_kv_heads, head_dim, dtype)
@@ -85,25 +101,44 @@ class KVStore:
     """Owns the per-layer cache tensors (device and host tier) and applies copy-on-write
     and swap copies."""
 
-    def __init__(self, shape: KVCacheShape, device: torch.device | str = "cpu",
-                 num_host_blocks: int = 0) -> None:
+    def __init__(
+        self, shape: KVCacheShape, device: torch.device | str = "cpu", num_host_blocks: int = 0
+    ) -> None:
         if shape.num_blocks < 2:
             raise KVCacheSizeError("the KV cache needs at least 2 blocks (block 0 is reserved)")
         self.shape = shape
         self.caches: list[torch.Tensor] = [
             # (2, num_blocks, block_size, num_kv_heads, head_dim)
-            torch.zeros(2, shape.num_blocks, shape.block_size, shape.num_kv_heads,
-                        shape.head_dim, dtype=shape.dtype, device=device)
+            torch.zeros(
+                2,
+                shape.num_blocks,
+                shape.block_size,
+                shape.num_kv_heads,
+                shape.head_dim,
+                dtype=shape.dtype,
+                device=device,
+            )
             for _ in range(shape.num_layers)
         ]
         self.num_host_blocks = num_host_blocks
         pin = torch.device(device).type == "cuda"
-        self.host_caches: list[torch.Tensor] = [
-            # (2, num_host_blocks, block_size, num_kv_heads, head_dim), host memory
-            torch.zeros(2, num_host_blocks, shape.block_size, shape.num_kv_heads,
-                        shape.head_dim, dtype=shape.dtype, pin_memory=pin)
-            for _ in range(shape.num_layers)
-        ] if num_host_blocks else []
+        self.host_caches: list[torch.Tensor] = (
+            [
+                # (2, num_host_blocks, block_size, num_kv_heads, head_dim), host memory
+                torch.zeros(
+                    2,
+                    num_host_blocks,
+                    shape.block_size,
+                    shape.num_kv_heads,
+                    shape.head_dim,
+                    dtype=shape.dtype,
+                    pin_memory=pin,
+                )
+                for _ in range(shape.num_layers)
+            ]
+            if num_host_blocks
+            else []
+        )
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy each ``src`` block into ``dst`` in every layer (copy-on-write)."""
@@ -123,8 +158,9 @@ class KVStore:
         self._copy_between(self.host_caches, self.caches, swaps)
 
     @staticmethod
-    def _copy_between(sources: list[torch.Tensor], targets: list[torch.Tensor],
-                      swaps: list[BlockSwap]) -> None:
+    def _copy_between(
+        sources: list[torch.Tensor], targets: list[torch.Tensor], swaps: list[BlockSwap]
+    ) -> None:
         if not swaps:
             return
         assert targets, "swap copies need a host tier (num_host_blocks > 0)"

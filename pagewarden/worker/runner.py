@@ -20,13 +20,24 @@ class ModelRunner:
     a check, and the scheduler recomputes them.
     """
 
-    def __init__(self, model: LlamaForCausalLM, kv_store: KVStore, vocab_size: int,
-                 seed: int = 0, integrity: str = "standard",
-                 scrub_blocks_per_step: int = 4) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_store: KVStore,
+        vocab_size: int,
+        seed: int = 0,
+        integrity: str = "standard",
+        scrub_blocks_per_step: int = 4,
+    ) -> None:
         self.model = model
         self.kv_store = kv_store
-        self.guard = KVGuard(kv_store.caches, kv_store.shape.block_size, integrity,
-                             scrub_blocks_per_step, num_host_blocks=kv_store.num_host_blocks)
+        self.guard = KVGuard(
+            kv_store.caches,
+            kv_store.shape.block_size,
+            integrity,
+            scrub_blocks_per_step,
+            num_host_blocks=kv_store.num_host_blocks,
+        )
         generator = torch.Generator().manual_seed(seed)
         self.sampler = Sampler(vocab_size, generator)
 
@@ -66,19 +77,24 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sampled.append(req)
         meta = AttentionMetadata.build(
-            query_lens=query_lens, context_lens=context_lens, block_tables=block_tables,
-            slot_mapping=slot_mapping, block_size=self.kv_store.shape.block_size,
+            query_lens=query_lens,
+            context_lens=context_lens,
+            block_tables=block_tables,
+            slot_mapping=slot_mapping,
+            block_size=self.kv_store.shape.block_size,
             device=self.kv_store.caches[0].device,
         )
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long),  # (T,)
             torch.tensor(positions, dtype=torch.long),  # (T,)
-            self.kv_store.caches, meta,
+            self.kv_store.caches,
+            meta,
         )  # (T, hidden)
         if guard.tags_on:
             faulted = _faulted(faults)
             faults = faults + guard.after_write(
-                out, torch.tensor(slot_mapping, dtype=torch.long), faulted)
+                out, torch.tensor(slot_mapping, dtype=torch.long), faulted
+            )
             if faults:
                 faulted = _faulted(faults)
                 keep = [i for i, r in enumerate(sampled) if r.req_id not in faulted]
@@ -88,9 +104,13 @@ class ModelRunner:
             return ModelRunnerOutput(sampled_token_ids={}, faults=faults)
         logits = self.model.compute_logits(hidden[sample_rows])  # (S, vocab) float32
         rows = [
-            SamplingRow(params=r.sampling_params, prompt_token_ids=r.prompt_token_ids,
-                        output_token_ids=r.output_token_ids, seed=r.seed,
-                        sample_index=r.sample_index)
+            SamplingRow(
+                params=r.sampling_params,
+                prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=r.output_token_ids,
+                seed=r.seed,
+                sample_index=r.sample_index,
+            )
             for r in sampled
         ]
         result = self.sampler(logits, rows)

@@ -112,9 +112,7 @@ def apply_penalties(
     return logits - freq * out_counts.to(logits) - pres * (out_counts > 0).to(logits)
 
 
-def apply_top_k_top_p_min_p(
-    logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor
-) -> Tensor:
+def apply_top_k_top_p_min_p(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
     """Mask (to -inf) tokens outside each row's top_k / top_p / min_p set.
 
     ``logits`` is (S, V) already divided by temperature; ``top_k`` is (S,) int64 with

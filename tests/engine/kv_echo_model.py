@@ -55,7 +55,7 @@ class KVEchoModel:
             n = len(req.token_ids)
             stop = req.positions.stop
             pos = torch.arange(stop)
-            table = torch.tensor(req.block_table[:(stop + bs - 1) // bs], dtype=torch.int64)
+            table = torch.tensor(req.block_table[: (stop + bs - 1) // bs], dtype=torch.int64)
             read = table[pos // bs] * bs + pos % bs
             total = torch.zeros((), dtype=torch.float64)
             for cache in caches:
@@ -78,14 +78,25 @@ class KVEchoModel:
 def echo_engine(tokenizer_dir, **config) -> EngineCore:
     """An ``EngineCore`` over ``KVEchoModel`` (float32 cache, real scheduler and guard)."""
     block_size = config.get("block_size", 4)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=8, intermediate_size=8,
-                      num_hidden_layers=LAYERS, num_attention_heads=KV_HEADS,
-                      num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                      max_position_embeddings=config.pop("max_model_len", 512),
-                      eos_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=KV_HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=config.pop("max_model_len", 512),
+        eos_token_id=2,
+    )
     model = KVEchoModel(block_size)
-    loaded = LoadedModel(model=model, config=cfg, tokenizer=Tokenizer.from_hf_dir(tokenizer_dir),
-                         name="kv-echo", path=tokenizer_dir)
+    loaded = LoadedModel(
+        model=model,
+        config=cfg,
+        tokenizer=Tokenizer.from_hf_dir(tokenizer_dir),
+        name="kv-echo",
+        path=tokenizer_dir,
+    )
     engine = EngineCore(EngineConfig(dtype="float32", **config), loaded)
     execute = engine.runner.execute
 

@@ -21,9 +21,7 @@ SENTENCES = [
 ]
 
 # Characters for random text, many of them multi-byte in UTF-8 and unseen in training.
-ALPHABET = (
-    list("abcdefgh xyz .,!") + list("éüçñ") + list("日本語你好世界") + list("🦊🚀🎉🧠💾")
-)
+ALPHABET = list("abcdefgh xyz .,!") + list("éüçñ") + list("日本語你好世界") + list("🦊🚀🎉🧠💾")
 
 
 class _Adapter:

@@ -25,15 +25,26 @@ def _workload(seed: int, num: int, max_tokens: int = 12):
     """Requests over two shared prefixes; every third one with n = 2."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(3, 500) for _ in range(10)] for _ in range(2)]
-    return [(prefixes[i % 2] + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 9))],
-             SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                            n=2 if i % 3 == 2 else 1))
-            for i in range(num)]
+    return [
+        (
+            prefixes[i % 2] + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 9))],
+            SamplingParams(
+                temperature=0.0, max_tokens=max_tokens, ignore_eos=True, n=2 if i % 3 == 2 else 1
+            ),
+        )
+        for i in range(num)
+    ]
 
 
 def _engine(tiny_llama_dir, integrity: str, num_kv_blocks: int = 48, **kw):
-    return echo_engine(tiny_llama_dir, block_size=4, num_kv_blocks=num_kv_blocks,
-                       integrity=integrity, max_num_batched_tokens=64, **kw)
+    return echo_engine(
+        tiny_llama_dir,
+        block_size=4,
+        num_kv_blocks=num_kv_blocks,
+        integrity=integrity,
+        max_num_batched_tokens=64,
+        **kw,
+    )
 
 
 def _submit(engine, workload) -> None:
@@ -58,6 +69,7 @@ def reference(tiny_llama_dir):
             _submit(engine, _workload(seed, num))
             cache[(seed, num)] = run_to_completion(engine)
         return cache[(seed, num)]
+
     return get
 
 
@@ -81,10 +93,13 @@ def test_no_false_positives_over_10k_clean_steps(tiny_llama_dir) -> None:
         while len(engine.scheduler.waiting) + len(engine.scheduler.running) < 6:
             ids = [rng.randrange(3, 500) for _ in range(rng.randrange(1, 14))]
             if rng.random() < 0.5:
-                ids = [7, 8, 9, 10, 11, 12, 13, 14] + ids   # shared prefix
-            params = SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 40),
-                                    ignore_eos=True,
-                                    n=rng.choice([1, 1, 2]))
+                ids = [7, 8, 9, 10, 11, 12, 13, 14] + ids  # shared prefix
+            params = SamplingParams(
+                temperature=0.0,
+                max_tokens=rng.randrange(1, 40),
+                ignore_eos=True,
+                n=rng.choice([1, 1, 2]),
+            )
             engine.add_request(f"r{next_id}", ids, params)
             next_id += 1
             engine._apply_pending()
@@ -103,8 +118,9 @@ def test_no_false_positives_over_10k_clean_steps(tiny_llama_dir) -> None:
 
 
 @pytest.mark.parametrize("kind", FAULT_KINDS)
-def test_each_detector_fires_and_recovery_matches_fault_free(tiny_llama_dir, reference,
-                                                            kind: str) -> None:
+def test_each_detector_fires_and_recovery_matches_fault_free(
+    tiny_llama_dir, reference, kind: str
+) -> None:
     swap = kind == "swap_corruption"
     # A host tier for the swap fault (preemption then swaps instead of recomputing).
     engine = _engine(tiny_llama_dir, "strict", num_swap_blocks=24 if swap else None)
@@ -116,8 +132,11 @@ def test_each_detector_fires_and_recovery_matches_fault_free(tiny_llama_dir, ref
     # A swap fault waits for a swapped-out request: offer it more chances.
     fault_steps = range(3, 60, 3) if swap else (3, 9, 15, 21)
     while engine.has_unfinished():
-        if step in fault_steps and engine.scheduler.running and (
-                not swap or len(injector.faults) < 4):
+        if (
+            step in fault_steps
+            and engine.scheduler.running
+            and (not swap or len(injector.faults) < 4)
+        ):
             injected.append(injector.inject(kind))
         for out in engine.step():
             if out.finished:
@@ -167,19 +186,21 @@ def test_standard_finds_sealed_flips_by_scrub_within_bounded_steps(tiny_llama_di
     _assert_pool_clean(engine)
 
 
-def test_reuse_of_a_corrupted_prefix_block_is_caught_before_the_hit_is_read(
-        tiny_llama_dir) -> None:
+def test_reuse_of_a_corrupted_prefix_block_is_caught_before_the_hit_is_read(tiny_llama_dir) -> None:
     engine = _engine(tiny_llama_dir, "standard", scrub_blocks_per_step=0)
-    prefix = list(range(20, 36))                       # 4 full blocks
-    engine.add_request("a", prefix + [40], SamplingParams(temperature=0.0, max_tokens=2,
-                                                                ignore_eos=True))
+    prefix = list(range(20, 36))  # 4 full blocks
+    engine.add_request(
+        "a", prefix + [40], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    )
     run_to_completion(engine)
     cached = [b.block_id for b in engine.scheduler.kv.pool.blocks if b.block_hash is not None]
     assert cached
     from pagewarden.faults.kv_faults import flip_bit
+
     flip_bit(engine.kv_store.caches, cached[0], 0, random.Random(0))
-    engine.add_request("b", prefix + [41], SamplingParams(temperature=0.0, max_tokens=2,
-                                                                ignore_eos=True))
+    engine.add_request(
+        "b", prefix + [41], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    )
     run_to_completion(engine)
     s = engine.stats().integrity
     assert s.failures.get("checksum/reuse") == 1
@@ -189,15 +210,18 @@ def test_reuse_of_a_corrupted_prefix_block_is_caught_before_the_hit_is_read(
 
 def test_foreign_thread_mutation_raises_and_is_counted(tiny_llama_dir) -> None:
     engine = _engine(tiny_llama_dir, "audit")
-    engine.add_request("a", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3,
-                                                            ignore_eos=True))
-    engine.step()                                         # this thread now owns the state
+    engine.add_request(
+        "a", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    )
+    engine.step()  # this thread now owns the state
     errors = []
 
     def mutate() -> None:
-        for call in (lambda: engine.scheduler.kv.pool.get_new_blocks(1),
-                     lambda: engine.scheduler.schedule(),
-                     lambda: engine.scheduler.abort_requests(["a"])):
+        for call in (
+            lambda: engine.scheduler.kv.pool.get_new_blocks(1),
+            lambda: engine.scheduler.schedule(),
+            lambda: engine.scheduler.abort_requests(["a"]),
+        ):
             try:
                 call()
             except KVOwnershipError as exc:
@@ -216,16 +240,18 @@ def test_foreign_thread_mutation_raises_and_is_counted(tiny_llama_dir) -> None:
 def test_unrecoverable_fault_fails_the_request_with_a_clear_reason(tiny_llama_dir) -> None:
     """A request that needs every usable block cannot survive a block being retired."""
     engine = _engine(tiny_llama_dir, "strict", num_kv_blocks=6)  # 5 usable blocks of 4
-    engine.add_request("big", [5] * 10, SamplingParams(temperature=0.0, max_tokens=10,
-                                                       ignore_eos=True))
-    engine.add_request("small", [6] * 3, SamplingParams(temperature=0.0, max_tokens=2,
-                                                        ignore_eos=True))
+    engine.add_request(
+        "big", [5] * 10, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    )
+    engine.add_request(
+        "small", [6] * 3, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    )
     outputs = {}
     for _ in range(2):
         outputs.update((o.request_id, o) for o in engine.step() if o.finished)
     pool = engine.scheduler.kv.pool
     spare = next(iter(pool.free_queue))
-    for _ in range(3):                      # a block that failed three checks: retired
+    for _ in range(3):  # a block that failed three checks: retired
         pool.quarantine(spare.block_id)
     assert spare.block_id in pool.retired
     injector = FaultInjector(engine, seed=0)
@@ -258,13 +284,16 @@ def test_integrity_level_is_validated() -> None:
         LLM(model="unused", integrity="paranoid")
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(swap_space=-1.0), "swap_space"),
-    (dict(num_swap_blocks=-2), "num_swap_blocks"),
-    (dict(swap_space=1.0, num_swap_blocks=4), "not both"),
-    (dict(preemption_mode="spill"), "preemption_mode"),
-    (dict(preemption_mode="swap"), "host tier"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(swap_space=-1.0), "swap_space"),
+        (dict(num_swap_blocks=-2), "num_swap_blocks"),
+        (dict(swap_space=1.0, num_swap_blocks=4), "not both"),
+        (dict(preemption_mode="spill"), "preemption_mode"),
+        (dict(preemption_mode="swap"), "host tier"),
+    ],
+)
 def test_swap_arguments_are_validated(kw, match) -> None:
     with pytest.raises(EngineConfigError, match=match):
         LLM(model="unused", **kw)

@@ -22,38 +22,82 @@ from pagewarden.sampling_params import SamplingParams
 EXAMPLES = int(os.environ.get("PAGEWARDEN_HYPOTHESIS_EXAMPLES_ENGINE", "30"))
 PREFIX = [11, 12, 13, 14, 15, 16, 17, 18]
 
-_add = st.tuples(st.just("add"), st.booleans(),
-                 st.lists(st.integers(3, 500), min_size=1, max_size=9),
-                 st.integers(1, 14), st.sampled_from([1, 1, 2]))
-_op = st.one_of(_add, st.tuples(st.just("step"), st.integers(1, 4)),
-                st.tuples(st.just("fault"), st.sampled_from(FAULT_KINDS)),
-                st.tuples(st.just("abort"), st.integers(0, 30)))
+_add = st.tuples(
+    st.just("add"),
+    st.booleans(),
+    st.lists(st.integers(3, 500), min_size=1, max_size=9),
+    st.integers(1, 14),
+    st.sampled_from([1, 1, 2]),
+)
+_op = st.one_of(
+    _add,
+    st.tuples(st.just("step"), st.integers(1, 4)),
+    st.tuples(st.just("fault"), st.sampled_from(FAULT_KINDS)),
+    st.tuples(st.just("abort"), st.integers(0, 30)),
+)
 
 
 def _params(max_tokens: int, n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, n=n)
 
 
-@settings(max_examples=EXAMPLES, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(ops=st.lists(_op, min_size=4, max_size=30))
 # Found by hypothesis: two use-after-free faults on one request; the rollback for the
 # first dropped the second stale ref, which the injector still counted as read.
-@example(ops=[("step", 1), ("step", 1), ("step", 1), ("fault", "open_bitflip"),
-              ("add", False, [3, 3], 4, 1), ("step", 3), ("add", True, [3], 2, 1),
-              ("step", 1), ("fault", "use_after_free"), ("fault", "use_after_free")])
+@example(
+    ops=[
+        ("step", 1),
+        ("step", 1),
+        ("step", 1),
+        ("fault", "open_bitflip"),
+        ("add", False, [3, 3], 4, 1),
+        ("step", 3),
+        ("add", True, [3], 2, 1),
+        ("step", 1),
+        ("fault", "use_after_free"),
+        ("fault", "use_after_free"),
+    ]
+)
 # Found by hypothesis: a write redirected away from a fresh block's slot that still held
 # an earlier owner's tag for the same tokens; the read there passed the tag check. Fresh
 # blocks now start with zeroed tags. The second example: the same, with that slot's K/V
 # also corrupted by a use-after-free, so a wrong token was released.
-@example(ops=[("step", 1)] * 13 + [("add", False, [3], 3, 2), ("step", 1), ("step", 1),
-                                   ("add", False, [3], 1, 1), ("fault", "slot_redirect"),
-                                   ("fault", "use_after_free")])
-@example(ops=[("add", False, [3], 1, 1), ("add", False, [3], 3, 1), ("step", 1),
-              ("step", 1), ("add", False, [3], 1, 1), ("fault", "slot_redirect")])
+@example(
+    ops=[("step", 1)] * 13
+    + [
+        ("add", False, [3], 3, 2),
+        ("step", 1),
+        ("step", 1),
+        ("add", False, [3], 1, 1),
+        ("fault", "slot_redirect"),
+        ("fault", "use_after_free"),
+    ]
+)
+@example(
+    ops=[
+        ("add", False, [3], 1, 1),
+        ("add", False, [3], 3, 1),
+        ("step", 1),
+        ("step", 1),
+        ("add", False, [3], 1, 1),
+        ("fault", "slot_redirect"),
+    ]
+)
 def test_strict_never_releases_a_token_computed_from_altered_kv(tiny_llama_dir, ops) -> None:
-    engine = echo_engine(tiny_llama_dir, block_size=4, num_kv_blocks=24, integrity="strict",
-                         max_num_batched_tokens=32, audit_interval=5, num_swap_blocks=8)
+    engine = echo_engine(
+        tiny_llama_dir,
+        block_size=4,
+        num_kv_blocks=24,
+        integrity="strict",
+        max_num_batched_tokens=32,
+        audit_interval=5,
+        num_swap_blocks=8,
+    )
     injector = FaultInjector(engine, seed=len(ops))
     added: dict[str, tuple[list[int], int, int]] = {}
     aborted: set[str] = set()
@@ -94,8 +138,9 @@ def test_strict_never_releases_a_token_computed_from_altered_kv(tiny_llama_dir, 
     assert s.integrity.invariant_violations == 0
     assert s.used_blocks == 0 and engine.scheduler.check_invariants() == []
 
-    clean = echo_engine(tiny_llama_dir, block_size=4, num_kv_blocks=24, integrity="off",
-                        max_num_batched_tokens=32)
+    clean = echo_engine(
+        tiny_llama_dir, block_size=4, num_kv_blocks=24, integrity="off", max_num_batched_tokens=32
+    )
     for rid, (prompt, max_tokens, n) in added.items():
         if rid not in aborted:
             clean.add_request(rid, prompt, _params(max_tokens, n))

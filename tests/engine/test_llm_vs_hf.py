@@ -69,8 +69,13 @@ def test_sixteen_mixed_prompts_one_batch(tiny_llama_dir, vocab):
 
 def test_chunked_prefill_small_token_budget(tiny_llama_dir, vocab):
     prompts = random_prompts(4, vocab, 20, 45, seed=2)
-    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, block_size=4,
-              max_num_batched_tokens=7)
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        num_kv_blocks=128,
+        block_size=4,
+        max_num_batched_tokens=7,
+    )
     assert run_engine(llm, prompts, 10) == hf_greedy(tiny_llama_dir, prompts, 10)
     assert llm.stats().num_steps > 45 // 7
     assert_pool_idle(llm)
@@ -78,8 +83,13 @@ def test_chunked_prefill_small_token_budget(tiny_llama_dir, vocab):
 
 def test_preemption_small_pool(tiny_llama_dir, vocab):
     prompts = random_prompts(8, vocab, 10, 20, seed=3)
-    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=20, block_size=4,
-              enable_prefix_caching=False)
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        num_kv_blocks=20,
+        block_size=4,
+        enable_prefix_caching=False,
+    )
     assert run_engine(llm, prompts, 20) == hf_greedy(tiny_llama_dir, prompts, 20)
     assert llm.stats().num_preemptions > 0
     assert_pool_idle(llm)
@@ -89,8 +99,14 @@ def test_preemption_small_pool(tiny_llama_dir, vocab):
 def test_swap_preemption_small_pool(tiny_llama_dir, vocab, integrity):
     """Preempted requests go to the host tier and resume; tokens still equal HF's."""
     prompts = random_prompts(8, vocab, 10, 20, seed=3)
-    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=20, block_size=4,
-              num_swap_blocks=16, integrity=integrity)
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        num_kv_blocks=20,
+        block_size=4,
+        num_swap_blocks=16,
+        integrity=integrity,
+    )
     assert run_engine(llm, prompts, 20) == hf_greedy(tiny_llama_dir, prompts, 20)
     stats = llm.stats()
     assert stats.num_preemptions > 0
@@ -105,8 +121,9 @@ def test_swap_preemption_small_pool(tiny_llama_dir, vocab, integrity):
 def test_shared_prefixes_hit_prefix_cache(tiny_llama_dir, vocab):
     rng = random.Random(4)
     prefix = [rng.randrange(3, vocab) for _ in range(24)]
-    prompts = [prefix + [rng.randrange(3, vocab) for _ in range(rng.randint(1, 6))]
-               for _ in range(6)]
+    prompts = [
+        prefix + [rng.randrange(3, vocab) for _ in range(rng.randint(1, 6))] for _ in range(6)
+    ]
     llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, block_size=4)
     expected = hf_greedy(tiny_llama_dir, prompts, 8)
     assert run_engine(llm, prompts[:1], 8) == expected[:1]
@@ -118,8 +135,9 @@ def test_shared_prefixes_hit_prefix_cache(tiny_llama_dir, vocab):
 def test_gqa_model(tmp_path, vocab):
     from conftest import make_tiny_llama
 
-    model_dir = make_tiny_llama(tmp_path / "gqa", num_attention_heads=6, num_key_value_heads=2,
-                                hidden_size=48)
+    model_dir = make_tiny_llama(
+        tmp_path / "gqa", num_attention_heads=6, num_key_value_heads=2, hidden_size=48
+    )
     prompts = random_prompts(5, vocab, 3, 30, seed=5)
     llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=128, block_size=8)
     assert run_engine(llm, prompts, 10) == hf_greedy(model_dir, prompts, 10)
@@ -131,8 +149,7 @@ def test_seeded_sampling_independent_of_batch(tiny_llama_dir, vocab):
     llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=256, block_size=4)
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
     alone = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
-    crowd = llm.generate([{"prompt_token_ids": p} for p in prompts[::-1]], params,
-                         use_tqdm=False)
+    crowd = llm.generate([{"prompt_token_ids": p} for p in prompts[::-1]], params, use_tqdm=False)
     assert alone[0].outputs[0].token_ids == crowd[-1].outputs[0].token_ids
     assert_pool_idle(llm)
 
@@ -154,8 +171,9 @@ def test_impossible_request_rejected(tiny_llama_dir):
 
     llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=8, block_size=4)
     with pytest.raises(RequestRejected, match="KV blocks"):
-        llm.generate([{"prompt_token_ids": [5] * 10}], SamplingParams(max_tokens=40),
-                     use_tqdm=False)
+        llm.generate(
+            [{"prompt_token_ids": [5] * 10}], SamplingParams(max_tokens=40), use_tqdm=False
+        )
     with pytest.raises(RequestRejected, match="empty"):
         llm.generate([{"prompt_token_ids": []}], SamplingParams(max_tokens=4), use_tqdm=False)
     assert_pool_idle(llm)

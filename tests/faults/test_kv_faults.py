@@ -7,7 +7,11 @@ import random
 import torch
 
 from pagewarden.faults.kv_faults import (
-    corrupt_tag, flip_bit, flip_slot_bit, redirect_block_table, undo_bit_flip,
+    corrupt_tag,
+    flip_bit,
+    flip_slot_bit,
+    redirect_block_table,
+    undo_bit_flip,
 )
 from pagewarden.worker.integrity import SlotTags
 
@@ -22,7 +26,7 @@ def test_flip_bit_changes_one_bit_in_named_block() -> None:
     before = [c.clone() for c in caches]
     flip = flip_bit(caches, block_id=3, layer=1, rng=random.Random(1))
     for layer, (a, b) in enumerate(zip(before, caches)):
-        diff = (a.view(torch.uint8) ^ b.view(torch.uint8))
+        diff = a.view(torch.uint8) ^ b.view(torch.uint8)
         if layer != flip.layer:
             assert not diff.any()
             continue
@@ -31,8 +35,9 @@ def test_flip_bit_changes_one_bit_in_named_block() -> None:
         assert nz == [[flip.kv, 3, flip.offset, flip.byte_index]]
         assert int(diff[flip.kv, 3, flip.offset, flip.byte_index]) == 1 << flip.bit
     undo_bit_flip(caches, flip)
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-               for a, b in zip(before, caches))
+    assert all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, caches)
+    )
 
 
 def test_flip_slot_bit_hits_that_slot() -> None:

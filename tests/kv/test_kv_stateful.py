@@ -148,13 +148,13 @@ class KVMachine(RuleBasedStateMachine):
             assert self.kv.has_table(rid)
             return
         assert [(w.src, w.num_slots) for w in swaps] == [
-            (r.block_id, min(BS, computed - i * BS)) for i, r in enumerate(refs)]
+            (r.block_id, min(BS, computed - i * BS)) for i, r in enumerate(refs)
+        ]
         for w in swaps:
             for off in range(w.num_slots):
                 self.host_slots[w.dst * BS + off] = self.slots[w.src * BS + off]
         self.stale.extend(refs)
-        self.swapped[rid] = (self.tokens.pop(rid), self.computed.pop(rid),
-                             self.extra.pop(rid))
+        self.swapped[rid] = (self.tokens.pop(rid), self.computed.pop(rid), self.extra.pop(rid))
         assert not self.kv.has_table(rid) and self.kv.is_swapped(rid)
 
     @precondition(lambda self: self.swapped)

@@ -47,11 +47,13 @@ def test_hash_encoding_is_pinned() -> None:
 
     e = encode_extra_keys("m", "salt")
     tokens = [1, 2**31 + 5, 31999, 0]
-    h0 = blake2b(b"\x00" * 32 + e + struct.pack("<4I", *tokens), digest_size=32,
-                 person=b"pagewarden-kv1").digest()
+    h0 = blake2b(
+        b"\x00" * 32 + e + struct.pack("<4I", *tokens), digest_size=32, person=b"pagewarden-kv1"
+    ).digest()
     assert hash_block_tokens(None, tokens, e) == h0
-    h1 = blake2b(h0 + e + struct.pack("<2I", 5, 6), digest_size=32,
-                 person=b"pagewarden-kv1").digest()
+    h1 = blake2b(
+        h0 + e + struct.pack("<2I", 5, 6), digest_size=32, person=b"pagewarden-kv1"
+    ).digest()
     assert hash_block_tokens(h0, (5, 6), e) == h1
 
 

@@ -1,17 +1,20 @@
 import pytest
 import torch
+from conftest import make_tiny_llama
 from transformers import AutoModelForCausalLM
 
 from pagewarden.models.llama import LlamaConfig
 from pagewarden.models.loader import ModelLoadError, load_model
 from pagewarden.models.paged_attention import AttentionMetadata
-from conftest import make_tiny_llama
 
 BS = 4
 
 
 def new_caches(cfg, num_blocks=16):
-    return [torch.zeros(2, num_blocks, BS, cfg.num_key_value_heads, cfg.head_dim) for _ in range(cfg.num_hidden_layers)]
+    return [
+        torch.zeros(2, num_blocks, BS, cfg.num_key_value_heads, cfg.head_dim)
+        for _ in range(cfg.num_hidden_layers)
+    ]
 
 
 def slots(table, start, n):
@@ -47,14 +50,26 @@ def test_mixed_batch_matches_per_sequence(tiny_llama_dir):
     tables = [[1, 2, 3], [4, 5], [6, 7, 8], [9, 10, 11], [12]]
     caches = new_caches(lm.config)
     # Step 1: prefill the cached contexts, all in one batch.
-    meta = AttentionMetadata.build([c for c, _ in plan], [0] * 5, tables,
-                                   sum((slots(t, 0, c) for t, (c, _) in zip(tables, plan)), []), BS, "cpu")
+    meta = AttentionMetadata.build(
+        [c for c, _ in plan],
+        [0] * 5,
+        tables,
+        sum((slots(t, 0, c) for t, (c, _) in zip(tables, plan)), []),
+        BS,
+        "cpu",
+    )
     ids = sum((s[:c] for s, (c, _) in zip(seqs, plan)), [])
     pos = sum((list(range(c)) for c, _ in plan), [])
     lm.model(torch.tensor(ids), torch.tensor(pos), caches, meta)
     # Step 2: 2 prefill chunks + 3 decodes on top of the cache.
-    meta = AttentionMetadata.build([q for _, q in plan], [c for c, _ in plan], tables,
-                                   sum((slots(t, c, q) for t, (c, q) in zip(tables, plan)), []), BS, "cpu")
+    meta = AttentionMetadata.build(
+        [q for _, q in plan],
+        [c for c, _ in plan],
+        tables,
+        sum((slots(t, c, q) for t, (c, q) in zip(tables, plan)), []),
+        BS,
+        "cpu",
+    )
     ids = sum((s[c:] for s, (c, _) in zip(seqs, plan)), [])
     pos = sum((list(range(c, c + q)) for c, q in plan), [])
     logits = lm.model.compute_logits(lm.model(torch.tensor(ids), torch.tensor(pos), caches, meta))
@@ -63,7 +78,7 @@ def test_mixed_batch_matches_per_sequence(tiny_llama_dir):
     for s, (c, q) in zip(seqs, plan):
         with torch.no_grad():
             want = ref(torch.tensor([s])).logits[0, c:]
-        torch.testing.assert_close(logits[start:start + q], want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logits[start : start + q], want, atol=1e-4, rtol=1e-4)
         start += q
 
 
@@ -87,13 +102,16 @@ def naive_attention(q, cache, query_lens, context_lens, tables, scale):
 
 
 @pytest.mark.parametrize("n_heads,n_kv", [(4, 4), (4, 2), (6, 2), (4, 1)])
-@pytest.mark.parametrize("plan", [
-    [(5, 1), (9, 1), (1, 1), (12, 1)],  # decode, unequal lengths
-    [(7, 1), (7, 1), (7, 1)],  # decode, equal lengths (no mask)
-    [(8, 1), (8, 1)],  # decode, lengths a multiple of the block size
-    [(0, 6), (3, 2), (0, 1), (9, 1)],  # prefill, chunk and decode mixed
-    [(0, 5), (0, 5)],  # prefill, equal lengths
-])
+@pytest.mark.parametrize(
+    "plan",
+    [
+        [(5, 1), (9, 1), (1, 1), (12, 1)],  # decode, unequal lengths
+        [(7, 1), (7, 1), (7, 1)],  # decode, equal lengths (no mask)
+        [(8, 1), (8, 1)],  # decode, lengths a multiple of the block size
+        [(0, 6), (3, 2), (0, 1), (9, 1)],  # prefill, chunk and decode mixed
+        [(0, 5), (0, 5)],  # prefill, equal lengths
+    ],
+)
 def test_paged_attention_matches_naive(n_heads, n_kv, plan):
     from pagewarden.models.paged_attention import paged_attention
 
@@ -107,7 +125,9 @@ def test_paged_attention_matches_naive(n_heads, n_kv, plan):
     slot_mapping = sum((slots(tb, c, n) for tb, (c, n) in zip(tables, plan)), [])
     meta = AttentionMetadata.build(ql, cl, tables, slot_mapping, BS, "cpu")
     got = paged_attention(q, cache, meta, 0.3)
-    torch.testing.assert_close(got, naive_attention(q, cache, ql, cl, tables, 0.3), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        got, naive_attention(q, cache, ql, cl, tables, 0.3), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_decode_steps_match_transformers(tiny_llama_dir):
@@ -118,15 +138,25 @@ def test_decode_steps_match_transformers(tiny_llama_dir):
     seqs = [torch.randint(3, 500, (n + 4,), generator=g).tolist() for n in lens]
     tables = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]]
     caches = new_caches(lm.config)
-    meta = AttentionMetadata.build(lens, [0] * 4, tables, sum((slots(t, 0, n) for t, n in zip(tables, lens)), []), BS, "cpu")
-    lm.model(torch.tensor(sum((s[:n] for s, n in zip(seqs, lens)), [])),
-             torch.tensor(sum((list(range(n)) for n in lens), [])), caches, meta)
+    meta = AttentionMetadata.build(
+        lens, [0] * 4, tables, sum((slots(t, 0, n) for t, n in zip(tables, lens)), []), BS, "cpu"
+    )
+    lm.model(
+        torch.tensor(sum((s[:n] for s, n in zip(seqs, lens)), [])),
+        torch.tensor(sum((list(range(n)) for n in lens), [])),
+        caches,
+        meta,
+    )
     ref = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     for step in range(4):
         ctx = [n + step for n in lens]
-        meta = AttentionMetadata.build([1] * 4, ctx, tables, [slots(t, c, 1)[0] for t, c in zip(tables, ctx)], BS, "cpu")
+        meta = AttentionMetadata.build(
+            [1] * 4, ctx, tables, [slots(t, c, 1)[0] for t, c in zip(tables, ctx)], BS, "cpu"
+        )
         assert meta.is_decode
-        h = lm.model(torch.tensor([s[c] for s, c in zip(seqs, ctx)]), torch.tensor(ctx), caches, meta)
+        h = lm.model(
+            torch.tensor([s[c] for s, c in zip(seqs, ctx)]), torch.tensor(ctx), caches, meta
+        )
         logits = lm.model.compute_logits(h)
         for i, (s, c) in enumerate(zip(seqs, ctx)):
             with torch.no_grad():
@@ -143,7 +173,11 @@ def test_bf16_weights_float32_compute_matches_native_bf16(tmp_path, tie):
     wide = load_model(path, torch.bfloat16).model
     assert wide.use_compute_dtype(torch.float32) == torch.float32
     assert wide.storage_dtype == torch.bfloat16
-    for w in (wide.model.layers[0].self_attn.qkv_proj.weight, wide.lm_head.weight, wide.model.norm.weight):
+    for w in (
+        wide.model.layers[0].self_attn.qkv_proj.weight,
+        wide.lm_head.weight,
+        wide.model.norm.weight,
+    ):
         assert w.dtype == torch.float32 and torch.equal(w, w.bfloat16().float())
     ids = [9, 8, 7, 6, 5, 4, 3, 100, 200]
     table = [3, 1, 6]
@@ -156,22 +190,38 @@ def test_bf16_weights_float32_compute_matches_native_bf16(tmp_path, tie):
     torch.testing.assert_close(out[1], out[0], atol=0.05, rtol=0.05)
 
 
-@pytest.mark.parametrize("overrides", [
-    dict(tie_word_embeddings=True),
-    dict(num_key_value_heads=1, num_hidden_layers=3),
-    dict(num_key_value_heads=4, rope_theta=500.0),
-    dict(attention_bias=True),
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(tie_word_embeddings=True),
+        dict(num_key_value_heads=1, num_hidden_layers=3),
+        dict(num_key_value_heads=4, rope_theta=500.0),
+        dict(attention_bias=True),
+    ],
+)
 def test_variants_match_transformers(tmp_path, overrides):
     path = make_tiny_llama(tmp_path / "m", **overrides)
     lm = load_model(path, torch.float32)
     ids = [9, 8, 7, 6, 5, 4, 3, 100, 200]
-    torch.testing.assert_close(run_full(lm, ids, [3, 1, 6]), hf_logits(path, ids), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        run_full(lm, ids, [3, 1, 6]), hf_logits(path, ids), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_rope_theta_both_spellings():
-    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
-    assert LlamaConfig.from_hf_dict({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}).rope_theta == 5e5
+    base = dict(
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+    )
+    assert (
+        LlamaConfig.from_hf_dict(
+            {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}
+        ).rope_theta
+        == 5e5
+    )
     assert LlamaConfig.from_hf_dict({**base, "rope_theta": 1234.0}).rope_theta == 1234.0
     assert LlamaConfig.from_hf_dict(base).rope_theta == 10000.0
     assert LlamaConfig.from_hf_dict({**base, "rope_theta": 1234.0}).num_key_value_heads == 2

@@ -25,8 +25,14 @@ def _twins(cfg: SchedulerConfig) -> tuple[Scheduler, Scheduler]:
 
 
 def _step_view(out):
-    return (out.materialized().all_requests(), out.copy_blocks, out.finished_req_ids,
-            out.preempted_req_ids, out.swap_out, out.swap_in)
+    return (
+        out.materialized().all_requests(),
+        out.copy_blocks,
+        out.finished_req_ids,
+        out.preempted_req_ids,
+        out.swap_out,
+        out.swap_in,
+    )
 
 
 @pytest.mark.parametrize("seed", range(24))
@@ -35,19 +41,26 @@ def test_carry_and_request_by_request_schedule_identical_steps(seed: int) -> Non
     swap = rng.random() < 0.5
     # Pools from barely one longest request (17 + 14 tokens) to roomy: preemption is common.
     cfg = SchedulerConfig(
-        num_blocks=rng.choice([18, 24, 64]), block_size=rng.choice([2, 4]),
-        max_num_seqs=rng.choice([3, 6, 16]), max_num_batched_tokens=rng.choice([8, 24, 200]),
-        max_model_len=48, preemption_mode="swap" if swap else "recompute",
-        num_host_blocks=12 if swap else 0)
+        num_blocks=rng.choice([18, 24, 64]),
+        block_size=rng.choice([2, 4]),
+        max_num_seqs=rng.choice([3, 6, 16]),
+        max_num_batched_tokens=rng.choice([8, 24, 200]),
+        max_model_len=48,
+        preemption_mode="swap" if swap else "recompute",
+        num_host_blocks=12 if swap else 0,
+    )
     fast, slow = _twins(cfg)
-    runners = (FakeModelRunner(cfg.block_size, verify=True),
-               FakeModelRunner(cfg.block_size, verify=True))
+    runners = (
+        FakeModelRunner(cfg.block_size, verify=True),
+        FakeModelRunner(cfg.block_size, verify=True),
+    )
     shared = [rng.randrange(30) for _ in range(8)]
     pending = []
     for i in range(30):
         prompt = shared[: rng.randint(0, 8)] + [rng.randrange(30) for _ in range(rng.randint(1, 9))]
-        params = SamplingParams(n=rng.choice([1, 1, 1, 2]), max_tokens=rng.randint(1, 14),
-                                ignore_eos=True)
+        params = SamplingParams(
+            n=rng.choice([1, 1, 1, 2]), max_tokens=rng.randint(1, 14), ignore_eos=True
+        )
         pending.append((f"r{i}", prompt, params))
     for step in range(400):
         if pending and step % 3 == 0:
@@ -81,14 +94,16 @@ def test_carry_and_request_by_request_schedule_identical_steps(seed: int) -> Non
 
 @pytest.mark.parametrize("num", [8, 12])  # finishing together: deleted in place, rebuilt
 def test_carry_is_used_in_a_steady_decode_batch(num: int) -> None:
-    cfg = SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=num,
-                          max_num_batched_tokens=64, max_model_len=64)
+    cfg = SchedulerConfig(
+        num_blocks=64, block_size=4, max_num_seqs=num, max_num_batched_tokens=64, max_model_len=64
+    )
     s = Scheduler(cfg)
     runner = FakeModelRunner(4, verify=True)
     for i in range(num):
         last = i == num - 1  # one token longer than the rest
-        s.add_request(Request(f"r{i}", [i + 1] * 5,
-                              SamplingParams(max_tokens=10 + last, ignore_eos=True)))
+        s.add_request(
+            Request(f"r{i}", [i + 1] * 5, SamplingParams(max_tokens=10 + last, ignore_eos=True))
+        )
     used, kept_alone = 0, False
     while s.has_unfinished_requests():
         carry = s._carry

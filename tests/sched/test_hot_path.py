@@ -11,8 +11,8 @@ from pagewarden.sampling_params import SamplingParams
 from pagewarden.sched import Request, Scheduler, SchedulerConfig
 from pagewarden.sched.fake_runner import FakeModelRunner
 from pagewarden.sched.fast_dataclass import fast_constructor
-from pagewarden.sched.output import ScheduledRequest, SchedulerOutput
-from pagewarden.sched.output import SlotRun, slot_mapping_for as _slot_mapping
+from pagewarden.sched.output import ScheduledRequest, SchedulerOutput, SlotRun
+from pagewarden.sched.output import slot_mapping_for as _slot_mapping
 from pagewarden.sched.scheduler import RequestUpdate
 
 
@@ -30,7 +30,9 @@ def test_fast_constructor_builds_equal_frozen_instances() -> None:
     assert u1 == RequestUpdate("a", None, 0, [1], False, None, None, 3, 0)
     assert u1.logprobs == [] and u1.logprobs is not u2.logprobs
     out = fast_constructor(SchedulerOutput)(1, [])
-    assert out == SchedulerOutput(1, []) and out.copy_blocks is not SchedulerOutput(1, []).copy_blocks
+    assert (
+        out == SchedulerOutput(1, []) and out.copy_blocks is not SchedulerOutput(1, []).copy_blocks
+    )
 
 
 def test_fast_constructor_falls_back_where_the_trick_does_not_apply() -> None:
@@ -65,16 +67,22 @@ def test_block_tables_handed_out_are_never_mutated_afterwards() -> None:
     """Block tables are shared with the runner without a copy: the scheduler must replace
     them, never change them in place (allocation, copy on write, preemption, finish)."""
     rng = random.Random(7)
-    cfg = SchedulerConfig(num_blocks=12, block_size=4, max_num_seqs=6,
-                          max_num_batched_tokens=32, max_model_len=64)
+    cfg = SchedulerConfig(
+        num_blocks=12, block_size=4, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=64
+    )
     s = Scheduler(cfg)
     runner = FakeModelRunner(cfg.block_size, verify=True)
     shared = [rng.randrange(50) for _ in range(9)]
     for i in range(40):
-        prompt = shared[: rng.randint(0, 9)] + [rng.randrange(50) for _ in range(rng.randint(1, 10))]
+        prompt = shared[: rng.randint(0, 9)] + [
+            rng.randrange(50) for _ in range(rng.randint(1, 10))
+        ]
         n = rng.choice([1, 1, 2, 3])
-        s.add_request(Request(f"r{i}", prompt, SamplingParams(n=n, max_tokens=rng.randint(1, 12),
-                                                              ignore_eos=True)))
+        s.add_request(
+            Request(
+                f"r{i}", prompt, SamplingParams(n=n, max_tokens=rng.randint(1, 12), ignore_eos=True)
+            )
+        )
     seen: list[tuple[list[int], list[int]]] = []
     steps = 0
     while s.has_unfinished_requests():
@@ -93,15 +101,17 @@ def test_decode_batch_is_the_same_step_as_scheduled_requests() -> None:
     """A scheduler fed its own columnar outputs and one fed the materialized ones (every
     decode as a ScheduledRequest) make the same steps and the same tokens."""
     rng = random.Random(11)
-    cfg = SchedulerConfig(num_blocks=14, block_size=4, max_num_seqs=5,
-                          max_num_batched_tokens=24, max_model_len=64)
+    cfg = SchedulerConfig(
+        num_blocks=14, block_size=4, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64
+    )
     columnar, objects = Scheduler(cfg), Scheduler(cfg)
     runner_a = FakeModelRunner(cfg.block_size, verify=True)
     runner_b = FakeModelRunner(cfg.block_size, verify=True)
     for i in range(30):
         prompt = [rng.randrange(40) for _ in range(rng.randint(1, 12))]
-        params = SamplingParams(n=rng.choice([1, 1, 2]), max_tokens=rng.randint(1, 10),
-                                ignore_eos=True)
+        params = SamplingParams(
+            n=rng.choice([1, 1, 2]), max_tokens=rng.randint(1, 10), ignore_eos=True
+        )
         columnar.add_request(Request(f"r{i}", prompt, params))
         objects.add_request(Request(f"r{i}", prompt, params))
     decodes = 0
@@ -113,7 +123,11 @@ def test_decode_batch_is_the_same_step_as_scheduled_requests() -> None:
         decodes += len(out_a.decodes)
         for i, rid in enumerate(out_a.decodes.req_ids):
             sr = out_a.all_requests()[i]
-            assert (sr.req_id, sr.positions.stop, sr.sample) == (rid, out_a.decodes.positions[i] + 1, True)
+            assert (sr.req_id, sr.positions.stop, sr.sample) == (
+                rid,
+                out_a.decodes.positions[i] + 1,
+                True,
+            )
         ups_a = columnar.update(out_a, runner_a.execute(out_a))
         ups_b = objects.update(out_b, runner_b.execute(out_b))
         assert list(ups_a) == list(ups_b)
@@ -125,8 +139,9 @@ def test_decode_batch_is_the_same_step_as_scheduled_requests() -> None:
 
 
 def test_update_skips_decodes_of_requests_gone_since_scheduling() -> None:
-    cfg = SchedulerConfig(num_blocks=10, block_size=4, max_num_seqs=4,
-                          max_num_batched_tokens=32, max_model_len=32)
+    cfg = SchedulerConfig(
+        num_blocks=10, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32
+    )
     s = Scheduler(cfg)
     runner = FakeModelRunner(cfg.block_size)
     for rid in ("a", "b", "c"):
@@ -147,12 +162,15 @@ def test_update_skips_decodes_of_requests_gone_since_scheduling() -> None:
 def test_only_fork_children_share_a_partly_filled_block() -> None:
     """The decode fast path skips the copy-on-write check for requests that are not fork
     children; check_invariants guards the assumption that makes that safe."""
-    cfg = SchedulerConfig(num_blocks=10, block_size=4, max_num_seqs=4,
-                          max_num_batched_tokens=32, max_model_len=32)
+    cfg = SchedulerConfig(
+        num_blocks=10, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32
+    )
     s = Scheduler(cfg)
     runner = FakeModelRunner(cfg.block_size, verify=True)
     s.add_request(Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=6, ignore_eos=True)))
-    s.add_request(Request("p", [1, 2, 3, 4, 5, 6], SamplingParams(n=2, max_tokens=3, ignore_eos=True)))
+    s.add_request(
+        Request("p", [1, 2, 3, 4, 5, 6], SamplingParams(n=2, max_tokens=3, ignore_eos=True))
+    )
     for _ in range(2):
         out = s.schedule()
         s.update(out, runner.execute(out))
@@ -175,8 +193,9 @@ def test_slot_run_is_a_lazy_read_only_slot_list() -> None:
     assert run == SlotRun([7, 3], 4, 2, 7) and run != [30, 31] and run != "x"
     assert len(SlotRun([7], 4, 2, 2)) == 0 and list(SlotRun([7], 4, 2, 2)) == []
     # What the scheduler hands out for a chunk: the same slots as the formula.
-    cfg = SchedulerConfig(num_blocks=8, block_size=4, max_num_seqs=2,
-                          max_num_batched_tokens=16, max_model_len=32)
+    cfg = SchedulerConfig(
+        num_blocks=8, block_size=4, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32
+    )
     s = Scheduler(cfg)
     s.add_request(Request("a", list(range(10)), SamplingParams(max_tokens=2)))
     (sr,) = s.schedule().all_requests()
@@ -185,8 +204,9 @@ def test_slot_run_is_a_lazy_read_only_slot_list() -> None:
 
 
 def test_step_updates_read_after_an_abort_is_a_clear_error() -> None:
-    cfg = SchedulerConfig(num_blocks=8, block_size=4, max_num_seqs=2,
-                          max_num_batched_tokens=16, max_model_len=32)
+    cfg = SchedulerConfig(
+        num_blocks=8, block_size=4, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32
+    )
     s = Scheduler(cfg)
     runner = FakeModelRunner(cfg.block_size)
     s.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True)))

@@ -19,8 +19,9 @@ from pagewarden.sched.output import KVFault
 
 
 def _sched(**kw) -> Scheduler:
-    base = dict(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                max_model_len=64)
+    base = dict(
+        num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64
+    )
     base.update(kw)
     return Scheduler(SchedulerConfig(**base))
 
@@ -47,7 +48,7 @@ def _drain(s: Scheduler, runner: FakeModelRunner) -> dict[str, list[int]]:
 
 def _two_sharing_a_prefix(s: Scheduler, runner: FakeModelRunner) -> list[int]:
     """'a' and 'b' share two full prompt blocks through the prefix cache."""
-    prompt = list(range(100, 109))           # blocks of 4: [100..103] [104..107] [108]
+    prompt = list(range(100, 109))  # blocks of 4: [100..103] [104..107] [108]
     s.add_request(_req("a", prompt))
     _steps(s, runner, 2)
     s.add_request(_req("b", prompt))
@@ -64,15 +65,15 @@ def test_recover_quarantines_rolls_back_every_holder_and_releases() -> None:
     computed = {r.req_id: r.num_computed_tokens for r in s.running}
     report = s.recover([KVFault("checksum", (bad,), {}, "scrub")])
     assert report.quarantined == (bad,)
-    assert report.rolled_back == {"a": 4, "b": 4}          # start of the bad block
+    assert report.rolled_back == {"a": 4, "b": 4}  # start of the bad block
     assert report.recomputed_tokens == sum(c - 4 for c in computed.values())
     assert not report.unrecoverable
     pool = s.kv.pool
     assert pool.blocks[bad].state is BlockState.QUARANTINED
-    assert pool.blocks[bad].block_hash is None                  # prefix entry dropped
+    assert pool.blocks[bad].block_hash is None  # prefix entry dropped
     assert bad not in s.kv.tables["a"].ids and bad not in s.kv.tables["b"].ids
     assert s.check_invariants() == []
-    assert s.quarantined_block_ids() == [bad]                   # nobody holds it now
+    assert s.quarantined_block_ids() == [bad]  # nobody holds it now
     s.release_quarantined([bad])
     assert pool.blocks[bad].state is BlockState.FREE
     # The rolled-back requests recompute (the fake runner verifies every table reads back
@@ -88,7 +89,7 @@ def test_recover_quarantines_rolls_back_every_holder_and_releases() -> None:
 def test_recover_uses_the_earliest_rollback_a_fault_names() -> None:
     s = _sched()
     runner = FakeModelRunner(4)
-    s.add_request(_req("a", list(range(10, 23))))           # 13 tokens: 3 full blocks
+    s.add_request(_req("a", list(range(10, 23))))  # 13 tokens: 3 full blocks
     _steps(s, runner, 2)
     first = s.kv.tables["a"].ids[0]
     report = s.recover([KVFault("slot_tag", (first,), {"a": 0}, "read")])
@@ -104,14 +105,15 @@ def test_use_after_free_is_caught_before_the_step_reads_it() -> None:
     _steps(s, runner, 2)
     pool = s.kv.pool
     victim = s.kv.tables["a"].ids[1]
-    pool.free_blocks([pool.blocks[victim]])       # the bug: freed under a live table
+    pool.free_blocks([pool.blocks[victim]])  # the bug: freed under a live table
     assert pool.blocks[victim].ref_cnt == 0
     events = s.verify_block_tables()
     assert [(e.kind, e.req_id, e.block_id, e.position) for e in events] == [
-        ("stale_ref", "a", victim, 4)]
+        ("stale_ref", "a", victim, 4)
+    ]
     assert s.kv.tables["a"].ids == s.kv.tables["a"].ids[:1]
     assert s.requests["a"].num_computed_tokens == 4
-    assert pool.blocks[victim].ref_cnt == 0                 # not decremented twice
+    assert pool.blocks[victim].ref_cnt == 0  # not decremented twice
     assert s.check_invariants() == []
     _drain(s, runner)
     assert s.stats().used_blocks == 0
@@ -146,9 +148,9 @@ def test_a_block_failing_repeatedly_is_retired() -> None:
 
 
 def test_a_request_that_no_longer_fits_fails_instead_of_waiting_forever() -> None:
-    s = _sched(num_blocks=5)                      # 4 usable blocks of 4 tokens
+    s = _sched(num_blocks=5)  # 4 usable blocks of 4 tokens
     runner = FakeModelRunner(4)
-    s.add_request(_req("a", list(range(10, 19)), max_tokens=8))   # needs 4 blocks
+    s.add_request(_req("a", list(range(10, 19)), max_tokens=8))  # needs 4 blocks
     _steps(s, runner, 2)
     spare = next(iter(s.kv.pool.free_queue), None)
     bad = s.kv.tables["a"].ids[0]
@@ -168,8 +170,11 @@ def test_mutations_from_a_foreign_thread_are_refused_and_counted() -> None:
     errors: list[Exception] = []
 
     def foreign() -> None:
-        for call in (s.schedule, lambda: s.add_request(_req("b", [4])),
-                     lambda: s.kv.pool.free_blocks([s.kv.pool.blocks[1]])):
+        for call in (
+            s.schedule,
+            lambda: s.add_request(_req("b", [4])),
+            lambda: s.kv.pool.free_blocks([s.kv.pool.blocks[1]]),
+        ):
             try:
                 call()
             except KVOwnershipError as exc:
@@ -181,4 +186,4 @@ def test_mutations_from_a_foreign_thread_are_refused_and_counted() -> None:
     assert len(errors) == 3
     assert s.stats().ownership_violations == 3
     assert "b" not in s.requests and s.check_invariants() == []
-    _drain(s, FakeModelRunner(4))                 # the owner carries on unharmed
+    _drain(s, FakeModelRunner(4))  # the owner carries on unharmed

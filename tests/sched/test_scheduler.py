@@ -17,7 +17,9 @@ from pagewarden.sched.output import ModelRunnerOutput
 
 
 def _sched(**kw) -> Scheduler:
-    base = dict(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    base = dict(
+        num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64
+    )
     base.update(kw)
     return Scheduler(SchedulerConfig(**base))
 
@@ -53,7 +55,9 @@ def test_impossible_requests_are_rejected() -> None:
     s = _sched(num_blocks=4, max_model_len=32)
     with pytest.raises(RequestRejectedError, match="exceeds max_model_len=32"):
         s.add_request(_req("a", list(range(30)), max_tokens=3))
-    with pytest.raises(RequestRejectedError, match="needs up to 4 KV blocks but the pool has only 3"):
+    with pytest.raises(
+        RequestRejectedError, match="needs up to 4 KV blocks but the pool has only 3"
+    ):
         s.add_request(_req("b", list(range(12)), max_tokens=2))
     with pytest.raises(RequestRejectedError, match="no room"):
         s.add_request(_req("c", list(range(32)), max_tokens=None))
@@ -144,7 +148,9 @@ def test_preemption_recomputes_most_recent_and_all_finish() -> None:
 
 def test_parallel_sampling_forks_with_cow_and_seeds() -> None:
     s = _sched()
-    s.add_request(Request("p", list(range(6)), SamplingParams(n=3, max_tokens=2, seed=7, ignore_eos=True)))
+    s.add_request(
+        Request("p", list(range(6)), SamplingParams(n=3, max_tokens=2, seed=7, ignore_eos=True))
+    )
     runner = FakeModelRunner(4, verify=True)
     out = s.schedule()
     (sr,) = out.all_requests()
@@ -165,7 +171,11 @@ def test_parallel_sampling_forks_with_cow_and_seeds() -> None:
     assert out.copy_blocks == [(2, 3), (2, 4)]
     assert [r.block_table for r in out.all_requests()] == [[1, 2], [1, 3], [1, 4]]
     ups = s.update(out, runner.execute(out))
-    assert [(u.req_id, u.index, u.parent_id) for u in ups] == [("p#2", 2, "p"), ("p#0", 0, "p"), ("p#1", 1, "p")]
+    assert [(u.req_id, u.index, u.parent_id) for u in ups] == [
+        ("p#2", 2, "p"),
+        ("p#0", 0, "p"),
+        ("p#1", 1, "p"),
+    ]
     toks = _drain(s, runner)
     assert all(len(v) == 1 for v in toks.values())
 
@@ -202,12 +212,22 @@ def test_stop_rules() -> None:
     runner = FakeModelRunner(4)
     first = runner.token_for("x", 3)
     second = runner.token_for("x", 4)
-    s.add_request(Request("x", [1, 2, 3], SamplingParams(max_tokens=9, stop_token_ids=[second]), eos))
+    s.add_request(
+        Request("x", [1, 2, 3], SamplingParams(max_tokens=9, stop_token_ids=[second]), eos)
+    )
     toks = _drain(s, runner)
     assert toks["x"] == [first, second]
-    s.add_request(Request("y", [1, 2, 3], SamplingParams(max_tokens=9, min_tokens=3, stop_token_ids=[runner.token_for("y", 3)])))
+    s.add_request(
+        Request(
+            "y",
+            [1, 2, 3],
+            SamplingParams(max_tokens=9, min_tokens=3, stop_token_ids=[runner.token_for("y", 3)]),
+        )
+    )
     assert len(_drain(s, runner)["y"]) == 9
-    s.add_request(Request("z", [1, 2, 3], SamplingParams(max_tokens=9), frozenset({runner.token_for("z", 3)})))
+    s.add_request(
+        Request("z", [1, 2, 3], SamplingParams(max_tokens=9), frozenset({runner.token_for("z", 3)}))
+    )
     out = s.schedule()
     (u,) = s.update(out, runner.execute(out))
     assert u.finished and u.finish_reason == "stop" and u.stop_reason is None

@@ -15,22 +15,34 @@ from pagewarden.sched.fake_runner import FakeModelRunner
 def test_simulation_2000_requests_with_preemption(mode: str) -> None:
     rng = random.Random(1234)
     # Swap mode: a host tier too small for every victim, so both preemption kinds happen.
-    cfg = SchedulerConfig(num_blocks=48, block_size=4, max_num_seqs=16,
-                          max_num_batched_tokens=48, max_model_len=64,
-                          preemption_mode=mode, num_host_blocks=24 if mode == "swap" else 0)
+    cfg = SchedulerConfig(
+        num_blocks=48,
+        block_size=4,
+        max_num_seqs=16,
+        max_num_batched_tokens=48,
+        max_model_len=64,
+        preemption_mode=mode,
+        num_host_blocks=24 if mode == "swap" else 0,
+    )
     s = Scheduler(cfg)
     runner = FakeModelRunner(cfg.block_size, verify=True)
     shared = [[rng.randrange(50) for _ in range(12)] for _ in range(4)]
     expected: dict[str, int] = {}
     pending = []
     for i in range(2000):
-        prompt = rng.choice(shared)[: rng.randint(0, 12)] + [rng.randrange(50) for _ in range(rng.randint(1, 24))]
+        prompt = rng.choice(shared)[: rng.randint(0, 12)] + [
+            rng.randrange(50) for _ in range(rng.randint(1, 24))
+        ]
         n = rng.choice([1, 1, 1, 1, 2, 3])
         mt = rng.randint(1, 16)
-        req = Request(f"r{i}", prompt, SamplingParams(n=n, max_tokens=mt, ignore_eos=True, seed=i),
-                      cache_salt=rng.choice([None, None, "t1"]))
+        req = Request(
+            f"r{i}",
+            prompt,
+            SamplingParams(n=n, max_tokens=mt, ignore_eos=True, seed=i),
+            cache_salt=rng.choice([None, None, "t1"]),
+        )
         pending.append(req)
-        for rid in ([f"r{i}"] if n == 1 else [f"r{i}#{j}" for j in range(n)]):
+        for rid in [f"r{i}"] if n == 1 else [f"r{i}#{j}" for j in range(n)]:
             expected[rid] = mt
     aborted: set[str] = set()
     got: dict[str, int] = {}

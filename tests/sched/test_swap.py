@@ -11,8 +11,15 @@ from pagewarden.sched.fake_runner import FakeModelRunner
 
 
 def _swap_sched(num_host_blocks: int = 4, **kw) -> Scheduler:
-    base = dict(num_blocks=5, block_size=2, max_num_seqs=4, max_num_batched_tokens=64,
-                max_model_len=16, preemption_mode="swap", num_host_blocks=num_host_blocks)
+    base = dict(
+        num_blocks=5,
+        block_size=2,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=16,
+        preemption_mode="swap",
+        num_host_blocks=num_host_blocks,
+    )
     base.update(kw)
     return Scheduler(SchedulerConfig(**base))
 
@@ -54,9 +61,9 @@ def test_swap_out_then_in_exact_pairs_and_same_tokens() -> None:
     runner = FakeModelRunner(2, verify=True)
     tokens: dict[str, list[int]] = {}
 
-    out1 = _step(s, runner, tokens)                       # prefill both
+    out1 = _step(s, runner, tokens)  # prefill both
     assert [r.block_table for r in out1.all_requests()] == [[1, 2], [3, 4]]
-    _step(s, runner, tokens)                               # decode into blocks 2 and 4
+    _step(s, runner, tokens)  # decode into blocks 2 and 4
     # a needs a third block and the pool is dry: b (admitted last) is swapped out, its
     # two full blocks copied to host blocks 0 and 1; its freed blocks go to a.
     out3 = _step(s, runner, tokens)
@@ -69,9 +76,9 @@ def test_swap_out_then_in_exact_pairs_and_same_tokens() -> None:
     assert b.status is RequestStatus.SWAPPED and b.num_computed_tokens == 4
     assert s.stats().num_swapped == 1 and s.stats().free_host_blocks == 2
 
-    out4 = _step(s, runner, tokens)                        # a's last token; b needs 3 blocks, 1 free
+    out4 = _step(s, runner, tokens)  # a's last token; b needs 3 blocks, 1 free
     assert out4.swap_in == [] and [r.req_id for r in out4.all_requests()] == ["a"]
-    out5 = _step(s, runner, tokens)                        # a finished: b comes back
+    out5 = _step(s, runner, tokens)  # a finished: b comes back
     assert [(w.src, w.num_slots) for w in out5.swap_in] == [(0, 2), (1, 2)]
     (sr,) = out5.all_requests()
     assert sr.req_id == "b" and sr.positions == range(4, 5)
@@ -79,16 +86,16 @@ def test_swap_out_then_in_exact_pairs_and_same_tokens() -> None:
     while s.has_unfinished_requests():
         _step(s, runner, tokens)
     assert tokens["a"] == _undisturbed("a", [1, 2, 3], 4)
-    assert tokens["b"] == _undisturbed("b", [7, 8, 9], 4)   # resumed, not recomputed
+    assert tokens["b"] == _undisturbed("b", [7, 8, 9], 4)  # resumed, not recomputed
     st = s.stats()
     assert (st.swapped_out_blocks, st.swapped_in_blocks) == (2, 2)
     assert st.free_host_blocks == 4 and st.num_swapped == 0
 
 
 def test_partial_last_block_swaps_its_used_slots_only() -> None:
-    s = _swap_sched(num_blocks=4)   # 3 usable blocks
-    s.add_request(_req("a", [1, 2, 3, 4], 3))                 # blocks 1, 2 after prefill
-    s.add_request(_req("b", [5], 3))                          # block 3, one slot used
+    s = _swap_sched(num_blocks=4)  # 3 usable blocks
+    s.add_request(_req("a", [1, 2, 3, 4], 3))  # blocks 1, 2 after prefill
+    s.add_request(_req("b", [5], 3))  # block 3, one slot used
     runner = FakeModelRunner(2, verify=True)
     tokens: dict[str, list[int]] = {}
     swaps: list[BlockSwap] = []
@@ -135,7 +142,7 @@ def test_abort_swapped_request_frees_host_blocks() -> None:
 
 def test_swapped_requests_return_before_waiting_ones_start() -> None:
     s, runner, tokens, _ = _preempt_b()
-    s.add_request(_req("c", [5], 2))    # fits now (1 block), but b is owed its blocks first
+    s.add_request(_req("c", [5], 2))  # fits now (1 block), but b is owed its blocks first
     started: list[str] = []
     while s.has_unfinished_requests():
         out = _step(s, runner, tokens)

@@ -23,9 +23,11 @@ MODEL = "tiny"
 class _Running:
     def __init__(self, engine: AsyncEngine, api_key: str | None = None) -> None:
         self.engine = engine
-        self.server = uvicorn.Server(uvicorn.Config(build_app(engine, MODEL, api_key),
-                                                    host="127.0.0.1", port=0,
-                                                    log_level="warning"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                build_app(engine, MODEL, api_key), host="127.0.0.1", port=0, log_level="warning"
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         while not self.server.started:
@@ -40,8 +42,9 @@ class _Running:
 
 
 def _engine(model_dir, **kw) -> AsyncEngine:
-    cfg = EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64, block_size=16,
-                       max_model_len=256)
+    cfg = EngineConfig(
+        model=str(model_dir), dtype="float32", num_kv_blocks=64, block_size=16, max_model_len=256
+    )
     return AsyncEngine(cfg, **kw)
 
 
@@ -59,25 +62,35 @@ def client(srv):
 
 def _used_blocks(url: str) -> float:
     text = httpx.get(url + "/metrics").text
-    return float(re.search(r'^pagewarden:kv_blocks_used\{[^}]*\} (\S+)$', text, re.M).group(1))
+    return float(re.search(r"^pagewarden:kv_blocks_used\{[^}]*\} (\S+)$", text, re.M).group(1))
 
 
 def test_completion_stream_equals_nonstream(client):
-    kw = dict(model=MODEL, prompt="hello world", max_tokens=12, temperature=0,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model=MODEL,
+        prompt="hello world",
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     full = client.completions.create(**kw)
     assert full.usage.completion_tokens == 12
     assert full.usage.total_tokens == full.usage.prompt_tokens + 12
-    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True},
-                                            **kw))
+    chunks = list(
+        client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == full.choices[0].text
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
 def test_chat_and_n_and_seed(client):
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                       max_completion_tokens=8, temperature=0)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_completion_tokens=8,
+        temperature=0,
+    )
     assert r.choices[0].message.role == "assistant" and r.usage.prompt_tokens > 0
     kw = dict(model=MODEL, prompt="abc", max_tokens=8, n=3, temperature=1.0, seed=7)
     a, b = client.completions.create(**kw), client.completions.create(**kw)
@@ -91,31 +104,37 @@ def test_endpoints(srv):
     assert "pagewarden:num_requests_running" in httpx.get(srv.url + "/metrics").text
 
 
-@pytest.mark.parametrize("body,status", [
-    (b"{not json", 400),
-    (b'\xff\xfe{"model": "tiny"}', 400),
-    (b'{"model": "tiny", "prompt": "x", "max_tokens": "ten"}', 400),
-    (b'{"model": "tiny", "prompt": "x", "bogus": 1}', 400),
-    (b'{"model": "tiny", "prompt": ""}', 400),
-    (b'{"model": "tiny", "prompt": "x", "max_tokens": 0}', 400),
-    (b'{"model": "tiny", "prompt": "x", "max_tokens": 100000}', 400),
-    (b'{"model": "tiny", "prompt": "x", "temperature": -1}', 400),
-    (b'{"model": "tiny", "prompt": "x", "top_p": 0}', 400),
-    (b'{"model": "tiny", "prompt": "x", "n": 100}', 400),
-    (b'{"model": "nope", "prompt": "x"}', 404),
-    (b'{"model": "tiny", "prompt": "x", "user": "u1", "max_tokens": 2}', 200),
-])
+@pytest.mark.parametrize(
+    "body,status",
+    [
+        (b"{not json", 400),
+        (b'\xff\xfe{"model": "tiny"}', 400),
+        (b'{"model": "tiny", "prompt": "x", "max_tokens": "ten"}', 400),
+        (b'{"model": "tiny", "prompt": "x", "bogus": 1}', 400),
+        (b'{"model": "tiny", "prompt": ""}', 400),
+        (b'{"model": "tiny", "prompt": "x", "max_tokens": 0}', 400),
+        (b'{"model": "tiny", "prompt": "x", "max_tokens": 100000}', 400),
+        (b'{"model": "tiny", "prompt": "x", "temperature": -1}', 400),
+        (b'{"model": "tiny", "prompt": "x", "top_p": 0}', 400),
+        (b'{"model": "tiny", "prompt": "x", "n": 100}', 400),
+        (b'{"model": "nope", "prompt": "x"}', 404),
+        (b'{"model": "tiny", "prompt": "x", "user": "u1", "max_tokens": 2}', 200),
+    ],
+)
 def test_bad_inputs(srv, body, status):
-    r = httpx.post(srv.url + "/v1/completions", content=body,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        srv.url + "/v1/completions", content=body, headers={"content-type": "application/json"}
+    )
     assert r.status_code == status, r.text
     if status != 200:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
 def test_long_prompt_400(srv):
-    r = httpx.post(srv.url + "/v1/completions",
-                   json={"model": MODEL, "prompt": list(range(1, 300)), "max_tokens": 1})
+    r = httpx.post(
+        srv.url + "/v1/completions",
+        json={"model": MODEL, "prompt": list(range(1, 300)), "max_tokens": 1},
+    )
     assert r.status_code == 400
 
 
@@ -125,9 +144,17 @@ def test_body_too_large_413(srv):
 
 
 def test_disconnect_frees_blocks(srv):
-    with httpx.stream("POST", srv.url + "/v1/completions",
-                      json={"model": MODEL, "prompt": "hello", "max_tokens": 200,
-                            "ignore_eos": True, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        srv.url + "/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": "hello",
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    ) as r:
         for _ in r.iter_lines():
             break
     deadline = time.time() + 10
@@ -138,12 +165,17 @@ def test_disconnect_frees_blocks(srv):
 
 def test_concurrent_streams_match(srv, client):
     prompts = [f"prompt number {i}" for i in range(64)]
-    want = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=8,
-                                         temperature=0).choices[0].text for p in prompts}
+    want = {
+        p: client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0)
+        .choices[0]
+        .text
+        for p in prompts
+    }
 
     async def one(ac: openai.AsyncOpenAI, p: str) -> str:
-        s = await ac.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0,
-                                        stream=True)
+        s = await ac.completions.create(
+            model=MODEL, prompt=p, max_tokens=8, temperature=0, stream=True
+        )
         return "".join([c.choices[0].text async for c in s if c.choices])
 
     async def main() -> list[str]:
@@ -161,14 +193,19 @@ def test_api_key_and_429(tiny_llama_dir):
         assert httpx.post(s.url + "/v1/completions", json=body).status_code == 401
         h = {"Authorization": "Bearer k1"}
         with concurrent.futures.ThreadPoolExecutor(16) as ex:
-            codes = list(ex.map(lambda _: httpx.post(s.url + "/v1/completions", json=body,
-                                                     headers=h, timeout=60), range(16)))
+            codes = list(
+                ex.map(
+                    lambda _: httpx.post(
+                        s.url + "/v1/completions", json=body, headers=h, timeout=60
+                    ),
+                    range(16),
+                )
+            )
         statuses = {r.status_code for r in codes}
         assert statuses <= {200, 429} and 429 in statuses
         assert any("retry-after" in r.headers for r in codes if r.status_code == 429)
     finally:
         s.stop()
-
 
 
 def _stop_from(text: str) -> tuple[str, str]:
@@ -178,15 +215,20 @@ def _stop_from(text: str) -> tuple[str, str]:
     text there is still being decoded when the stop check runs.
     """
     for start in range(len(text) // 2, len(text) - 1):
-        stop = text[start:start + 2]
+        stop = text[start : start + 2]
         if "\ufffd" not in stop:
-            return stop, text[:text.index(stop)]
+            return stop, text[: text.index(stop)]
     raise AssertionError(f"no usable stop string in {text!r}")
 
 
 def test_stop_string_completion_stream_and_nonstream(client):
-    kw = dict(model=MODEL, prompt="stop strings", max_tokens=24, temperature=0,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model=MODEL,
+        prompt="stop strings",
+        max_tokens=24,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     greedy = client.completions.create(**kw).choices[0].text
     stop, want = _stop_from(greedy)
     r = client.completions.create(stop=[stop], **kw)
@@ -199,8 +241,13 @@ def test_stop_string_completion_stream_and_nonstream(client):
 
 
 def test_chat_stream_stop_and_logprobs(client):
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": "tell me"}],
-              max_completion_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    kw = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "tell me"}],
+        max_completion_tokens=40,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     full = client.chat.completions.create(logprobs=True, top_logprobs=2, **kw)
     text = full.choices[0].message.content
     content = full.choices[0].logprobs.content
@@ -218,8 +265,14 @@ def test_chat_stream_stop_and_logprobs(client):
 
 
 def test_completion_logprobs(client):
-    r = client.completions.create(model=MODEL, prompt="abc", max_tokens=5, temperature=0,
-                                  logprobs=3, extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL,
+        prompt="abc",
+        max_tokens=5,
+        temperature=0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == 5
     assert all(len(d) >= 1 and len(d) <= 4 for d in lp.top_logprobs)
@@ -233,15 +286,21 @@ def test_max_queued_tokens_429(tiny_llama_dir):
     try:
         body = {"model": MODEL, "prompt": list(range(1, 20)), "max_tokens": 2}
         with concurrent.futures.ThreadPoolExecutor(16) as ex:
-            codes = list(ex.map(lambda _: httpx.post(s.url + "/v1/completions", json=body,
-                                                     timeout=60), range(16)))
+            codes = list(
+                ex.map(
+                    lambda _: httpx.post(s.url + "/v1/completions", json=body, timeout=60),
+                    range(16),
+                )
+            )
         statuses = [r.status_code for r in codes]
         assert set(statuses) <= {200, 429} and 429 in statuses and 200 in statuses
         rejected = [r for r in codes if r.status_code == 429]
-        assert all("retry-after" in r.headers and "prompt tokens waiting"
-                   in r.json()["error"]["message"] for r in rejected)
+        assert all(
+            "retry-after" in r.headers and "prompt tokens waiting" in r.json()["error"]["message"]
+            for r in rejected
+        )
         metrics = httpx.get(s.url + "/metrics").text
-        m = re.search(r'^pagewarden:admission_rejections_total\S* (\S+)$', metrics, re.M)
+        m = re.search(r"^pagewarden:admission_rejections_total\S* (\S+)$", metrics, re.M)
         assert m and float(m.group(1)) == len(rejected)
         assert _used_blocks(s.url) == 0
     finally:
@@ -249,8 +308,13 @@ def test_max_queued_tokens_429(tiny_llama_dir):
 
 
 def test_integrity_metrics_are_exported(srv, client):
-    client.completions.create(model=MODEL, prompt="integrity", max_tokens=20, temperature=0,
-                              extra_body={"ignore_eos": True})
+    client.completions.create(
+        model=MODEL,
+        prompt="integrity",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     text = httpx.get(srv.url + "/metrics").text
 
     def value(pattern: str) -> float:
@@ -259,11 +323,11 @@ def test_integrity_metrics_are_exported(srv, client):
     assert value(r'pagewarden:integrity_level\{[^}]*level="standard"[^}]*\}') == 1.0
     assert value(r'pagewarden:integrity_checks_total\{[^}]*kind="slot_tag"[^}]*\}') > 20
     assert value(r'pagewarden:integrity_checks_total\{[^}]*kind="block_checksum"[^}]*\}') >= 0
-    failures = re.findall(r'^pagewarden:integrity_failures_total\{[^}]*\} (\S+)$', text, re.M)
+    failures = re.findall(r"^pagewarden:integrity_failures_total\{[^}]*\} (\S+)$", text, re.M)
     assert len(failures) >= 9 and all(float(v) == 0.0 for v in failures)
-    assert value(r'pagewarden:integrity_recoveries_total\{[^}]*\}') == 0.0
-    assert value(r'pagewarden:kv_blocks_retired\{[^}]*\}') == 0.0
+    assert value(r"pagewarden:integrity_recoveries_total\{[^}]*\}") == 0.0
+    assert value(r"pagewarden:kv_blocks_retired\{[^}]*\}") == 0.0
     # The host tier is off by default: swap gauges and counters exist and read zero.
-    assert value(r'pagewarden:num_requests_swapped\{[^}]*\}') == 0.0
-    assert value(r'pagewarden:kv_swapped_out_blocks_total\{[^}]*\}') == 0.0
-    assert value(r'pagewarden:kv_swapped_in_blocks_total\{[^}]*\}') == 0.0
+    assert value(r"pagewarden:num_requests_swapped\{[^}]*\}") == 0.0
+    assert value(r"pagewarden:kv_swapped_out_blocks_total\{[^}]*\}") == 0.0
+    assert value(r"pagewarden:kv_swapped_in_blocks_total\{[^}]*\}") == 0.0

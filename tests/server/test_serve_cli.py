@@ -23,11 +23,27 @@ def _free_port() -> int:
 def test_serve_ready_request_and_clean_shutdown(tiny_llama_dir, sig):
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pagewarden", "serve", "--model", str(tiny_llama_dir),
-         "--port", str(port), "--dtype", "float32", "--num-kv-blocks", "32",
-         "--max-model-len", "128"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        [
+            sys.executable,
+            "-m",
+            "pagewarden",
+            "serve",
+            "--model",
+            str(tiny_llama_dir),
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--num-kv-blocks",
+            "32",
+            "--max-model-len",
+            "128",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         line = ""
         deadline = time.time() + 120
@@ -35,16 +51,26 @@ def test_serve_ready_request_and_clean_shutdown(tiny_llama_dir, sig):
             line = proc.stdout.readline()
         assert f"http://127.0.0.1:{port}" in line, line
         name = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
-                       json={"model": name, "prompt": "hi", "max_tokens": 4},
-                       timeout=60)
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": name, "prompt": "hi", "max_tokens": 4},
+            timeout=60,
+        )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] >= 1
         # A stream in flight when the signal arrives must not keep the process alive.
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions",
-                          json={"model": name, "prompt": "hi",
-                                "max_tokens": 100, "stream": True, "ignore_eos": True},
-                          timeout=60) as s:
+        with httpx.stream(
+            "POST",
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={
+                "model": name,
+                "prompt": "hi",
+                "max_tokens": 100,
+                "stream": True,
+                "ignore_eos": True,
+            },
+            timeout=60,
+        ) as s:
             next(s.iter_lines())
             proc.send_signal(sig)
             assert proc.wait(timeout=30) == 0
@@ -55,7 +81,11 @@ def test_serve_ready_request_and_clean_shutdown(tiny_llama_dir, sig):
 
 
 def test_serve_rejects_negative_gc_threshold():
-    proc = subprocess.run([sys.executable, "-m", "pagewarden", "serve", "--gc-threshold", "-1"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagewarden", "serve", "--gc-threshold", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "--gc-threshold must be >= 0, got -1" in proc.stderr

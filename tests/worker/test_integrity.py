@@ -8,13 +8,27 @@ import pytest
 import torch
 
 from pagewarden.faults.kv_faults import (
-    flip_bit, flip_slot_bit, redirect_block_table, undo_bit_flip,
+    flip_bit,
+    flip_slot_bit,
+    redirect_block_table,
+    undo_bit_flip,
 )
 from pagewarden.worker import integrity_cpu
 from pagewarden.worker.integrity import (
-    MASK64, ROOT_TAG, KVIntegrityError, SlotTags, _limb_keys, _offset_keys,
-    block_checksums, check_blocks, combine_slot_checksums, seal_blocks, slot_checksums,
-    token_chain_tags, verify_blocks, verify_slots,
+    MASK64,
+    ROOT_TAG,
+    KVIntegrityError,
+    SlotTags,
+    _limb_keys,
+    _offset_keys,
+    block_checksums,
+    check_blocks,
+    combine_slot_checksums,
+    seal_blocks,
+    slot_checksums,
+    token_chain_tags,
+    verify_blocks,
+    verify_slots,
 )
 
 NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM, LAYERS = 8, 4, 2, 8, 3
@@ -23,15 +37,19 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 def _caches(dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM, generator=g).to(dtype)
-            for _ in range(LAYERS)]
+    return [
+        torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM, generator=g).to(dtype)
+        for _ in range(LAYERS)
+    ]
 
 
 def _reference_block_sum(caches: list[torch.Tensor], block_id: int) -> int:
     """Pure-Python mod 2^64 evaluation of the documented scheme."""
     limbs_per_row = caches[0][0, 0, 0].numel() * caches[0].element_size() // 4
-    keys = [[[k & MASK64 for k in row] for row in layer]
-            for layer in _limb_keys(len(caches), limbs_per_row, torch.device("cpu")).tolist()]
+    keys = [
+        [[k & MASK64 for k in row] for row in layer]
+        for layer in _limb_keys(len(caches), limbs_per_row, torch.device("cpu")).tolist()
+    ]
     okeys = [k & MASK64 for k in _offset_keys(BLOCK_SIZE, torch.device("cpu")).tolist()]
     total = 0
     for o in range(BLOCK_SIZE):
@@ -76,7 +94,7 @@ def test_numba_and_torch_kernels_agree(dtype: torch.dtype, monkeypatch) -> None:
         pytest.fail("numba is a declared dependency and must be installed")
     g = torch.Generator().manual_seed(7)
     caches = [torch.randn(2, 20, 16, 3, 64, generator=g).to(dtype) for _ in range(5)]
-    ids = torch.randint(0, 20, (40,), generator=g)      # repeats allowed
+    ids = torch.randint(0, 20, (40,), generator=g)  # repeats allowed
     slots = torch.randint(0, 20 * 16, (33,), generator=g)
     results = {}
     for on in (True, False):
@@ -168,12 +186,12 @@ def test_random_multi_byte_corruption_detected_10k_trials() -> None:
     for _ in range(trials):
         layer = rng.randrange(LAYERS)
         data = caches[layer].view(torch.uint8).view(2, NUM_BLOCKS, BLOCK_SIZE, row_bytes)
-        block_bytes = data[:, 1]                                   # (2, bs, row_bytes)
+        block_bytes = data[:, 1]  # (2, bs, row_bytes)
         flat = block_bytes.reshape(-1)
         n = rng.randrange(2, 33)
         idx = torch.randperm(flat.numel(), generator=gen)[:n]
         noise = torch.randint(1, 256, (n,), dtype=torch.uint8, generator=gen)
-        flat[idx] ^= noise                                         # every picked byte changes
+        flat[idx] ^= noise  # every picked byte changes
         data[:, 1] = flat.view_as(block_bytes)
         if int(block_checksums(caches, ids)) == int(sealed):
             missed += 1
@@ -184,7 +202,7 @@ def test_random_multi_byte_corruption_detected_10k_trials() -> None:
 def test_seal_from_recorded_slot_sums_and_open_block_flip() -> None:
     caches = _caches(torch.float16)
     slots = torch.arange(2 * BLOCK_SIZE, 3 * BLOCK_SIZE)
-    recorded = slot_checksums(caches, slots)           # as written
+    recorded = slot_checksums(caches, slots)  # as written
     sealed = seal_blocks(caches, torch.tensor([2]), recorded.view(1, BLOCK_SIZE))
     assert torch.equal(sealed, block_checksums(caches, torch.tensor([2])))
     assert torch.equal(sealed, combine_slot_checksums(recorded.view(1, BLOCK_SIZE)))
@@ -232,7 +250,7 @@ def test_shared_prefix_block_not_flagged_and_redirect_detected() -> None:
     tags = SlotTags(NUM_BLOCKS, BLOCK_SIZE)
     prefix = [10, 11, 12, 13]
     req_a, req_b = prefix + [20, 21], prefix + [30, 31, 32]
-    table_a, table_b = [3, 4], [3, 5]                    # block 3 is the shared prefix
+    table_a, table_b = [3, 4], [3, 5]  # block 3 is the shared prefix
     tag_a = token_chain_tags(ROOT_TAG, req_a, 0)
     tags.write(torch.tensor(_slot_mapping(table_a, 0, 6)), torch.tensor(tag_a))
     # Request b hits the prefix cache: only its own tokens are written.
@@ -247,7 +265,10 @@ def test_shared_prefix_block_not_flagged_and_redirect_detected() -> None:
     redirect_block_table(bad_table, 1, 4)
     mismatches = tags.verify(torch.tensor([table_a, bad_table]), [6, 7], expected)
     assert {(m.seq_index, m.position, m.block_id) for m in mismatches} == {
-        (1, 4, 4), (1, 5, 4), (1, 6, 4)}
+        (1, 4, 4),
+        (1, 5, 4),
+        (1, 6, 4),
+    }
     with pytest.raises(KVIntegrityError) as err:
         tags.check(torch.tensor([table_a, bad_table]), [6, 7], expected)
     assert err.value.kind == "slot_tag" and err.value.block_ids == (4,)
