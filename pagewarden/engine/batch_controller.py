@@ -1,0 +1,188 @@
+"""Adaptive batch size: lower the batch under stress, raise it back after calm.
+
+The controller sits in the engine core and sees one ``StepSignals`` per step: how many
+integrity faults the step detected, how many requests were preempted, and the
+inter-token latencies of the tokens it released. It answers with the batch limits the
+scheduler should use from the next step on, between a floor and the configured maximum:
+
+- multiplicative decrease (``decrease_factor``) at once when a step detects an integrity
+  fault, when preemptions within the last window reach ``preemption_storm``, or when the
+  p90 inter-token latency over the window exceeds the target;
+- additive increase (``increase_step`` sequences) after ``window_steps`` steps in a row
+  with none of those, back toward the configured maximum.
+
+After any change the window starts afresh, so one slow stretch lowers the batch once,
+not once per step. The token budget follows the sequence limit in proportion and never
+drops below its own floor. Running requests are never dropped by a decrease: the
+scheduler only admits fewer until the running batch fits under the new limit.
+
+The latency target is ``target_itl_s`` when given; otherwise it is derived from the
+first full window: ``baseline_factor`` times that window's median inter-token latency.
+
+No torch, no engine imports: the engine feeds it plain numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+ChangeReason = Literal["integrity_fault", "latency", "preemption_storm", "recovery", "operator"]
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """The per-step limits the scheduler enforces."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+@dataclass(frozen=True)
+class BatchControllerConfig:
+    """Bounds and rates of the controller; validated on construction."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    min_num_seqs: int = 0  # 0: a quarter of max_num_seqs, at least 1
+    min_num_batched_tokens: int = 0  # 0: a quarter of max_num_batched_tokens, at least 1
+    decrease_factor: float = 0.5
+    increase_step: int = 0  # 0: an eighth of max_num_seqs, at least 1
+    window_steps: int = 32
+    target_itl_s: float | None = None
+    baseline_factor: float = 4.0
+    preemption_storm: int = 8  # preemptions within one window that count as a storm
+    min_latency_samples: int = 16  # fewer samples in a window say nothing about p90
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not 0.0 < self.decrease_factor < 1.0:
+            raise ValueError(f"decrease_factor must be in (0, 1), got {self.decrease_factor}")
+        if self.window_steps < 1 or self.preemption_storm < 1:
+            raise ValueError("window_steps and preemption_storm must be >= 1")
+        if self.target_itl_s is not None and self.target_itl_s <= 0:
+            raise ValueError(f"target_itl_s must be > 0, got {self.target_itl_s}")
+        if self.min_num_seqs > self.max_num_seqs:
+            raise ValueError(
+                f"min_num_seqs ({self.min_num_seqs}) exceeds max_num_seqs ({self.max_num_seqs})"
+            )
+        if self.min_num_batched_tokens > self.max_num_batched_tokens:
+            raise ValueError(
+                f"min_num_batched_tokens ({self.min_num_batched_tokens}) exceeds "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens})"
+            )
+
+    @property
+    def floor(self) -> BatchLimits:
+        seqs = self.min_num_seqs or max(1, self.max_num_seqs // 4)
+        tokens = self.min_num_batched_tokens or max(1, self.max_num_batched_tokens // 4)
+        return BatchLimits(seqs, tokens)
+
+    @property
+    def ceiling(self) -> BatchLimits:
+        return BatchLimits(self.max_num_seqs, self.max_num_batched_tokens)
+
+    @property
+    def step_up(self) -> int:
+        return self.increase_step or max(1, self.max_num_seqs // 8)
+
+
+@dataclass(frozen=True)
+class StepSignals:
+    """What one engine step reports to the controller."""
+
+    integrity_faults: int = 0
+    preemptions: int = 0
+    inter_token_latencies_s: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class BatchLimitChange:
+    """One change of the limits, with the figures that caused it."""
+
+    old: BatchLimits
+    new: BatchLimits
+    reason: ChangeReason
+    detail: str
+
+
+class AdaptiveBatchController:
+    """Turns per-step stress signals into batch limits (module docstring)."""
+
+    def __init__(self, config: BatchControllerConfig) -> None:
+        self.config = config
+        self.limits = config.ceiling
+        self.target_itl_s = config.target_itl_s
+        self._latencies: deque[float] = deque()
+        self._preemptions = 0
+        self._clean_steps = 0
+        self.changes: dict[ChangeReason, int] = {}
+
+    def observe(self, signals: StepSignals) -> BatchLimitChange | None:
+        """Feed one step; returns the change of limits it caused, if any."""
+        self._latencies.extend(signals.inter_token_latencies_s)
+        self._preemptions += signals.preemptions
+        if signals.integrity_faults:
+            return self._decrease("integrity_fault", f"{signals.integrity_faults} fault(s)")
+        if self._preemptions >= self.config.preemption_storm:
+            return self._decrease(
+                "preemption_storm", f"{self._preemptions} preemptions in the window"
+            )
+        p90 = self._window_p90()
+        if p90 is not None and self.target_itl_s is not None and p90 > self.target_itl_s:
+            return self._decrease(
+                "latency",
+                f"inter-token p90 {p90 * 1e3:.1f} ms > target {self.target_itl_s * 1e3:.1f} ms",
+            )
+        self._clean_steps += 1
+        if self._clean_steps < self.config.window_steps:
+            return None
+        if self.target_itl_s is None and p90 is not None:
+            median = _quantile(sorted(self._latencies), 0.5)
+            self.target_itl_s = self.config.baseline_factor * median
+        if self.limits == self.config.ceiling:
+            self._reset_window()
+            return None
+        seqs = min(self.config.max_num_seqs, self.limits.max_num_seqs + self.config.step_up)
+        return self._set(seqs, "recovery", f"clean for {self._clean_steps} steps")
+
+    def force(self, max_num_seqs: int) -> BatchLimitChange | None:
+        """Set the sequence limit by hand (an operator, or a profile switch)."""
+        seqs = min(max(max_num_seqs, self.config.floor.max_num_seqs), self.config.max_num_seqs)
+        return self._set(seqs, "operator", f"set to {seqs}")
+
+    def _window_p90(self) -> float | None:
+        if len(self._latencies) < self.config.min_latency_samples:
+            return None
+        return _quantile(sorted(self._latencies), 0.9)
+
+    def _decrease(self, reason: ChangeReason, detail: str) -> BatchLimitChange | None:
+        seqs = math.floor(self.limits.max_num_seqs * self.config.decrease_factor)
+        seqs = max(seqs, self.config.floor.max_num_seqs)
+        return self._set(seqs, reason, detail)
+
+    def _set(self, seqs: int, reason: ChangeReason, detail: str) -> BatchLimitChange | None:
+        self._reset_window()
+        cfg = self.config
+        tokens = math.ceil(cfg.max_num_batched_tokens * seqs / cfg.max_num_seqs)
+        new = BatchLimits(seqs, max(tokens, cfg.floor.max_num_batched_tokens))
+        if new == self.limits:
+            return None
+        change = BatchLimitChange(self.limits, new, reason, detail)
+        self.limits = new
+        self.changes[reason] = self.changes.get(reason, 0) + 1
+        return change
+
+    def _reset_window(self) -> None:
+        self._latencies.clear()
+        self._preemptions = 0
+        self._clean_steps = 0
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    """The q-quantile of sorted values (nearest rank)."""
+    index = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))
+    return sorted_values[index]

@@ -1,0 +1,121 @@
+"""The adaptive batch controller on its own: plain numbers in, limits out (no torch)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pagewarden.engine.batch_controller import (
+    AdaptiveBatchController,
+    BatchControllerConfig,
+    BatchLimits,
+    StepSignals,
+)
+
+
+def make(**overrides) -> AdaptiveBatchController:
+    cfg = dict(max_num_seqs=32, max_num_batched_tokens=2048, window_steps=4, target_itl_s=0.1)
+    cfg.update(overrides)
+    return AdaptiveBatchController(BatchControllerConfig(**cfg))
+
+
+def calm(ctl: AdaptiveBatchController, steps: int) -> list:
+    fast = (0.01,) * 20
+    return [ctl.observe(StepSignals(inter_token_latencies_s=fast)) for _ in range(steps)]
+
+
+def test_fault_halves_the_batch_and_the_token_budget_follows():
+    ctl = make()
+    change = ctl.observe(StepSignals(integrity_faults=1))
+    assert change is not None and change.reason == "integrity_fault"
+    assert change.old == BatchLimits(32, 2048)
+    assert change.new == BatchLimits(16, 1024)
+    assert ctl.limits == BatchLimits(16, 1024)
+
+
+def test_decrease_stops_at_the_floor():
+    ctl = make()
+    for _ in range(10):
+        ctl.observe(StepSignals(integrity_faults=1))
+    assert ctl.limits == BatchLimits(8, 512)  # a quarter of the maximum by default
+    assert ctl.observe(StepSignals(integrity_faults=1)) is None  # no change below the floor
+
+
+def test_explicit_floor():
+    ctl = make(min_num_seqs=12, min_num_batched_tokens=1000)
+    for _ in range(5):
+        ctl.observe(StepSignals(integrity_faults=2))
+    assert ctl.limits == BatchLimits(12, 1000)
+
+
+def test_additive_increase_after_a_clean_window_back_to_the_maximum():
+    ctl = make()
+    ctl.observe(StepSignals(integrity_faults=1))  # 16
+    changes = [c for c in calm(ctl, 4) if c is not None]
+    assert [c.new.max_num_seqs for c in changes] == [20]  # + max/8 after 4 clean steps
+    assert changes[0].reason == "recovery"
+    calm(ctl, 4 * 10)
+    assert ctl.limits == BatchLimits(32, 2048)  # never above the configured maximum
+    assert all(c is None for c in calm(ctl, 8))
+
+
+def test_slow_tokens_lower_the_batch_once_per_window():
+    ctl = make()
+    slow = StepSignals(inter_token_latencies_s=(0.5,) * 20)
+    first = ctl.observe(slow)
+    assert first is not None and first.reason == "latency"
+    assert "p90 500.0 ms" in first.detail
+    # The window restarted: too few samples yet to judge again.
+    assert ctl.observe(StepSignals(inter_token_latencies_s=(0.5,) * 5)) is None
+    assert ctl.limits.max_num_seqs == 16
+
+
+def test_latency_needs_enough_samples():
+    ctl = make(min_latency_samples=16)
+    assert ctl.observe(StepSignals(inter_token_latencies_s=(9.0,) * 15)) is None
+    assert ctl.observe(StepSignals(inter_token_latencies_s=(9.0,))) is not None
+
+
+def test_preemption_storm_counts_over_the_window():
+    ctl = make(preemption_storm=6)
+    assert ctl.observe(StepSignals(preemptions=3)) is None
+    change = ctl.observe(StepSignals(preemptions=3))
+    assert change is not None and change.reason == "preemption_storm"
+
+
+def test_target_derived_from_the_first_window_when_not_given():
+    ctl = make(target_itl_s=None, baseline_factor=4.0)
+    calm(ctl, 4)  # median 10 ms
+    assert ctl.target_itl_s == pytest.approx(0.04)
+    change = ctl.observe(StepSignals(inter_token_latencies_s=(0.05,) * 20))
+    assert change is not None and change.reason == "latency"
+
+
+def test_operator_force_is_clamped_and_counted():
+    ctl = make()
+    change = ctl.force(1)
+    assert change is not None and change.new.max_num_seqs == 8  # clamped to the floor
+    assert ctl.force(1000).new.max_num_seqs == 32
+    assert ctl.changes == {"operator": 2}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(decrease_factor=1.0),
+        dict(window_steps=0),
+        dict(target_itl_s=0.0),
+        dict(min_num_seqs=64),
+    ],
+)
+def test_bad_config_is_rejected(bad):
+    with pytest.raises(ValueError):
+        make(**bad)
+
+
+def test_module_does_not_import_torch():
+    code = "import pagewarden.engine.batch_controller, sys; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
