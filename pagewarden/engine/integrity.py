@@ -25,7 +25,8 @@ import logging
 from dataclasses import dataclass, field
 
 from pagewarden.sched.output import KVFault, ModelRunnerOutput, SchedulerOutput
-from pagewarden.sched.scheduler import RecoveryReport, Scheduler
+from pagewarden.sched.recovery import RecoveryReport
+from pagewarden.sched.scheduler import Scheduler
 from pagewarden.worker.kv_guard import KVGuard
 
 logger = logging.getLogger("pagewarden.integrity")
@@ -106,7 +107,6 @@ class IntegrityMonitor:
         """Apply the step's faults; returns the output without the rolled-back requests."""
         report = self._recover(result.faults)
         gone = set(report.rolled_back)
-        out = out.materialized()
         kept = [r for r in out.requests if r.req_id not in gone]
         return dataclasses.replace(out, requests=kept), report
 

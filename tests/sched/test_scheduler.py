@@ -7,7 +7,7 @@ import pytest
 from pagewarden.sampling_params import SamplingParams
 from pagewarden.sched import (
     Request,
-    RequestRejectedError,
+    RequestRejected,
     RequestStatus,
     Scheduler,
     SchedulerConfig,
@@ -53,19 +53,17 @@ def test_config_validation() -> None:
 
 def test_impossible_requests_are_rejected() -> None:
     s = _sched(num_blocks=4, max_model_len=32)
-    with pytest.raises(RequestRejectedError, match="exceeds max_model_len=32"):
+    with pytest.raises(RequestRejected, match="exceeds max_model_len=32"):
         s.add_request(_req("a", list(range(30)), max_tokens=3))
-    with pytest.raises(
-        RequestRejectedError, match="needs up to 4 KV blocks but the pool has only 3"
-    ):
+    with pytest.raises(RequestRejected, match="needs up to 4 KV blocks but the pool has only 3"):
         s.add_request(_req("b", list(range(12)), max_tokens=2))
-    with pytest.raises(RequestRejectedError, match="no room"):
+    with pytest.raises(RequestRejected, match="no room"):
         s.add_request(_req("c", list(range(32)), max_tokens=None))
-    with pytest.raises(RequestRejectedError, match="empty prompt"):
+    with pytest.raises(RequestRejected, match="prompt is empty"):
         s.add_request(_req("d", [], max_tokens=1))
-    assert isinstance(RequestRejectedError("x"), ValueError)
+    assert isinstance(RequestRejected("x"), ValueError)
     s.add_request(_req("ok", list(range(8)), max_tokens=4))  # 11 positions -> 3 blocks
-    with pytest.raises(RequestRejectedError, match="already in use"):
+    with pytest.raises(RequestRejected, match="already in use"):
         s.add_request(_req("ok", [1], max_tokens=1))
     assert s.has_unfinished_requests() and len(s.waiting) == 1
 
@@ -77,7 +75,7 @@ def test_chunked_prefill_then_decode_exact_slots() -> None:
     chunks = []
     for _ in range(4):
         out = s.schedule()
-        (sr,) = out.all_requests()
+        (sr,) = out.requests
         chunks.append((sr.positions, sr.sample, sr.block_table, sr.slot_mapping))
         s.update(out, runner.execute(out))
     assert chunks[0] == (range(0, 4), False, [1], [4, 5, 6, 7])
@@ -97,7 +95,7 @@ def test_decode_and_prefill_share_a_step() -> None:
     s.update(out, runner.execute(out))
     s.add_request(_req("b", list(range(20)), max_tokens=1))
     out = s.schedule()
-    assert [(r.req_id, len(r.token_ids)) for r in out.all_requests()] == [("a", 1), ("b", 5)]
+    assert [(r.req_id, len(r.token_ids)) for r in out.requests] == [("a", 1), ("b", 5)]
     assert out.num_batched_tokens == 6
 
 
@@ -108,7 +106,7 @@ def test_prefix_hit_advances_computed_and_leaves_last_token() -> None:
     _drain(s)
     s.add_request(_req("b", prompt, max_tokens=1))
     out = s.schedule()
-    (sr,) = out.all_requests()
+    (sr,) = out.requests
     assert sr.positions == range(8, 12)  # 2 blocks served; last block recomputed
     assert sr.sample
     res = s.update(out, FakeModelRunner(4).execute(out))
@@ -119,7 +117,7 @@ def test_prefix_hit_advances_computed_and_leaves_last_token() -> None:
     r = Request("c", prompt, SamplingParams(max_tokens=1), cache_salt="tenant-2")
     s.add_request(r)
     out = s.schedule()
-    assert out.all_requests()[0].positions == range(0, 12)
+    assert out.requests[0].positions == range(0, 12)
 
 
 def test_preemption_recomputes_most_recent_and_all_finish() -> None:
@@ -153,28 +151,27 @@ def test_parallel_sampling_forks_with_cow_and_seeds() -> None:
     )
     runner = FakeModelRunner(4, verify=True)
     out = s.schedule()
-    (sr,) = out.all_requests()
+    (sr,) = out.requests
     assert sr.req_id == "p" and sr.positions == range(0, 5) and not sr.sample
     assert list(s.update(out, runner.execute(out))) == []
     assert [r.req_id for r in s.running] == ["p#0", "p#1", "p#2"]
     assert all(r.parent_id == "p" for r in s.running)
     out = s.schedule()
     assert out.finished_req_ids == ["p"]
-    # p#0 and p#1 copy the shared last block on write; p#2, then its only holder, is a
-    # plain decode (the decode batch comes first in step order).
-    assert out.decodes.req_ids == ["p#2"]
-    assert [(r.req_id, r.positions, r.seed) for r in out.all_requests()] == [
-        ("p#2", range(5, 6), 7 * 1000003 + 2),
+    # p#0 and p#1 copy the shared last block on write; p#2, by then its only holder,
+    # appends to it in place.
+    assert [(r.req_id, r.positions, r.seed) for r in out.requests] == [
         ("p#0", range(5, 6), 7 * 1000003 + 0),
         ("p#1", range(5, 6), 7 * 1000003 + 1),
+        ("p#2", range(5, 6), 7 * 1000003 + 2),
     ]
     assert out.copy_blocks == [(2, 3), (2, 4)]
-    assert [r.block_table for r in out.all_requests()] == [[1, 2], [1, 3], [1, 4]]
+    assert [r.block_table for r in out.requests] == [[1, 3], [1, 4], [1, 2]]
     ups = s.update(out, runner.execute(out))
     assert [(u.req_id, u.index, u.parent_id) for u in ups] == [
-        ("p#2", 2, "p"),
         ("p#0", 0, "p"),
         ("p#1", 1, "p"),
+        ("p#2", 2, "p"),
     ]
     toks = _drain(s, runner)
     assert all(len(v) == 1 for v in toks.values())
