@@ -16,7 +16,7 @@ Slot arithmetic, for ``block_size = 4``::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pagewarden.kv.swap_space import BlockSwap
 from pagewarden.sampling_params import SamplingParams
@@ -118,6 +118,17 @@ FaultKind = Literal["checksum", "slot_tag"]
 #: hit ("reuse"), a block's slots at seal time ("seal"), the background scrubber
 #: ("scrub"), or a block coming back from the host tier ("swap_in").
 Finder = Literal["read", "reuse", "seal", "scrub", "swap_in"]
+#: A metadata fault the scheduler catches itself: a table entry's block was freed under
+#: it ("stale_ref"), or a table's block id disagrees with its reference ("table_mismatch").
+TableFaultKind = Literal["stale_ref", "table_mismatch"]
+
+
+class FailureKey(NamedTuple):
+    """The key of a failed-check counter: what was found and which check found it.
+    Table faults are found before a step ("schedule") or when a table is freed ("free")."""
+
+    kind: FaultKind | TableFaultKind
+    found_by: Finder | Literal["schedule", "free"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,18 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from pagewarden.sched.admission import max_kv_blocks
-from pagewarden.sched.output import KVFault
+from pagewarden.sched.output import KVFault, TableFaultKind
 from pagewarden.sched.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from pagewarden.sched.scheduler import Scheduler
-
-#: A metadata fault the scheduler catches itself: a table entry's block was freed under
-#: it ("stale_ref"), or a table's block id disagrees with its reference ("table_mismatch").
-TableFaultKind = Literal["stale_ref", "table_mismatch"]
 
 
 @dataclass(frozen=True, slots=True)

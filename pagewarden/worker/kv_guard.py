@@ -52,7 +52,7 @@ from typing import Literal
 import torch
 
 from pagewarden.kv.swap_space import BlockSwap
-from pagewarden.sched.output import KVFault, ScheduledRequest, SchedulerOutput
+from pagewarden.sched.output import FailureKey, KVFault, ScheduledRequest, SchedulerOutput
 from pagewarden.worker.integrity import (
     ROOT_TAG,
     SlotTags,
@@ -78,7 +78,7 @@ class GuardCounters:
     slot_verifies: int = 0  # slot checksums recomputed and compared (open blocks, seal)
     seals: int = 0
     scrubbed_blocks: int = 0
-    failures: dict[str, int] = field(default_factory=dict)  # "<kind>/<found_by>" -> count
+    failures: dict[FailureKey, int] = field(default_factory=dict)
 
 
 class KVGuard:
@@ -399,7 +399,7 @@ class KVGuard:
         return result
 
     def _count(self, fault: KVFault) -> None:
-        key = f"{fault.kind}/{fault.found_by}"
+        key = FailureKey(fault.kind, fault.found_by)
         self.counters.failures[key] = self.counters.failures.get(key, 0) + 1
 
     # ------------------------------------------------------------ after forward
