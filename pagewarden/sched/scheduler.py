@@ -67,7 +67,7 @@ class Scheduler:
         # Fork parent id -> ids of its live children (so aborting the parent reaches them).
         self.children: dict[str, set[str]] = {}
         # Handed to the runner with the next step (see ``SchedulerOutput``).
-        self.left_ids: list[str] = []  # finished, aborted or preempted since the last step
+        self.departed_ids: list[str] = []  # finished, aborted or preempted since the last step
         self.preempted_ids: list[str] = []
         self.swap_out: list[BlockSwap] = []
         self.swap_in: list[BlockSwap] = []
@@ -151,7 +151,7 @@ class Scheduler:
         req.stop_reason = stop_reason
         self.kv.free(req.req_id)
         del self.requests[req.req_id]
-        self.left_ids.append(req.req_id)
+        self.departed_ids.append(req.req_id)
         pid = req.parent_id
         if pid is not None and pid in self.children:
             live = self.children[pid]
@@ -175,12 +175,12 @@ class Scheduler:
             self.num_steps,
             plan.requests,
             plan.copies,
-            self.left_ids,
+            self.departed_ids,
             self.preempted_ids,
             self.swap_out,
             self.swap_in,
         )
-        self.left_ids, self.preempted_ids, self.swap_out, self.swap_in = [], [], [], []
+        self.departed_ids, self.preempted_ids, self.swap_out, self.swap_in = [], [], [], []
         return out
 
     def _schedule_running(self, plan: StepPlan) -> None:
@@ -325,7 +325,7 @@ class Scheduler:
         for child in children:
             child.status = _RUNNING
             self.requests[child.req_id] = child
-        self.left_ids.append(parent.req_id)
+        self.departed_ids.append(parent.req_id)
         return children
 
     # --------------------------------------------------------------- queries
