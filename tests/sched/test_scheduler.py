@@ -242,3 +242,56 @@ def test_finish_requests_stop_string() -> None:
     assert req.status is RequestStatus.FINISHED_STOPPED
     assert (req.finish_reason, req.stop_reason) == ("stop", "STOP")
     assert not s.has_unfinished_requests() and s.check_invariants() == []
+
+
+def test_update_skips_requests_gone_since_scheduling() -> None:
+    s = _sched(num_blocks=10, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32)
+    runner = FakeModelRunner(4)
+    for rid in ("a", "b", "c"):
+        s.add_request(_req(rid, [1, 2, 3], max_tokens=5))
+    out = s.schedule()
+    s.update(out, runner.execute(out))
+    out = s.schedule()
+    assert [(r.req_id, r.slot_mapping) for r in out.requests] == [
+        ("a", [7]),
+        ("b", [11]),
+        ("c", [15]),
+    ]
+    res = runner.execute(out)
+    s.abort_requests(["b"])  # not what the engine does, but update must cope
+    ups = s.update(out, res)
+    assert [(u.req_id, u.new_token_ids, u.finished) for u in ups] == [
+        ("a", [res.sampled_token_ids["a"]], False),
+        ("c", [res.sampled_token_ids["c"]], False),
+    ]
+    assert s.requests["a"].output_token_ids == [runner.token_for("a", 3), runner.token_for("a", 4)]
+    assert s.check_invariants() == []
+
+
+def test_only_fork_children_share_a_partly_filled_block() -> None:
+    """Prefix hits share full blocks only; check_invariants catches anything else sharing
+    an open block (its next token would overwrite another request's KV)."""
+    s = _sched(num_blocks=10, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32)
+    runner = FakeModelRunner(4, verify=True)
+    s.add_request(_req("a", [1, 2, 3, 4, 5], max_tokens=6))
+    s.add_request(Request("p", [1, 2, 3, 4, 5, 6], SamplingParams(n=2, max_tokens=3)))
+    for _ in range(2):
+        out = s.schedule()
+        s.update(out, runner.execute(out))
+        assert s.check_invariants() == []
+    a_block = s.kv.tables["a"].ids[-1]
+    s.kv.pool.blocks[a_block].ref_cnt += 1  # as if something shared a's open block
+    assert any("partly filled block" in e for e in s.check_invariants())
+    s.kv.pool.blocks[a_block].ref_cnt -= 1
+    _drain(s, runner)
+
+
+def test_slot_mapping_follows_the_block_table() -> None:
+    from pagewarden.sched.output import slot_mapping_for
+
+    assert slot_mapping_for([7, 3], 4, 2, 7) == [30, 31, 12, 13, 14]
+    assert slot_mapping_for([7], 4, 2, 2) == []
+    s = _sched(num_blocks=8, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32)
+    s.add_request(_req("a", list(range(10)), max_tokens=2))
+    (sr,) = s.schedule().requests
+    assert sr.block_table == [1, 2, 3] and sr.slot_mapping == list(range(4, 14))
