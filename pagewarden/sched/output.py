@@ -32,9 +32,10 @@ def slot_mapping_for(block_ids: list[int], block_size: int, start: int, end: int
     return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ScheduledRequest:
-    """One request's share of a step.
+    """One request's share of a step; read-only once built (not frozen: one is built per
+    request per step, and a frozen dataclass pays an ``object.__setattr__`` per field).
 
     ``token_ids[i]`` sits at ``positions[i]`` and its K/V goes to ``slot_mapping[i]``.
     Attention for these tokens reads positions ``[0, positions.stop)`` through
@@ -160,9 +161,10 @@ class ModelRunnerOutput:
     faults: list[KVFault] = field(default_factory=list)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestUpdate:
-    """What one step produced for one request that sampled a token."""
+    """What one step produced for one request that sampled a token; read-only once built
+    (not frozen, as ``ScheduledRequest``)."""
 
     req_id: str
     parent_id: str | None
