@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagewarden.sched.config import MIN_MAX_MODEL_LEN
 from pagewarden.worker.kv_guard import INTEGRITY_LEVELS
 
 _DTYPES = {
@@ -99,8 +100,10 @@ class EngineConfig:
             raise EngineConfigError(
                 "preemption_mode 'swap' needs a host tier: set swap_space (GiB) or num_swap_blocks"
             )
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise EngineConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_model_len is not None and self.max_model_len < MIN_MAX_MODEL_LEN:
+            raise EngineConfigError(
+                f"max_model_len must be >= {MIN_MAX_MODEL_LEN}, got {self.max_model_len}"
+            )
 
     @property
     def resolved_preemption_mode(self) -> str:

@@ -8,10 +8,9 @@ are drained at the start of the next step, never in the middle of one.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from pagewarden.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from pagewarden.engine.integrity import IntegrityMonitor, IntegrityStats
@@ -19,48 +18,27 @@ from pagewarden.engine.output_processor import OutputProcessor
 from pagewarden.engine.outputs import RequestOutput
 from pagewarden.models.loader import LoadedModel, load_model
 from pagewarden.sampling_params import SamplingParams
+from pagewarden.sched.admission import RequestRejected, check_request
 from pagewarden.sched.config import SchedulerConfig
 from pagewarden.sched.request import Request
-from pagewarden.sched.scheduler import RequestRejectedError, Scheduler
+from pagewarden.sched.scheduler import Scheduler
+from pagewarden.sched.stats import SchedulerStats, metric
 from pagewarden.worker.kv_store import KVCacheShape, KVStore
 from pagewarden.worker.runner import ModelRunner
 
 logger = logging.getLogger("pagewarden.engine")
 
 
-class RequestRejected(ValueError):
-    """A request can never run (too long for the context or the KV pool)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+__all__ = ["EngineCore", "EngineStats", "RequestRejected"]
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine's counters."""
+@dataclass(frozen=True, kw_only=True)
+class EngineStats(SchedulerStats):
+    """A snapshot of the engine's counters: the scheduler's, plus the engine's own."""
 
-    total_blocks: int
-    free_blocks: int
-    cached_blocks: int
-    used_blocks: int
-    quarantined_blocks: int
-    prefix_cache_queries: int  # tokens looked up
-    prefix_cache_hits: int  # tokens served from the cache
-    num_preemptions: int
-    num_steps: int
-    num_running: int
-    num_waiting: int
-    block_allocations: int
-    block_frees: int
-    prompt_tokens: int
-    generation_tokens: int
+    prompt_tokens: int = metric("counter", "Prompt tokens admitted.")
+    generation_tokens: int = metric("counter", "Tokens generated.")
     integrity: IntegrityStats
-    num_swapped: int = 0  # requests whose KV is in the host tier
-    host_blocks: int = 0
-    free_host_blocks: int = 0
-    swapped_out_blocks: int = 0
-    swapped_in_blocks: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -135,34 +113,8 @@ class EngineCore:
     # ---- called from any thread -------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ``RequestRejected`` if the request can never run."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise RequestRejected("the prompt is empty; give at least one token", "prompt")
-        vocab = self.loaded.config.vocab_size
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
-            raise RequestRejected(f"prompt token ids must be integers in [0, {vocab})", "prompt")
-        if n >= self.max_model_len:
-            raise RequestRejected(
-                f"the prompt has {n} tokens; this model's context is {self.max_model_len} "
-                "tokens, which leaves no room for output",
-                "prompt",
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
-        if n + max_tokens > self.max_model_len:
-            raise RequestRejected(
-                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
-                f"the context length {self.max_model_len}; lower max_tokens",
-                "max_tokens",
-            )
-        blocks = math.ceil((n + max_tokens) / self.config.block_size)
-        # Block 0 is reserved; retired blocks (failed checks repeatedly) never return.
-        usable = self.kv_store.shape.num_blocks - 1 - len(self.scheduler.kv.pool.retired)
-        if blocks > usable:
-            raise RequestRejected(
-                f"the request needs up to {blocks} KV blocks but the pool has {usable}; "
-                "raise kv_cache_memory or lower max_tokens",
-                "max_tokens",
-            )
+        limits = self.scheduler.admission_limits(vocab_size=self.loaded.config.vocab_size)
+        check_request(prompt_token_ids, params, limits)
 
     def add_request(
         self,
@@ -208,7 +160,7 @@ class EngineCore:
             )
             try:
                 self.scheduler.add_request(request)
-            except RequestRejectedError as exc:
+            except RequestRejected as exc:
                 # Valid when submitted, but the pool shrank since (retired blocks).
                 logger.warning("request %s rejected at admission: %s", request.req_id, exc)
                 out = self.outputs.abort(request.req_id, reason="error")
@@ -236,9 +188,6 @@ class EngineCore:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty and not sched_out.copy_blocks:
             return finished
-        # The worker side (runner, guard, fault injection, recovery) works one
-        # ScheduledRequest at a time: fold the columnar decode batch in once.
-        sched_out = sched_out.materialized()
         result = self.runner.execute(sched_out)
         if result.faults:
             sched_out, report = self.integrity.recover(sched_out, result)
@@ -246,9 +195,7 @@ class EngineCore:
                 out = self.outputs.abort(request_id, reason="error")
                 if out is not None:
                     finished.append(out)
-        # The output side wants one RequestUpdate per token: build them now, while every
-        # request they describe is still in the scheduler.
-        updates = self.scheduler.update(sched_out, result).updates()
+        updates = self.scheduler.update(sched_out, result)
         self.integrity.after_step()
         self.generation_tokens += len(updates)  # one entry per sampled token
         changed, stopped = self.outputs.process(updates)
@@ -257,27 +204,10 @@ class EngineCore:
         return finished + changed
 
     def stats(self) -> EngineStats:
-        s = self.scheduler.stats()
+        scheduler = self.scheduler.stats()
         return EngineStats(
-            total_blocks=s.total_blocks,
-            free_blocks=s.free_blocks,
-            cached_blocks=s.cached_blocks,
-            used_blocks=s.used_blocks,
-            quarantined_blocks=s.quarantined_blocks,
-            prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits,
-            num_preemptions=s.num_preemptions,
-            num_steps=s.num_steps,
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            block_allocations=s.block_allocations,
-            block_frees=s.block_frees,
+            **{f.name: getattr(scheduler, f.name) for f in fields(scheduler)},
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             integrity=self.integrity.stats(),
-            num_swapped=s.num_swapped,
-            host_blocks=s.host_blocks,
-            free_host_blocks=s.free_host_blocks,
-            swapped_out_blocks=s.swapped_out_blocks,
-            swapped_in_blocks=s.swapped_in_blocks,
         )

@@ -24,8 +24,10 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 
-from pagewarden.sched.output import KVFault, ModelRunnerOutput, SchedulerOutput
-from pagewarden.sched.scheduler import RecoveryReport, Scheduler
+from pagewarden.sched.output import FailureKey, KVFault, ModelRunnerOutput, SchedulerOutput
+from pagewarden.sched.recovery import RecoveryReport
+from pagewarden.sched.scheduler import Scheduler
+from pagewarden.sched.stats import metric
 from pagewarden.worker.kv_guard import KVGuard
 
 logger = logging.getLogger("pagewarden.integrity")
@@ -43,17 +45,33 @@ class IntegrityStats:
     scrubbed_blocks: int  # sealed blocks re-verified by the scrubber
     audits: int  # check_invariants() runs
     invariant_violations: int
-    # "<kind>/<found_by>" -> count: checksum/read|reuse|seal|scrub, slot_tag/read,
-    # stale_ref/schedule, table_mismatch/schedule, stale_ref/free
-    failures: dict[str, int] = field(default_factory=dict)
-    recoveries: int = 0  # faults recovered (holders rolled back, none failed)
-    rolled_back_requests: int = 0
-    recomputed_tokens: int = 0
-    quarantined_blocks: int = 0  # blocks quarantined (cumulative)
-    quarantine_releases: int = 0  # blocks scrubbed, re-verified and returned to service
-    retired_blocks: int = 0  # blocks out for good after repeated failures
+    failures: dict[FailureKey, int] = field(default_factory=dict)
+    recoveries: int = metric(
+        "counter", "Faults recovered by rollback and recompute.", "integrity_recoveries"
+    )
+    rolled_back_requests: int = metric(
+        "counter", "Requests rolled back by recovery.", "integrity_rolled_back_requests"
+    )
+    recomputed_tokens: int = metric(
+        "counter", "Computed tokens discarded by recovery.", "integrity_recomputed_tokens"
+    )
+    quarantined_blocks: int = metric(
+        "counter", "Blocks put in quarantine.", "kv_blocks_quarantine_events"
+    )
+    quarantine_releases: int = metric(
+        "counter",
+        "Quarantined blocks scrubbed, re-verified and returned to service.",
+        "kv_blocks_quarantine_releases",
+    )
+    retired_blocks: int = metric(
+        "gauge", "Blocks retired for good after repeated failures.", "kv_blocks_retired"
+    )
     ownership_violations: int = 0  # pool/scheduler mutations refused on a foreign thread
-    failed_requests: int = 0  # requests failed by an unrecoverable fault
+    failed_requests: int = metric(
+        "counter",
+        "Requests failed by an unrecoverable fault (no healthy blocks).",
+        "integrity_failed_requests",
+    )
 
     @property
     def detections(self) -> int:
@@ -80,7 +98,7 @@ class IntegrityMonitor:
         self.quarantined_blocks = 0
         self.quarantine_releases = 0
         self.failed_requests = 0
-        self.failures: dict[str, int] = {}  # scheduler-found kinds (worker's in guard)
+        self.failures: dict[FailureKey, int] = {}  # scheduler-found kinds (worker's in guard)
         self._steps = 0
 
     def before_schedule(self) -> None:
@@ -88,7 +106,7 @@ class IntegrityMonitor:
         if not self.on:
             return
         for event in self.scheduler.verify_block_tables():
-            key = f"{event.kind}/schedule"
+            key = FailureKey(event.kind, "schedule")
             self.failures[key] = self.failures.get(key, 0) + 1
             self.recoveries += 1
             self.rolled_back_requests += 1
@@ -106,7 +124,6 @@ class IntegrityMonitor:
         """Apply the step's faults; returns the output without the rolled-back requests."""
         report = self._recover(result.faults)
         gone = set(report.rolled_back)
-        out = out.materialized()
         kept = [r for r in out.requests if r.req_id not in gone]
         return dataclasses.replace(out, requests=kept), report
 
@@ -179,7 +196,7 @@ class IntegrityMonitor:
         for key, n in self.failures.items():
             failures[key] = failures.get(key, 0) + n
         if self.scheduler.kv.stale_refs_dropped:
-            failures["stale_ref/free"] = self.scheduler.kv.stale_refs_dropped
+            failures[FailureKey("stale_ref", "free")] = self.scheduler.kv.stale_refs_dropped
         return IntegrityStats(
             level=self.level,
             tag_checks=c.tag_checks,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pagewarden.engine.detokenizer import IncrementalDetokenizer
 from pagewarden.engine.outputs import CompletionOutput, RequestOutput
 from pagewarden.sampling_params import SamplingParams
-from pagewarden.sched.scheduler import RequestUpdate
+from pagewarden.sched.output import RequestUpdate
 
 
 @dataclass

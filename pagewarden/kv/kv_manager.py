@@ -70,9 +70,6 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.tables: dict[str, RequestBlocks] = {}
-        # Bumped whenever any table is created, dropped or given a new ``ids`` list, so a
-        # caller holding ``ids`` lists can tell in O(1) that they are all still current.
-        self.table_version = 0
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens served from cache
         self.stale_refs_dropped = 0  # stale refs found (and skipped) when freeing a table
@@ -130,7 +127,6 @@ class KVCacheManager:
             raise DuplicateRequestError(f"request {req_id!r} already has a block table")
         entry = RequestBlocks(extra_keys)
         self.tables[req_id] = entry
-        self.table_version += 1
         if not self.enable_prefix_caching:
             return 0
         bs = self.block_size
@@ -155,7 +151,7 @@ class KVCacheManager:
             refs = entry.refs
             ids = entry.ids
             for b in hits:
-                refs.append(_new_tuple(BlockRef, (b.block_id, b.epoch)))  # _ref(b)
+                refs.append(_ref(b))
                 ids.append(b.block_id)  # a new table: not handed out yet
         num_hit = len(hits)
         entry.num_sealed = num_hit
@@ -167,7 +163,6 @@ class KVCacheManager:
         if req_id in self.tables:
             raise DuplicateRequestError(f"request {req_id!r} already has a block table")
         self.tables[req_id] = RequestBlocks(extra_keys)
-        self.table_version += 1
 
     # -------------------------------------------------------------- allocation
     def allocate_slots(
@@ -193,7 +188,6 @@ class KVCacheManager:
             return _NO_COPIES
         if total > pool.free_queue.num_free:
             return None
-        self.table_version += 1
         copies: list[tuple[int, int]] = []
         ids = ids[:]  # never mutate a list a ScheduledRequest may hold
         if cow_index >= 0:
@@ -207,31 +201,10 @@ class KVCacheManager:
         if need > 0:
             refs = entry.refs
             for b in pool.get_new_blocks(need):
-                refs.append(_new_tuple(BlockRef, (b.block_id, b.epoch)))  # _ref(b)
+                refs.append(_ref(b))
                 ids.append(b.block_id)
             entry.ids = ids
         return copies
-
-    def append_block(self, req_id: str) -> int | None:
-        """Give the table one fresh block at its end (a decode opening a new block);
-        returns its id, or None (nothing changed) when no block is free."""
-        if not self.append_blocks((req_id,)):
-            return None
-        return self.tables[req_id].ids[-1]
-
-    def append_blocks(self, req_ids: Sequence[str]) -> bool:
-        """``append_block`` for each of ``req_ids`` (distinct ids), in order, as one
-        allocation; returns False (nothing changed) when fewer blocks are free."""
-        pool = self.pool
-        if len(req_ids) > pool.free_queue.num_free:
-            return False
-        tables = self.tables
-        entries = [tables[rid] for rid in req_ids]  # unknown ids raise before allocating
-        self.table_version += 1
-        for entry, b in zip(entries, pool.get_new_blocks(len(entries))):
-            entry.refs.append(_new_tuple(BlockRef, (b.block_id, b.epoch)))  # _ref(b)
-            entry.ids = entry.ids + [b.block_id]  # never mutate a list a ScheduledRequest may hold
-        return True
 
     def seal_full_blocks(self, req_id: str, token_ids: Sequence[int], num_computed: int) -> None:
         """Hash and index every block that ``num_computed`` computed tokens have filled."""
@@ -277,7 +250,6 @@ class KVCacheManager:
         by ``len(child_ids) - 1``.
         """
         entry = self.tables.pop(parent_id)
-        self.table_version += 1
         if not child_ids:
             self.pool.free_blocks(self.pool.blocks[i] for i in reversed(entry.ids))
             return
@@ -308,7 +280,6 @@ class KVCacheManager:
         entry = self.tables.pop(req_id, None)
         if entry is None:
             return
-        self.table_version += 1
         blocks = self.pool.blocks
         # Free by epoch-tagged ref: an entry whose block was freed under it (a stale ref)
         # no longer holds a reference, so dropping it must not decrement anything.
@@ -376,7 +347,6 @@ class KVCacheManager:
         entry.ids = [block.block_id for block in blocks]
         entry.hashes = table.hashes
         self.tables[req_id] = entry
-        self.table_version += 1
         del self.swap.tables[req_id]
         self.swap.release(host_ids)
         self.swap.num_swapped_in += len(host_ids)
@@ -422,7 +392,6 @@ class KVCacheManager:
         dropped = entry.refs[num_blocks:]
         del entry.refs[num_blocks:]
         entry.ids = entry.ids[:num_blocks]  # replaced, never mutated (see RequestBlocks)
-        self.table_version += 1
         entry.num_sealed = min(entry.num_sealed, num_blocks)
         blocks = self.pool.blocks
         live = [

@@ -2,12 +2,15 @@
 
 Every value is read at scrape time from ``EngineStats`` (published by the engine thread)
 and ``FrontendStats``, through a custom collector on a private registry per app, so the
-numbers in one scrape are consistent with each other.
+numbers in one scrape are consistent with each other. Plain gauges and counters come
+from the stats fields declared with ``sched.stats.metric`` (name, kind and help text
+live there); the labelled families are built here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import get_args
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -19,6 +22,8 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from pagewarden.metrics.stats import FrontendStats, HistogramSnapshot
+from pagewarden.sched.output import FailureKey, Finder, TableFaultKind
+from pagewarden.sched.stats import exported_fields
 
 P = "pagewarden:"
 
@@ -33,6 +38,13 @@ def _counter(name: str, doc: str, value: float, model: str) -> CounterMetricFami
     c = CounterMetricFamily(P + name, doc, labels=["model_name"])
     c.add_metric([model], value)
     return c
+
+
+def _exported(stats: object, model: str) -> Iterator[Metric]:
+    """The fields of a stats snapshot declared with ``sched.stats.metric``."""
+    for e in exported_fields(stats):
+        make = _gauge if e.kind == "gauge" else _counter
+        yield make(e.name, e.doc, e.value, model)
 
 
 def _histogram(name: str, doc: str, h: HistogramSnapshot, model: str) -> HistogramMetricFamily:
@@ -60,57 +72,10 @@ class PagewardenCollector:
 
     def collect(self) -> Iterator[Metric]:
         s, f, m = self._engine_stats(), self._frontend_stats(), self._model
-        yield _gauge("num_requests_running", "Requests in the running batch.", s.num_running, m)
-        yield _gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting, m)
+        yield from _exported(s, m)
         yield _gauge(
             "kv_cache_usage_perc", "Fraction of usable KV blocks in use (0-1).", s.kv_cache_usage, m
         )
-        yield _gauge("kv_blocks_free", "Free KV blocks.", s.free_blocks, m)
-        yield _gauge("kv_blocks_used", "KV blocks referenced by requests.", s.used_blocks, m)
-        yield _gauge(
-            "kv_blocks_cached",
-            "Free KV blocks still holding prefix-cache entries.",
-            s.cached_blocks,
-            m,
-        )
-        yield _gauge(
-            "kv_blocks_quarantined", "KV blocks quarantined after a fault.", s.quarantined_blocks, m
-        )
-        yield _counter("block_allocations", "KV block allocations.", s.block_allocations, m)
-        yield _counter("block_frees", "KV block frees.", s.block_frees, m)
-        yield _counter(
-            "prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache.",
-            s.prefix_cache_queries,
-            m,
-        )
-        yield _counter(
-            "prefix_cache_hits",
-            "Prompt tokens served from the prefix cache.",
-            s.prefix_cache_hits,
-            m,
-        )
-        yield _counter("num_preemptions", "Requests preempted.", s.num_preemptions, m)
-        yield _gauge(
-            "num_requests_swapped",
-            "Requests whose KV is in the host (swap) tier.",
-            s.num_swapped,
-            m,
-        )
-        yield _gauge(
-            "kv_host_blocks_free", "Free blocks of the host (swap) tier.", s.free_host_blocks, m
-        )
-        yield _counter(
-            "kv_swapped_out_blocks", "KV blocks copied to the host tier.", s.swapped_out_blocks, m
-        )
-        yield _counter(
-            "kv_swapped_in_blocks",
-            "KV blocks copied back from the host tier.",
-            s.swapped_in_blocks,
-            m,
-        )
-        yield _counter("prompt_tokens", "Prompt tokens admitted.", s.prompt_tokens, m)
-        yield _counter("generation_tokens", "Tokens generated.", s.generation_tokens, m)
         yield _counter(
             "admission_rejections",
             "Requests shed with 429 by admission control.",
@@ -170,58 +135,21 @@ class PagewardenCollector:
             "Integrity checks that failed, by kind and finder.",
             labels=["model_name", "kind", "found_by"],
         )
-        known = {
-            "checksum/read",
-            "checksum/reuse",
-            "checksum/seal",
-            "checksum/scrub",
-            "checksum/swap_in",
-            "slot_tag/read",
-            "stale_ref/schedule",
-            "table_mismatch/schedule",
-        }
-        for key in sorted(known | set(i.failures)):
-            kind, _, found_by = key.partition("/")
-            failures.add_metric([m, kind, found_by], i.failures.get(key, 0))
+        known = [
+            FailureKey(kind, found_by)
+            for kind, finders in (
+                ("checksum", get_args(Finder)),
+                ("slot_tag", ("read",)),
+                *((kind, ("schedule",)) for kind in get_args(TableFaultKind)),
+            )
+            for found_by in finders
+        ]
+        for key in sorted({*known, *i.failures}):
+            failures.add_metric([m, key.kind, key.found_by], i.failures.get(key, 0))
         failures.add_metric([m, "ownership", "owner_check"], i.ownership_violations)
         failures.add_metric([m, "invariant", "audit"], i.invariant_violations)
         yield failures
-        yield _counter(
-            "integrity_recoveries", "Faults recovered by rollback and recompute.", i.recoveries, m
-        )
-        yield _counter(
-            "integrity_rolled_back_requests",
-            "Requests rolled back by recovery.",
-            i.rolled_back_requests,
-            m,
-        )
-        yield _counter(
-            "integrity_recomputed_tokens",
-            "Computed tokens discarded by recovery.",
-            i.recomputed_tokens,
-            m,
-        )
-        yield _counter(
-            "integrity_failed_requests",
-            "Requests failed by an unrecoverable fault (no healthy blocks).",
-            i.failed_requests,
-            m,
-        )
-        yield _counter(
-            "kv_blocks_quarantine_events", "Blocks put in quarantine.", i.quarantined_blocks, m
-        )
-        yield _counter(
-            "kv_blocks_quarantine_releases",
-            "Quarantined blocks scrubbed, re-verified and returned to service.",
-            i.quarantine_releases,
-            m,
-        )
-        yield _gauge(
-            "kv_blocks_retired",
-            "Blocks retired for good after repeated failures.",
-            i.retired_blocks,
-            m,
-        )
+        yield from _exported(i, m)
 
 
 def build_registry(

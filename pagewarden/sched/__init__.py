@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
+from pagewarden.sched.admission import RequestRejected
 from pagewarden.sched.config import SchedulerConfig
+from pagewarden.sched.output import RequestUpdate
 from pagewarden.sched.request import Request, RequestStatus
-from pagewarden.sched.scheduler import (
-    RequestRejectedError,
-    RequestUpdate,
-    Scheduler,
-    SchedulerStats,
-)
+from pagewarden.sched.scheduler import Scheduler
+from pagewarden.sched.stats import SchedulerStats
 
 __all__ = [
     "Request",
-    "RequestRejectedError",
+    "RequestRejected",
     "RequestStatus",
     "RequestUpdate",
     "Scheduler",

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: The shortest context that can serve anything: one prompt token and one output token.
+MIN_MAX_MODEL_LEN = 2
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -45,8 +48,10 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
-        if self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_model_len < MIN_MAX_MODEL_LEN:
+            raise ValueError(
+                f"max_model_len must be >= {MIN_MAX_MODEL_LEN}, got {self.max_model_len}"
+            )
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(
                 f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"

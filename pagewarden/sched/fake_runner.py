@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import zlib
 
-from pagewarden.sched.fast_dataclass import fast_constructor
 from pagewarden.sched.output import ModelRunnerOutput, SchedulerOutput
-
-_new_runner_output = fast_constructor(ModelRunnerOutput)
 
 
 class FakeKVMismatch(AssertionError):
@@ -21,8 +18,7 @@ class FakeKVMismatch(AssertionError):
 
 
 class FakeModelRunner:
-    """``execute(out)`` returns one token per request scheduled with ``sample=True``; the
-    decode batch's tokens come back in columns (``decode_token_ids``)."""
+    """``execute(out)`` returns one token per request scheduled with ``sample=True``."""
 
     def __init__(self, block_size: int, vocab_size: int = 32000, verify: bool = False) -> None:
         self.block_size = block_size
@@ -50,30 +46,16 @@ class FakeModelRunner:
             seeds.pop(rid, None)
         if self.verify:
             self._apply(out)
-        vocab = self.vocab_size
-        decodes = out.decodes
-        try:  # token_for(rid, position + 1), inlined
-            decode_tokens = [
-                (seeds[rid] + position + 1) % vocab
-                for rid, position in zip(decodes.req_ids, decodes.positions)
-            ]
-        except KeyError:  # a request's first step is a decode (a fork child)
-            for rid in decodes.req_ids:
-                self._seed(rid)
-            decode_tokens = [
-                (seeds[rid] + position + 1) % vocab
-                for rid, position in zip(decodes.req_ids, decodes.positions)
-            ]
         sampled = {
             sr.req_id: self.token_for(sr.req_id, sr.positions.stop)
             for sr in out.requests
             if sr.sample
         }
-        return _new_runner_output(sampled, decode_token_ids=decode_tokens)
+        return ModelRunnerOutput(sampled)
 
     def _apply(self, out: SchedulerOutput) -> None:
         bs = self.block_size
-        requests = out.all_requests()
+        requests = out.requests
         slots = self.slots
         host = self.host_slots
         assert not (out.swap_out and out.swap_in), "a step swaps one way only"

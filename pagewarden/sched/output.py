@@ -15,89 +15,27 @@ Slot arithmetic, for ``block_size = 4``::
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
 
 from pagewarden.kv.swap_space import BlockSwap
 from pagewarden.sampling_params import SamplingParams
 
 
 def slot_mapping_for(block_ids: list[int], block_size: int, start: int, end: int) -> list[int]:
-    """Physical slots of positions ``[start, end)``, one contiguous run per block::
+    """Physical slots of positions ``[start, end)``::
 
     block_size = 4, block_ids = [7, 3], positions 2..6
     block 7 (slots 28..31): 30, 31        offsets 2, 3
     block 3 (slots 12..15): 12, 13, 14    offsets 0, 1, 2
     """
-    if start >= end:
-        return []
-    first, offset = divmod(start, block_size)
-    last = (end - 1) // block_size
-    base = block_ids[first] * block_size
-    if first == last:
-        return list(range(base + offset, base + offset + end - start))
-    slots = list(range(base + offset, base + block_size))
-    extend = slots.extend
-    for block_id in block_ids[first + 1 : last]:
-        base = block_id * block_size
-        extend(range(base, base + block_size))
-    base = block_ids[last] * block_size
-    extend(range(base, base + end - last * block_size))
-    return slots
+    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
-class SlotRun(Sequence[int]):
-    """The physical slots of positions ``[start, end)`` through ``block_table``: a
-    read-only sequence listed on first use (``slot_mapping_for``).
-
-    A prefill chunk's slot list is most of what its ``ScheduledRequest`` costs the
-    scheduler to build, and only the worker reads it. ``block_table`` is never mutated
-    (tables are replaced, not changed), so the list is the same whenever it is made.
-    Compares equal to a list (or another run) with the same slots.
-    """
-
-    __slots__ = ("block_table", "block_size", "start", "end", "_slots")
-
-    def __init__(self, block_table: list[int], block_size: int, start: int, end: int) -> None:
-        self.block_table = block_table
-        self.block_size = block_size
-        self.start = start
-        self.end = end
-        self._slots: list[int] | None = None
-
-    def tolist(self) -> list[int]:
-        slots = self._slots
-        if slots is None:
-            slots = self._slots = slot_mapping_for(
-                self.block_table, self.block_size, self.start, self.end
-            )
-        return slots
-
-    def __len__(self) -> int:
-        return max(0, self.end - self.start)
-
-    def __getitem__(self, index):  # type: ignore[override]
-        return self.tolist()[index]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.tolist())
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, SlotRun):
-            return self.tolist() == other.tolist()
-        if isinstance(other, (list, tuple)):
-            return self.tolist() == list(other)
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"SlotRun({self.tolist()!r})"
-
-
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ScheduledRequest:
-    """One request's share of a step.
+    """One request's share of a step; read-only once built (not frozen: one is built per
+    request per step, and a frozen dataclass pays an ``object.__setattr__`` per field).
 
     ``token_ids[i]`` sits at ``positions[i]`` and its K/V goes to ``slot_mapping[i]``.
     Attention for these tokens reads positions ``[0, positions.stop)`` through
@@ -109,7 +47,7 @@ class ScheduledRequest:
     token_ids: list[int]
     positions: range
     block_table: list[int]
-    slot_mapping: list[int] | SlotRun  # a SlotRun for chunks the scheduler builds
+    slot_mapping: list[int]
     # True when this chunk ends at the last known token, so a token is sampled from it.
     sample: bool
     sampling_params: SamplingParams
@@ -131,71 +69,6 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingInputs:
-    """What sampling needs of a request besides its logits; one object for the request's
-    whole life (``output_token_ids`` is a live, read-only view that grows)."""
-
-    sampling_params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    seed: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeBatch:
-    """The step's plain decodes as parallel lists: requests that compute one token into a
-    block they own alone and sample from it.
-
-    Entry ``i`` means ``ScheduledRequest(req_ids[i], [token_ids[i]],
-    range(positions[i], positions[i] + 1), block_tables[i], [slot_mapping[i]], True,
-    ...inputs[i])``; ``scheduled_requests()`` builds exactly those. Most of a busy step is
-    decodes, and a column append costs a fraction of building one object per request.
-    The slots are derived from the tables on demand, where the runner wants them.
-    """
-
-    block_size: int
-    req_ids: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    block_tables: list[list[int]] = field(default_factory=list)
-    inputs: list[SamplingInputs] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.req_ids)
-
-    @property
-    def slot_mapping(self) -> list[int]:
-        """The physical slot each entry's token writes: ``table[p // bs] * bs + p % bs``."""
-        bs = self.block_size
-        return [table[p // bs] * bs + p % bs for table, p in zip(self.block_tables, self.positions)]
-
-    def scheduled_requests(self) -> list[ScheduledRequest]:
-        """The same entries as ``ScheduledRequest`` objects, in order."""
-        return [
-            ScheduledRequest(
-                rid,
-                [tok],
-                range(pos, pos + 1),
-                table,
-                [slot],
-                True,
-                inp.sampling_params,
-                inp.prompt_token_ids,
-                inp.output_token_ids,
-                inp.seed,
-            )
-            for rid, tok, pos, slot, table, inp in zip(
-                self.req_ids,
-                self.token_ids,
-                self.positions,
-                self.slot_mapping,
-                self.block_tables,
-                self.inputs,
-            )
-        ]
-
-
-@dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     """Everything the model runner needs for one step.
 
@@ -206,9 +79,8 @@ class SchedulerOutput:
     ``(src_block_id, dst_block_id)``. A step never has both swap-outs and swap-ins (the
     scheduler swaps nothing in during a step that preempted).
 
-    The step's requests are ``decodes`` (plain decodes, in columns) followed by
-    ``requests`` (everything else: prefill chunks, copy-on-write decodes, swapped-in
-    requests); ``all_requests()`` lists them all as ``ScheduledRequest`` objects.
+    ``requests`` lists the step's requests in step order, one ``ScheduledRequest`` each:
+    decodes, prefill chunks, recomputes and swapped-in requests alike.
     """
 
     step_id: int
@@ -220,34 +92,15 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     swap_out: list[BlockSwap] = field(default_factory=list)
     swap_in: list[BlockSwap] = field(default_factory=list)
-    # Plain decodes, columnar; in step order they come before ``requests``.
-    decodes: DecodeBatch = field(default_factory=lambda: _NO_DECODES)
 
     @property
     def num_batched_tokens(self) -> int:
         """Total tokens computed this step."""
-        return len(self.decodes.req_ids) + sum(len(r.token_ids) for r in self.requests)
+        return sum(len(r.token_ids) for r in self.requests)
 
     @property
     def is_empty(self) -> bool:
-        return not self.requests and not self.decodes.req_ids
-
-    def all_requests(self) -> list[ScheduledRequest]:
-        """Every scheduled request in step order: the decodes, then ``requests``."""
-        if not self.decodes.req_ids:
-            return self.requests
-        return self.decodes.scheduled_requests() + self.requests
-
-    def materialized(self) -> SchedulerOutput:
-        """The same step with the decodes folded into ``requests`` (an empty decode
-        batch), for code that works one ``ScheduledRequest`` at a time."""
-        if not self.decodes.req_ids:
-            return self
-        return replace(self, requests=self.all_requests(), decodes=_NO_DECODES)
-
-
-#: The empty decode batch (its lists are never appended to).
-_NO_DECODES = DecodeBatch(0)
+        return not self.requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,23 +112,39 @@ class TokenLogprobs:
     top: list[tuple[int, float]]  # (token_id, logprob), best first
 
 
+#: What a failed check found: stored K/V bytes changed ("checksum"), or a slot holds
+#: another token chain's K/V: wrong block id, wrong slot, or corrupted tag ("slot_tag").
+FaultKind = Literal["checksum", "slot_tag"]
+#: Which check found it: verified before use in this step ("read"), on a prefix-cache
+#: hit ("reuse"), a block's slots at seal time ("seal"), the background scrubber
+#: ("scrub"), or a block coming back from the host tier ("swap_in").
+Finder = Literal["read", "reuse", "seal", "scrub", "swap_in"]
+#: A metadata fault the scheduler catches itself: a table entry's block was freed under
+#: it ("stale_ref"), or a table's block id disagrees with its reference ("table_mismatch").
+TableFaultKind = Literal["stale_ref", "table_mismatch"]
+
+
+class FailureKey(NamedTuple):
+    """The key of a failed-check counter: what was found and which check found it.
+    Table faults are found before a step ("schedule") or when a table is freed ("free")."""
+
+    kind: FaultKind | TableFaultKind
+    found_by: Finder | Literal["schedule", "free"]
+
+
 @dataclass(frozen=True, slots=True)
 class KVFault:
     """One integrity check that failed in the worker.
 
-    ``kind`` is "checksum" (stored K/V bytes changed) or "slot_tag" (a slot holds another
-    token chain's K/V: wrong block id, wrong slot, or corrupted tag). ``block_ids`` are the
-    physical blocks that failed; ``rollback`` maps each request whose reads went through
-    a failed block this step to the token position it must be recomputed from (the start
-    of the first failed block in its table). ``found_by`` names the check: "read"
-    (verified before use in this step), "reuse" (a prefix-cache hit), "seal" (a block's
-    slots at seal time) or "scrub" (the background scrubber).
+    ``block_ids`` are the physical blocks that failed; ``rollback`` maps each request
+    whose reads went through a failed block this step to the token position it must be
+    recomputed from (the start of the first failed block in its table).
     """
 
-    kind: str
+    kind: FaultKind
     block_ids: tuple[int, ...]
     rollback: dict[str, int]
-    found_by: str
+    found_by: Finder
     detail: str = ""
 
 
@@ -290,6 +159,20 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     faults: list[KVFault] = field(default_factory=list)
-    # The decode batch's tokens in its order, for a runner that answers it in columns
-    # (and found no fault); empty when they are in ``sampled_token_ids`` like the rest.
-    decode_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one step produced for one request that sampled a token; read-only once built
+    (not frozen, as ``ScheduledRequest``)."""
+
+    req_id: str
+    parent_id: str | None
+    index: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    logprobs: list[TokenLogprobs] = field(default_factory=list)

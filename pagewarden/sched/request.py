@@ -7,6 +7,9 @@ import time
 
 from pagewarden.sampling_params import SamplingParams
 
+#: Child seed = parent seed * _SEED_MIX + child index (n > 1).
+_SEED_MIX = 1000003
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -66,7 +69,6 @@ class Request:
         "num_preemptions",
         "stop_ids",
         "num_prompt_tokens",
-        "sampling_inputs",
     )
 
     def __init__(
@@ -100,11 +102,17 @@ class Request:
         self.extra_keys = b""
         self.num_preemptions = 0
         self.stop_ids = stop_token_set(sampling_params, self.eos_token_ids)
-        # The runner's view of the sampling state (output.SamplingInputs), set at admission.
-        self.sampling_inputs = None
 
     @property
     def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_computable_tokens(self) -> int:
+        """How many of its tokens should have K/V computed: all of them, or
+        ``prompt[:-1]`` for a fork parent (each child computes the last prompt token)."""
+        if self.is_fork_parent:
+            return self.num_prompt_tokens - 1
         return len(self.all_token_ids)
 
     @property
@@ -118,6 +126,34 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def make_children(self) -> list[Request]:
+        """The ``n`` children of a fork parent, ``f"{req_id}#{i}"``, at its progress.
+
+        Child ``i`` samples with seed ``seed * _SEED_MIX + i`` (None stays None), so the
+        children of a seeded request differ from each other and are reproducible.
+        """
+        params = self.sampling_params
+        children = []
+        for i in range(params.n):
+            child = Request(
+                f"{self.req_id}#{i}",
+                self.prompt_token_ids,
+                params,
+                self.eos_token_ids,
+                self.cache_salt,
+                self.arrival_time,
+            )
+            child.parent_id = self.req_id
+            child.index = i
+            child.max_tokens = self.max_tokens
+            child.stop_ids = self.stop_ids
+            child.extra_keys = self.extra_keys
+            child.seed = None if params.seed is None else params.seed * _SEED_MIX + i
+            child.num_cached_tokens = self.num_cached_tokens
+            child.num_computed_tokens = self.num_computed_tokens
+            children.append(child)
+        return children
 
     def __repr__(self) -> str:
         return (

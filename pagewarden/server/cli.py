@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import threading
@@ -22,15 +23,6 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--max-waiting-requests", type=int, default=None)
     p.add_argument("--max-queued-tokens", type=int, default=None)
-    p.add_argument(
-        "--gc-threshold",
-        type=int,
-        default=None,
-        metavar="N",
-        help="collect the garbage collector's young generation every N "
-        "allocations and freeze the start-up heap (default "
-        "gc_policy.SERVING_GEN0_THRESHOLD; 0 keeps Python's settings)",
-    )
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -74,20 +66,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from pagewarden.cli import engine_config
     from pagewarden.engine.async_engine import AsyncEngine
-    from pagewarden.gc_policy import SERVING_GEN0_THRESHOLD, tune_gc_for_serving
     from pagewarden.server.api import build_app
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.gc_threshold is not None and args.gc_threshold < 0:
-        raise SystemExit(f"--gc-threshold must be >= 0, got {args.gc_threshold}")
     engine = AsyncEngine(
         engine_config(args),
         max_waiting_requests=args.max_waiting_requests,
         max_queued_tokens=args.max_queued_tokens,
     )
     name = args.served_model_name or engine.core.loaded.name
-    if args.gc_threshold != 0:  # after the model load: its objects are frozen, never walked
-        tune_gc_for_serving(args.gc_threshold or SERVING_GEN0_THRESHOLD)
+    # The start-up heap (model, tokenizer) lives as long as the process: freeze it so
+    # that no later collection walks it.
+    gc.collect()
+    gc.freeze()
     app = build_app(engine, name, args.api_key)
     server = _graceful_server(
         uvicorn.Config(

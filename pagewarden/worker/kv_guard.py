@@ -52,7 +52,7 @@ from typing import Literal
 import torch
 
 from pagewarden.kv.swap_space import BlockSwap
-from pagewarden.sched.output import KVFault, ScheduledRequest, SchedulerOutput
+from pagewarden.sched.output import FailureKey, KVFault, ScheduledRequest, SchedulerOutput
 from pagewarden.worker.integrity import (
     ROOT_TAG,
     SlotTags,
@@ -78,7 +78,7 @@ class GuardCounters:
     slot_verifies: int = 0  # slot checksums recomputed and compared (open blocks, seal)
     seals: int = 0
     scrubbed_blocks: int = 0
-    failures: dict[str, int] = field(default_factory=dict)  # "<kind>/<found_by>" -> count
+    failures: dict[FailureKey, int] = field(default_factory=dict)
 
 
 class KVGuard:
@@ -216,7 +216,7 @@ class KVGuard:
             "swap_in",
             "a block swapped in from the host tier does not hold what was swapped out",
         )
-        return self._attach_readers([fault], out.all_requests())
+        return self._attach_readers([fault], out.requests)
 
     def _device_state(self) -> _TierState:
         return _TierState.of(self.tags.tags, self.slot_sums, self.sealed, self.block_sums)
@@ -230,13 +230,13 @@ class KVGuard:
         """
         if not self.sums_on:
             return []
-        reqs = [r for r in out.all_requests() if r.positions.start > 0]
+        reqs = [r for r in out.requests if r.positions.start > 0]
         faults = self._check_contents(reqs)
         found = {b for f in faults for b in f.block_ids}
         faults += [f for f in self._scrub() if not found.issuperset(f.block_ids)]
         # From now on a request's context grows only by blocks it wrote and sealed itself.
-        self._seen.update(r.req_id for r in out.all_requests())
-        return self._attach_readers(faults, out.all_requests())
+        self._seen.update(r.req_id for r in out.requests)
+        return self._attach_readers(faults, out.requests)
 
     def _check_tags(self, reqs: list[ScheduledRequest]) -> list[KVFault]:
         """Every position ``[0, stop)`` of each request, read through its block table,
@@ -399,7 +399,7 @@ class KVGuard:
         return result
 
     def _count(self, fault: KVFault) -> None:
-        key = f"{fault.kind}/{fault.found_by}"
+        key = FailureKey(fault.kind, fault.found_by)
         self.counters.failures[key] = self.counters.failures.get(key, 0) + 1
 
     # ------------------------------------------------------------ after forward
@@ -422,7 +422,7 @@ class KVGuard:
         new_blocks: list[int] = []
         to_seal: list[int] = []
         fresh: list[int] = []
-        for r in out.all_requests():
+        for r in out.requests:
             start, stop = r.positions.start, r.positions.stop
             tags.append(self._chain_tensor(r, stop)[start:stop])
             first = (start + bs - 1) // bs  # blocks that start inside this step
@@ -444,7 +444,7 @@ class KVGuard:
         # Tags of every request, faulted ones too: a bad tag in a block that a rollback
         # is about to drop would otherwise go unseen, and the block stays in the prefix
         # cache.
-        faults = self._check_tags(list(out.all_requests()))
+        faults = self._check_tags(list(out.requests))
         if self.sums_on:
             self.slot_sums[slot_mapping] = slot_checksums(self.caches, slot_mapping)
             bad_blocks = {b for f in faults for b in f.block_ids} | {0}
@@ -454,7 +454,7 @@ class KVGuard:
             fresh = sorted(set(fresh) - bad_blocks)
             if fresh:
                 self._seal_written(fresh)
-        return self._attach_readers(faults, out.all_requests())
+        return self._attach_readers(faults, out.requests)
 
     def _seal_written(self, block_ids: list[int]) -> None:
         """Seal blocks written whole by this step: their slot sums were just taken from

@@ -66,7 +66,7 @@ class ModelRunner:
         block_tables: list[list[int]] = []
         sample_rows: list[int] = []  # flat index of each sampled request's last token
         sampled = []
-        for req in out.all_requests():
+        for req in out.requests:
             input_ids.extend(req.token_ids)
             positions.extend(req.positions)
             slot_mapping.extend(req.slot_mapping)

@@ -51,7 +51,7 @@ class KVEchoModel:
         bs = self.block_size
         digests = torch.zeros(input_ids.numel(), dtype=torch.float64)
         row = 0
-        for req in self.current.all_requests():
+        for req in self.current.requests:
             n = len(req.token_ids)
             stop = req.positions.stop
             pos = torch.arange(stop)

@@ -203,7 +203,7 @@ def test_reuse_of_a_corrupted_prefix_block_is_caught_before_the_hit_is_read(tiny
     )
     run_to_completion(engine)
     s = engine.stats().integrity
-    assert s.failures.get("checksum/reuse") == 1
+    assert s.failures.get(("checksum", "reuse")) == 1
     assert s.quarantined_blocks == 1 and s.quarantine_releases == 1
     _assert_pool_clean(engine)
 

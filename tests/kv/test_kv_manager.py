@@ -32,72 +32,23 @@ def test_allocate_exact_ids_and_slot_mapping() -> None:
     assert kv.check_invariants() == []
 
 
-def test_append_block_adds_one_fresh_block_and_replaces_the_id_list() -> None:
-    kv = KVCacheManager(4, 4)
+def test_a_table_handed_out_is_replaced_never_mutated() -> None:
+    """The runner holds ``ids`` lists across a step: every table change assigns a new one."""
+    kv = KVCacheManager(8, 4)
     kv.create_table("a", E)
     assert kv.allocate_slots("a", 0, 4) == []
     handed_out = kv.tables["a"].ids
-    assert kv.append_block("a") == 2
+    assert kv.allocate_slots("a", 4, 1) == []  # opens block 2
     assert handed_out == [1] and kv.block_ids("a") == [1, 2]
     assert kv.block_refs("a")[1] == BlockRef(2, kv.pool.blocks[2].epoch)
-    assert kv.append_block("a") == 3
-    assert kv.append_block("a") is None  # dry: nothing changed
-    assert kv.block_ids("a") == [1, 2, 3] and kv.check_invariants() == []
-    kv.free("a")
-    assert kv.num_free_blocks == 3 and kv.check_invariants() == []
-
-
-def test_append_blocks_is_append_block_for_each_in_one_allocation() -> None:
-    kv = KVCacheManager(6, 4)
-    for rid in "abc":
-        kv.create_table(rid, E)
-        assert kv.allocate_slots(rid, 0, 4) == []  # blocks 1, 2, 3
     handed_out = kv.tables["a"].ids
-    with pytest.raises(KeyError):
-        kv.append_blocks(["a", "nobody"])
-    assert kv.num_free_blocks == 2 and kv.block_ids("a") == [1]  # raised before allocating
-    assert kv.append_blocks(["b", "a"])
-    assert handed_out == [1]  # replaced, not mutated
-    assert kv.block_ids("a") == [1, 5] and kv.block_ids("b") == [2, 4]
-    assert kv.block_refs("b")[1] == BlockRef(4, kv.pool.blocks[4].epoch)
-    assert not kv.append_blocks(["a", "c"])  # one block free: nothing changes
-    assert kv.block_ids("a") == [1, 5] and kv.block_ids("c") == [3] and kv.num_free_blocks == 0
-    assert kv.check_invariants() == []
-    for rid in "abc":
-        kv.free(rid)
-    assert kv.num_free_blocks == 5 and kv.check_invariants() == []
-
-
-def test_table_version_moves_with_every_table_change_and_only_then() -> None:
-    kv = KVCacheManager(8, 4)
-    seen = [kv.table_version]
-
-    def changed(expected: bool) -> None:
-        assert (kv.table_version != seen[-1]) is expected
-        seen.append(kv.table_version)
-
-    kv.create_table("a", E)
-    changed(True)
-    assert kv.allocate_slots("a", 0, 6) == []
-    changed(True)
-    assert kv.allocate_slots("a", 6, 1) == []  # the block is there already
-    changed(False)
-    kv.seal_full_blocks("a", list(range(8)), 4)
-    changed(False)
-    assert kv.append_block("a") is not None
-    changed(True)
-    assert kv.append_blocks(["a"])
-    changed(True)
-    kv.truncate("a", 1)
-    changed(True)
     kv.fork("a", ["a#0", "a#1"])
-    changed(True)
-    kv.free("a#0")
-    changed(True)
-    kv.free("a#0")  # already gone
-    changed(False)
-    kv.free("a#1")
-    changed(True)
+    assert kv.allocate_slots("a#0", 5, 1) == [(2, 3)]  # copy on write of the shared block
+    assert handed_out == [1, 2] and kv.block_ids("a#0") == [1, 3]
+    handed_out = kv.tables["a#1"].ids
+    kv.truncate("a#1", 1)
+    assert handed_out == [1, 2] and kv.block_ids("a#1") == [1]
+    assert kv.check_invariants() == []
 
 
 def test_allocate_returns_none_without_side_effects_when_dry() -> None:

@@ -7,7 +7,7 @@ import pytest
 from pagewarden.sampling_params import SamplingParams
 from pagewarden.sched import (
     Request,
-    RequestRejectedError,
+    RequestRejected,
     RequestStatus,
     Scheduler,
     SchedulerConfig,
@@ -53,19 +53,17 @@ def test_config_validation() -> None:
 
 def test_impossible_requests_are_rejected() -> None:
     s = _sched(num_blocks=4, max_model_len=32)
-    with pytest.raises(RequestRejectedError, match="exceeds max_model_len=32"):
+    with pytest.raises(RequestRejected, match="exceeds max_model_len=32"):
         s.add_request(_req("a", list(range(30)), max_tokens=3))
-    with pytest.raises(
-        RequestRejectedError, match="needs up to 4 KV blocks but the pool has only 3"
-    ):
+    with pytest.raises(RequestRejected, match="needs up to 4 KV blocks but the pool has only 3"):
         s.add_request(_req("b", list(range(12)), max_tokens=2))
-    with pytest.raises(RequestRejectedError, match="no room"):
+    with pytest.raises(RequestRejected, match="no room"):
         s.add_request(_req("c", list(range(32)), max_tokens=None))
-    with pytest.raises(RequestRejectedError, match="empty prompt"):
+    with pytest.raises(RequestRejected, match="prompt is empty"):
         s.add_request(_req("d", [], max_tokens=1))
-    assert isinstance(RequestRejectedError("x"), ValueError)
+    assert isinstance(RequestRejected("x"), ValueError)
     s.add_request(_req("ok", list(range(8)), max_tokens=4))  # 11 positions -> 3 blocks
-    with pytest.raises(RequestRejectedError, match="already in use"):
+    with pytest.raises(RequestRejected, match="already in use"):
         s.add_request(_req("ok", [1], max_tokens=1))
     assert s.has_unfinished_requests() and len(s.waiting) == 1
 
@@ -77,7 +75,7 @@ def test_chunked_prefill_then_decode_exact_slots() -> None:
     chunks = []
     for _ in range(4):
         out = s.schedule()
-        (sr,) = out.all_requests()
+        (sr,) = out.requests
         chunks.append((sr.positions, sr.sample, sr.block_table, sr.slot_mapping))
         s.update(out, runner.execute(out))
     assert chunks[0] == (range(0, 4), False, [1], [4, 5, 6, 7])
@@ -97,7 +95,7 @@ def test_decode_and_prefill_share_a_step() -> None:
     s.update(out, runner.execute(out))
     s.add_request(_req("b", list(range(20)), max_tokens=1))
     out = s.schedule()
-    assert [(r.req_id, len(r.token_ids)) for r in out.all_requests()] == [("a", 1), ("b", 5)]
+    assert [(r.req_id, len(r.token_ids)) for r in out.requests] == [("a", 1), ("b", 5)]
     assert out.num_batched_tokens == 6
 
 
@@ -108,7 +106,7 @@ def test_prefix_hit_advances_computed_and_leaves_last_token() -> None:
     _drain(s)
     s.add_request(_req("b", prompt, max_tokens=1))
     out = s.schedule()
-    (sr,) = out.all_requests()
+    (sr,) = out.requests
     assert sr.positions == range(8, 12)  # 2 blocks served; last block recomputed
     assert sr.sample
     res = s.update(out, FakeModelRunner(4).execute(out))
@@ -119,7 +117,7 @@ def test_prefix_hit_advances_computed_and_leaves_last_token() -> None:
     r = Request("c", prompt, SamplingParams(max_tokens=1), cache_salt="tenant-2")
     s.add_request(r)
     out = s.schedule()
-    assert out.all_requests()[0].positions == range(0, 12)
+    assert out.requests[0].positions == range(0, 12)
 
 
 def test_preemption_recomputes_most_recent_and_all_finish() -> None:
@@ -153,28 +151,27 @@ def test_parallel_sampling_forks_with_cow_and_seeds() -> None:
     )
     runner = FakeModelRunner(4, verify=True)
     out = s.schedule()
-    (sr,) = out.all_requests()
+    (sr,) = out.requests
     assert sr.req_id == "p" and sr.positions == range(0, 5) and not sr.sample
     assert list(s.update(out, runner.execute(out))) == []
     assert [r.req_id for r in s.running] == ["p#0", "p#1", "p#2"]
     assert all(r.parent_id == "p" for r in s.running)
     out = s.schedule()
     assert out.finished_req_ids == ["p"]
-    # p#0 and p#1 copy the shared last block on write; p#2, then its only holder, is a
-    # plain decode (the decode batch comes first in step order).
-    assert out.decodes.req_ids == ["p#2"]
-    assert [(r.req_id, r.positions, r.seed) for r in out.all_requests()] == [
-        ("p#2", range(5, 6), 7 * 1000003 + 2),
+    # p#0 and p#1 copy the shared last block on write; p#2, by then its only holder,
+    # appends to it in place.
+    assert [(r.req_id, r.positions, r.seed) for r in out.requests] == [
         ("p#0", range(5, 6), 7 * 1000003 + 0),
         ("p#1", range(5, 6), 7 * 1000003 + 1),
+        ("p#2", range(5, 6), 7 * 1000003 + 2),
     ]
     assert out.copy_blocks == [(2, 3), (2, 4)]
-    assert [r.block_table for r in out.all_requests()] == [[1, 2], [1, 3], [1, 4]]
+    assert [r.block_table for r in out.requests] == [[1, 3], [1, 4], [1, 2]]
     ups = s.update(out, runner.execute(out))
     assert [(u.req_id, u.index, u.parent_id) for u in ups] == [
-        ("p#2", 2, "p"),
         ("p#0", 0, "p"),
         ("p#1", 1, "p"),
+        ("p#2", 2, "p"),
     ]
     toks = _drain(s, runner)
     assert all(len(v) == 1 for v in toks.values())
@@ -245,3 +242,56 @@ def test_finish_requests_stop_string() -> None:
     assert req.status is RequestStatus.FINISHED_STOPPED
     assert (req.finish_reason, req.stop_reason) == ("stop", "STOP")
     assert not s.has_unfinished_requests() and s.check_invariants() == []
+
+
+def test_update_skips_requests_gone_since_scheduling() -> None:
+    s = _sched(num_blocks=10, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32)
+    runner = FakeModelRunner(4)
+    for rid in ("a", "b", "c"):
+        s.add_request(_req(rid, [1, 2, 3], max_tokens=5))
+    out = s.schedule()
+    s.update(out, runner.execute(out))
+    out = s.schedule()
+    assert [(r.req_id, r.slot_mapping) for r in out.requests] == [
+        ("a", [7]),
+        ("b", [11]),
+        ("c", [15]),
+    ]
+    res = runner.execute(out)
+    s.abort_requests(["b"])  # not what the engine does, but update must cope
+    ups = s.update(out, res)
+    assert [(u.req_id, u.new_token_ids, u.finished) for u in ups] == [
+        ("a", [res.sampled_token_ids["a"]], False),
+        ("c", [res.sampled_token_ids["c"]], False),
+    ]
+    assert s.requests["a"].output_token_ids == [runner.token_for("a", 3), runner.token_for("a", 4)]
+    assert s.check_invariants() == []
+
+
+def test_only_fork_children_share_a_partly_filled_block() -> None:
+    """Prefix hits share full blocks only; check_invariants catches anything else sharing
+    an open block (its next token would overwrite another request's KV)."""
+    s = _sched(num_blocks=10, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32)
+    runner = FakeModelRunner(4, verify=True)
+    s.add_request(_req("a", [1, 2, 3, 4, 5], max_tokens=6))
+    s.add_request(Request("p", [1, 2, 3, 4, 5, 6], SamplingParams(n=2, max_tokens=3)))
+    for _ in range(2):
+        out = s.schedule()
+        s.update(out, runner.execute(out))
+        assert s.check_invariants() == []
+    a_block = s.kv.tables["a"].ids[-1]
+    s.kv.pool.blocks[a_block].ref_cnt += 1  # as if something shared a's open block
+    assert any("partly filled block" in e for e in s.check_invariants())
+    s.kv.pool.blocks[a_block].ref_cnt -= 1
+    _drain(s, runner)
+
+
+def test_slot_mapping_follows_the_block_table() -> None:
+    from pagewarden.sched.output import slot_mapping_for
+
+    assert slot_mapping_for([7, 3], 4, 2, 7) == [30, 31, 12, 13, 14]
+    assert slot_mapping_for([7], 4, 2, 2) == []
+    s = _sched(num_blocks=8, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32)
+    s.add_request(_req("a", list(range(10)), max_tokens=2))
+    (sr,) = s.schedule().requests
+    assert sr.block_table == [1, 2, 3] and sr.slot_mapping == list(range(4, 14))

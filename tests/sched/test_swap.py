@@ -62,7 +62,7 @@ def test_swap_out_then_in_exact_pairs_and_same_tokens() -> None:
     tokens: dict[str, list[int]] = {}
 
     out1 = _step(s, runner, tokens)  # prefill both
-    assert [r.block_table for r in out1.all_requests()] == [[1, 2], [3, 4]]
+    assert [r.block_table for r in out1.requests] == [[1, 2], [3, 4]]
     _step(s, runner, tokens)  # decode into blocks 2 and 4
     # a needs a third block and the pool is dry: b (admitted last) is swapped out, its
     # two full blocks copied to host blocks 0 and 1; its freed blocks go to a.
@@ -70,17 +70,17 @@ def test_swap_out_then_in_exact_pairs_and_same_tokens() -> None:
     assert out3.preempted_req_ids == ["b"]
     assert out3.swap_out == [BlockSwap(3, 0, 2), BlockSwap(4, 1, 2)]
     assert out3.swap_in == []
-    assert [r.req_id for r in out3.all_requests()] == ["a"]
-    assert out3.all_requests()[0].block_table == [1, 2, 4]
+    assert [r.req_id for r in out3.requests] == ["a"]
+    assert out3.requests[0].block_table == [1, 2, 4]
     b = s.requests["b"]
     assert b.status is RequestStatus.SWAPPED and b.num_computed_tokens == 4
     assert s.stats().num_swapped == 1 and s.stats().free_host_blocks == 2
 
     out4 = _step(s, runner, tokens)  # a's last token; b needs 3 blocks, 1 free
-    assert out4.swap_in == [] and [r.req_id for r in out4.all_requests()] == ["a"]
+    assert out4.swap_in == [] and [r.req_id for r in out4.requests] == ["a"]
     out5 = _step(s, runner, tokens)  # a finished: b comes back
     assert [(w.src, w.num_slots) for w in out5.swap_in] == [(0, 2), (1, 2)]
-    (sr,) = out5.all_requests()
+    (sr,) = out5.requests
     assert sr.req_id == "b" and sr.positions == range(4, 5)
     assert sr.block_table[:2] == [w.dst for w in out5.swap_in]
     while s.has_unfinished_requests():
@@ -146,5 +146,5 @@ def test_swapped_requests_return_before_waiting_ones_start() -> None:
     started: list[str] = []
     while s.has_unfinished_requests():
         out = _step(s, runner, tokens)
-        started += [r.req_id for r in out.all_requests() if r.req_id not in started]
+        started += [r.req_id for r in out.requests if r.req_id not in started]
     assert started.index("b") < started.index("c")

@@ -1,0 +1,49 @@
+"""The step being built: what ``Scheduler.schedule`` has granted so far."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagewarden.sched.output import ScheduledRequest, slot_mapping_for
+from pagewarden.sched.request import Request
+
+
+@dataclass
+class StepPlan:
+    """The requests scheduled so far this step, the copies they need and the token budget
+    left. ``preempted`` is set once the pool ran dry: such a step admits nobody new."""
+
+    budget: int
+    requests: list[ScheduledRequest] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: bool = False
+
+    def add(self, req: Request, num_new: int, block_table: list[int], block_size: int) -> None:
+        """Schedule ``num_new`` of ``req``'s tokens from ``num_computed_tokens`` on."""
+        self.requests.append(scheduled_request(req, num_new, block_table, block_size))
+        self.budget -= num_new
+
+
+def scheduled_request(
+    req: Request, num_new: int, block_table: list[int], block_size: int
+) -> ScheduledRequest:
+    """``req``'s share of a step: ``num_new`` tokens from ``num_computed_tokens`` on.
+
+    ``block_table`` is handed over as is: the KV manager replaces a table's id list on
+    every change and never mutates it, so the runner may hold it.
+    """
+    start = req.num_computed_tokens
+    end = start + num_new
+    tokens = req.all_token_ids
+    return ScheduledRequest(
+        req_id=req.req_id,
+        token_ids=tokens[start:end],
+        positions=range(start, end),
+        block_table=block_table,
+        slot_mapping=slot_mapping_for(block_table, block_size, start, end),
+        sample=end == len(tokens),
+        sampling_params=req.sampling_params,
+        prompt_token_ids=req.prompt_token_ids,
+        output_token_ids=req.output_token_ids,
+        seed=req.seed,
+    )

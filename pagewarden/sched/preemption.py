@@ -1,0 +1,76 @@
+"""Preemption and swapping: what happens when the pool runs dry, and how requests return.
+
+The victim is always the most recently admitted running request (the back of
+``running``). With ``preemption_mode="recompute"`` its blocks are freed, its progress is
+forgotten and it goes to the front of ``waiting``. With ``"swap"`` its KV is copied to
+the host tier instead (when the host tier has room and there is KV to keep): it goes to
+the front of ``swapped`` and resumes where it stopped once its blocks fit again. Swapped
+requests come back before any waiting request is admitted.
+
+The copies themselves are the worker's: ``swap_out``/``swap_in`` collect them for the
+step's ``SchedulerOutput`` (swap-outs before the forward pass, so the freed device blocks
+can be handed to others in the same step).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pagewarden.sched.plan import StepPlan
+from pagewarden.sched.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from pagewarden.sched.scheduler import Scheduler
+
+
+def preempt(sched: Scheduler, req: Request) -> None:
+    """Swap ``req`` out to the host tier (swap mode, room there, KV to keep), else
+    recompute: free its blocks, forget its progress, put it at the front of waiting.
+    The caller has already removed it from ``running``."""
+    req.num_preemptions += 1
+    sched.num_preemptions += 1
+    sched.preempted_ids.append(req.req_id)
+    sched.departed_ids.append(req.req_id)
+    if sched.config.preemption_mode == "swap" and req.num_computed_tokens:
+        swaps = sched.kv.swap_out(req.req_id, req.num_computed_tokens)
+        if swaps is not None:
+            sched.swap_out.extend(swaps)
+            req.status = RequestStatus.SWAPPED
+            sched.swapped.appendleft(req)
+            return
+    sched.kv.free(req.req_id)
+    req.num_computed_tokens = 0
+    req.status = RequestStatus.WAITING
+    sched.waiting.appendleft(req)
+
+
+def schedule_swapped(sched: Scheduler, plan: StepPlan) -> None:
+    """Swap requests back in, in order, while the budget, the seats and the free blocks
+    last, and schedule their next tokens."""
+    kv = sched.kv
+    bs = sched.config.block_size
+    max_seqs = sched.config.max_num_seqs
+    while (
+        sched.swapped
+        and plan.budget > 0
+        and len(sched.running) < max_seqs
+        and len(plan.requests) < max_seqs
+    ):
+        req = sched.swapped[0]
+        start = req.num_computed_tokens
+        num_new = min(req.num_computable_tokens - start, plan.budget)
+        # Its blocks come back and this step's tokens need room too (fresh, private
+        # blocks: no copy on write).
+        if (start + max(num_new, 0) + bs - 1) // bs > kv.num_free_blocks:
+            break
+        swaps = kv.swap_in(req.req_id)
+        assert swaps is not None, "free blocks were counted above"
+        sched.swap_in.extend(swaps)
+        sched.swapped.popleft()
+        req.status = RequestStatus.RUNNING
+        sched.running.append(req)
+        if num_new <= 0:
+            continue
+        cow = kv.allocate_slots(req.req_id, start, num_new)
+        assert cow == [], f"{req.req_id}: swapped-in blocks are private, got {cow}"
+        plan.add(req, num_new, kv.tables[req.req_id].ids, bs)

@@ -1,0 +1,18 @@
+"""EngineConfig and SchedulerConfig agree on the shortest usable context."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagewarden.engine.config import EngineConfig, EngineConfigError
+from pagewarden.sched.config import MIN_MAX_MODEL_LEN, SchedulerConfig
+
+
+def test_engine_and_scheduler_agree_on_the_minimum_max_model_len() -> None:
+    too_short = MIN_MAX_MODEL_LEN - 1
+    with pytest.raises(EngineConfigError, match=f">= {MIN_MAX_MODEL_LEN}"):
+        EngineConfig(max_model_len=too_short)
+    with pytest.raises(ValueError, match=f">= {MIN_MAX_MODEL_LEN}"):
+        SchedulerConfig(num_blocks=4, max_model_len=too_short)
+    assert EngineConfig(max_model_len=MIN_MAX_MODEL_LEN).max_model_len == MIN_MAX_MODEL_LEN
+    assert SchedulerConfig(num_blocks=4, max_model_len=MIN_MAX_MODEL_LEN)
