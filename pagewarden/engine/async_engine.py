@@ -68,6 +68,14 @@ class _Tracker:
     n: int = 1
 
 
+def _deliver(tracker: _Tracker, item: RequestOutput | BaseException) -> None:
+    """Hand an output (or the error ending the stream) to the request's event loop."""
+    try:
+        tracker.loop.call_soon_threadsafe(tracker.queue.put_nowait, item)
+    except RuntimeError:  # that event loop is closed: nobody is listening any more
+        pass
+
+
 class RequestStream:
     """Async iterator over one request's cumulative outputs; ``abort()`` is idempotent."""
 
@@ -264,7 +272,7 @@ class AsyncEngine:
                 tracker.num_tokens = num_tokens
             if out.finished:
                 self._finish(out.request_id, tracker, out, now)
-        tracker.loop.call_soon_threadsafe(tracker.queue.put_nowait, out)
+        _deliver(tracker, out)
 
     def _finish(self, request_id: str, tracker: _Tracker, out: RequestOutput, now: float) -> None:
         """Forget a finished request and count it (caller holds the lock)."""
@@ -292,7 +300,7 @@ class AsyncEngine:
                 finished=True,
             )
             self._finish(request_id, tracker, out, now)
-        tracker.loop.call_soon_threadsafe(tracker.queue.put_nowait, out)
+        _deliver(tracker, out)
 
     def _leave_waiting(self, tracker: _Tracker) -> None:
         self._num_waiting -= 1
@@ -309,9 +317,4 @@ class AsyncEngine:
             self.frontend_stats.finished("error", time.monotonic() - tracker.arrival)
             if self.observer is not None:
                 self.observer.finished()
-            try:
-                tracker.loop.call_soon_threadsafe(
-                    tracker.queue.put_nowait, EngineDeadError(message)
-                )
-            except RuntimeError:  # that event loop is already closed
-                pass
+            _deliver(tracker, EngineDeadError(message))

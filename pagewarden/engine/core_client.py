@@ -127,6 +127,11 @@ class EngineCoreClient:
         stalled = time.monotonic() - self.last_message > self.stall_timeout_s
         return not (stalled and self.has_work())
 
+    @property
+    def pid(self) -> int | None:
+        """The engine-core process id (changes on restart)."""
+        return self._gen.proc.pid
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the core to stop, wait for it, then kill what is left."""
         self._stopping = True
@@ -173,7 +178,10 @@ class EngineCoreClient:
                 if msg[0] == "fatal":
                     gen.fatal = msg[1]  # type: ignore[attr-defined]
                     continue
-                self.on_message(msg)
+                try:
+                    self.on_message(msg)
+                except Exception:  # noqa: BLE001 - a front-end bug must not look like a dead core
+                    logger.exception("pagewarden: handling an engine message failed")
         except (EOFError, OSError):
             pass
         gen.closed.set()
