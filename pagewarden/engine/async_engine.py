@@ -49,6 +49,8 @@ class EngineDeadError(RuntimeError):
 class AdmissionObserver(Protocol):
     """What the front door's admission controller wants to hear about requests."""
 
+    rejected: int  # 429s it sent itself (counted in the admission_rejections metric)
+
     def first_token(self, queue_time_s: float) -> None: ...
 
     def finished(self) -> None: ...
@@ -223,7 +225,10 @@ class AsyncEngine:
         return self._engine_stats
 
     def stats(self) -> FrontendStats:
-        return self.frontend_stats.snapshot(engine_restarts=self.client.restarts)
+        return self.frontend_stats.snapshot(
+            engine_restarts=self.client.restarts,
+            gate_rejections=self.observer.rejected if self.observer is not None else 0,
+        )
 
     @property
     def num_in_flight(self) -> int:

@@ -111,10 +111,11 @@ class FrontendStatsRecorder:
             self._success[reason] = self._success.get(reason, 0) + 1
             self._e2e.observe(e2e)
 
-    def snapshot(self, engine_restarts: int = 0) -> FrontendStats:
+    def snapshot(self, engine_restarts: int = 0, gate_rejections: int = 0) -> FrontendStats:
+        """``gate_rejections``: 429s the server's admission gate sent before parsing."""
         with self._lock:
             return FrontendStats(
-                admission_rejections=self._admission_rejections,
+                admission_rejections=self._admission_rejections + gate_rejections,
                 request_success=dict(self._success),
                 time_to_first_token=self._ttft.snapshot(),
                 inter_token_latency=self._itl.snapshot(),

@@ -150,7 +150,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = build_app(engine, name, args.api_key, limits=limits, admission=admission)
     server = _graceful_server(
         uvicorn.Config(
-            app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=10,
         )
     )
 
