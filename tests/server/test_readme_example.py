@@ -6,13 +6,12 @@ import json
 import re
 from pathlib import Path
 
-import pytest
-
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_readme_curl_names_the_default_model():
-    gguf = pytest.importorskip("gguf")
+    import gguf
+
     from pagewarden.models.loader import default_model_path
 
     path = default_model_path()
