@@ -76,11 +76,15 @@ class AdmissionController:
     def try_enter(self) -> bool:
         """Admit one generation request unless the limit is reached."""
         if self.enabled and self.in_flight >= self.limit:
-            self.rejected += 1
-            self._window_saturated = True
+            self.note_rejected()
             return False
         self.in_flight += 1
         return True
+
+    def note_rejected(self) -> None:
+        """Count a 429 sent at the limit (by the gate or by ``fast_reject``)."""
+        self.rejected += 1
+        self._window_saturated = True
 
     def leave(self) -> None:
         """An admitted request was answered (any outcome)."""
@@ -130,12 +134,14 @@ def engine_capacity(max_num_seqs: int, num_blocks: int, block_size: int, max_mod
 
 
 class AdmissionGate:
-    """Raw ASGI middleware: 429 without parsing when the controller says no."""
+    """Raw ASGI middleware: 429 without parsing when the controller says no.
+
+    ``body`` is the pre-encoded 429 body (``fast_reject.py`` sends the same bytes)."""
 
     def __init__(self, app, controller: AdmissionController) -> None:
         self.app = app
         self.controller = controller
-        self._body = json.dumps(
+        self.body = json.dumps(
             {
                 "error": {
                     "message": "the server is at capacity; retry after the Retry-After delay",
@@ -170,10 +176,10 @@ class AdmissionGate:
                 "status": 429,
                 "headers": [
                     (b"content-type", b"application/json"),
-                    (b"content-length", str(len(self._body)).encode()),
+                    (b"content-length", str(len(self.body)).encode()),
                     (b"retry-after", str(max(1, math.ceil(retry_after))).encode()),
                     (b"retry-after-ms", str(int(retry_after * 1000)).encode()),
                 ],
             }
         )
-        await send({"type": "http.response.body", "body": self._body})
+        await send({"type": "http.response.body", "body": self.body})

@@ -124,6 +124,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagewarden.gc_policy import SERVING_GEN0_THRESHOLD, tune_gc_for_serving
     from pagewarden.server.api import build_app, default_admission
     from pagewarden.server.context import ServerLimits
+    from pagewarden.server.fast_reject import available as fast_reject_available
+    from pagewarden.server.fast_reject import reject_fast_protocol
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _check_limits(args)
@@ -148,9 +150,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         enabled=args.admission_control,
     )
     app = build_app(engine, name, args.api_key, limits=limits, admission=admission)
+    # 429s straight from the HTTP parser where uvicorn allows it (see fast_reject.py).
+    http = reject_fast_protocol(admission, app) if fast_reject_available() else "auto"
     server = _graceful_server(
         uvicorn.Config(
             app,
+            http=http,
             host=args.host,
             port=args.port,
             log_level="warning",

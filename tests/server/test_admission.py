@@ -87,3 +87,57 @@ def test_gate_answers_429_without_reading_the_body():
     assert start["status"] == 429 and int(headers[b"retry-after"]) >= 1
     assert int(headers[b"retry-after-ms"]) > 0
     assert json.loads(body["body"])["error"]["code"] == 429
+
+
+def test_fast_reject_protocol_answers_at_the_parser_and_keeps_the_connection():
+    import socket
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    from pagewarden.server.fast_reject import available, reject_fast_protocol
+
+    assert available()
+    seen = []
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        seen.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    ctl = AdmissionController(4, fixed_limit=1)
+    gate = AdmissionGate(app, ctl)
+    config = uvicorn.Config(gate, http=reject_fast_protocol(ctl, gate), port=0, log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    try:
+        with httpx.Client() as client:
+            assert client.post(url + "/v1/completions", content=b"{}").status_code == 200
+            ctl.in_flight = 1  # at the limit from now on
+            r = client.post(url + "/v1/completions", content=b"x" * 100_000)
+            assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["code"] == 429 and "retry-after-ms" in r.headers
+            assert client.get(url + "/health").status_code == 200  # same connection
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+                b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n"
+            )
+            data = b""
+            while data.count(b"HTTP/1.1") < 2:
+                data += s.recv(65536)
+        assert data.startswith(b"HTTP/1.1 429") and b"HTTP/1.1 200" in data
+        assert seen == ["/v1/completions", "/health", "/version"]
+        assert ctl.rejected == 2
+    finally:
+        server.should_exit = True
+        thread.join(10)
