@@ -87,23 +87,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pagewarden")
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="complete one prompt and print the text")
-    gen.add_argument("prompt")
-    gen.add_argument(
-        "--chat-template",
-        action="store_true",
-        help="wrap the prompt as a user message with the model's chat template",
-    )
-    add_engine_args(gen)
-    add_sampling_args(gen)
-    gen.set_defaults(func=cmd_generate)
-    chat = sub.add_parser("chat", help="interactive chat in the terminal")
-    add_engine_args(chat)
-    add_sampling_args(chat)
-    chat.set_defaults(func=cmd_chat)
+def _add_chaos_parser(sub) -> None:
     chaos = sub.add_parser(
         "chaos",
         help="inject KV faults into a mixed workload and report "
@@ -136,6 +120,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     chaos.add_argument("--seed", type=int, default=0)
     chaos.set_defaults(func=cmd_chaos)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagewarden")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete one prompt and print the text")
+    gen.add_argument("prompt")
+    gen.add_argument(
+        "--chat-template",
+        action="store_true",
+        help="wrap the prompt as a user message with the model's chat template",
+    )
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="interactive chat in the terminal")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+    _add_chaos_parser(sub)
     try:
         from pagewarden.server.cli import add_serve_parser
     except ImportError:  # the server's dependencies (fastapi, uvicorn) are optional

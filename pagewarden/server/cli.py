@@ -116,14 +116,31 @@ def _graceful_server(config):
     return _Server(config)
 
 
+def _build_app(args: argparse.Namespace, engine, name: str):
+    """The app with the front-door limits and admission control the flags ask for."""
+    from pagewarden.server.api import build_app, default_admission
+    from pagewarden.server.context import ServerLimits
+
+    limits = ServerLimits(
+        max_n=args.max_n,
+        max_logprobs=args.max_logprobs,
+        max_prompts_per_request=args.max_prompts_per_request,
+    )
+    admission = default_admission(
+        engine,
+        target_queue_s=args.admission_target_queue_time,
+        fixed_limit=args.max_inflight_requests,
+        enabled=args.admission_control,
+    )
+    return build_app(engine, name, args.api_key, limits=limits, admission=admission)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pagewarden.engine.args import engine_config
     from pagewarden.engine.async_engine import AsyncEngine
     from pagewarden.gc_policy import SERVING_GEN0_THRESHOLD, tune_gc_for_serving
-    from pagewarden.server.api import build_app, default_admission
-    from pagewarden.server.context import ServerLimits
     from pagewarden.server.fast_reject import available as fast_reject_available
     from pagewarden.server.fast_reject import reject_fast_protocol
 
@@ -138,20 +155,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or engine.info.model_name
     if args.gc_threshold != 0:  # after start-up: its objects are frozen, never walked
         tune_gc_for_serving(args.gc_threshold or SERVING_GEN0_THRESHOLD)
-    limits = ServerLimits(
-        max_n=args.max_n,
-        max_logprobs=args.max_logprobs,
-        max_prompts_per_request=args.max_prompts_per_request,
-    )
-    admission = default_admission(
-        engine,
-        target_queue_s=args.admission_target_queue_time,
-        fixed_limit=args.max_inflight_requests,
-        enabled=args.admission_control,
-    )
-    app = build_app(engine, name, args.api_key, limits=limits, admission=admission)
+    app = _build_app(args, engine, name)
     # 429s straight from the HTTP parser where uvicorn allows it (see fast_reject.py).
-    http = reject_fast_protocol(admission, app) if fast_reject_available() else "auto"
+    http = reject_fast_protocol(app.controller, app) if fast_reject_available() else "auto"
     server = _graceful_server(
         uvicorn.Config(
             app,
