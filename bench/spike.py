@@ -157,10 +157,11 @@ class HealthPinger(threading.Thread):
 
 
 def run_autocannon(
-    tool: str, url: str, body: dict, rate: int, duration: int, connections: int
+    tool: str, url: str, body: dict, rate: int, duration: int, connections: int, workers: int
 ) -> dict:
     cmd = [
         tool,
+        *(["-w", str(workers)] if workers else []),
         "-c", str(connections),
         "-d", str(duration),
         "-R", str(rate),
@@ -204,7 +205,9 @@ def spike(args: argparse.Namespace, url: str, server: psutil.Process) -> dict:
     cpu0 = server.cpu_times()
     rejected0 = metric(url, "admission_rejections_total")
     t0 = time.perf_counter()
-    result = run_autocannon(tool, url, load_body, args.rate, args.duration, args.connections)
+    result = run_autocannon(
+        tool, url, load_body, args.rate, args.duration, args.connections, args.workers
+    )
     wall = time.perf_counter() - t0
     cpu1 = server.cpu_times()
     stop.set()
@@ -262,6 +265,9 @@ def main() -> None:
     ap.add_argument("--rate", type=int, default=14720, help="requests/s offered")
     ap.add_argument("--duration", type=int, default=15, help="seconds of spike")
     ap.add_argument("--connections", type=int, default=1024)
+    ap.add_argument(
+        "--workers", type=int, default=0, help="autocannon worker threads (-w); 0: its main thread"
+    )
     ap.add_argument("--probes", type=int, default=3, help="patient probe clients")
     ap.add_argument("--baseline-probes", type=int, default=5)
     ap.add_argument("--model", default=None, help="passed to pagewarden serve")
