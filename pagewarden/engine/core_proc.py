@@ -35,6 +35,7 @@ is not attributable: the process reports it and exits, and the supervisor restar
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 import traceback
@@ -223,7 +224,12 @@ def _loop(core, inbox: _Inbox, out: Connection) -> None:
 
 
 def run_engine_core(config: EngineConfig, inbox_conn: Connection, out_conn: Connection) -> None:
-    """Entry point of the engine-core process: load, report ready, step until told to stop."""
+    """Entry point of the engine-core process: load, report ready, step until told to stop.
+
+    SIGINT is ignored: a Ctrl-C in the terminal reaches the whole process group, and the
+    server, not the signal, decides when the core stops (a "stop" message, or the pipe
+    closing when the server process is gone)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         from pagewarden.engine.core import EngineCore

@@ -123,6 +123,8 @@ def test_engine_death_or_stall_is_survived(srv, sig):
     r = _kill_mid_request(srv, sig)
     assert r.status_code == 503, r.text
     assert "engine core" in r.json()["error"]["message"]
+    # The new process needs seconds to import torch and load: /health says so meanwhile.
+    assert httpx.get(srv.url + "/health").status_code == 503
     _wait_health(srv.url, 200)
     assert srv.engine.client.pid != old_pid
     assert _metric(srv.url, "engine_restarts_total") == before + 1
