@@ -57,3 +57,13 @@ def test_vocab_bounds():
 def test_vllm_spellings_still_accepted():
     assert SamplingParams(top_k=-1).top_k is None and SamplingParams(top_k=0).top_k is None
     assert SamplingParams(seed=-(2**63), max_tokens=None, min_tokens=100).min_tokens == 100
+
+
+def test_offline_engine_rejects_params_past_the_vocabulary(tiny_llama_dir):
+    from pagewarden.engine.config import EngineConfig
+    from pagewarden.engine.core import EngineCore, RequestRejected
+
+    core = EngineCore(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=16))
+    with pytest.raises(RequestRejected) as err:
+        core.validate([1, 2, 3], SamplingParams(logprobs=100000))
+    assert err.value.param == "logprobs"

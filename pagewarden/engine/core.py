@@ -18,7 +18,7 @@ from pagewarden.engine.integrity import IntegrityMonitor, IntegrityStats
 from pagewarden.engine.output_processor import OutputProcessor
 from pagewarden.engine.outputs import RequestOutput
 from pagewarden.models.loader import LoadedModel, load_model
-from pagewarden.sampling_params import SamplingParams
+from pagewarden.sampling_params import SamplingParams, SamplingParamsError
 from pagewarden.sched.config import SchedulerConfig
 from pagewarden.sched.request import Request
 from pagewarden.sched.scheduler import RequestRejectedError, Scheduler
@@ -141,6 +141,10 @@ class EngineCore:
         vocab = self.loaded.config.vocab_size
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
             raise RequestRejected(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        try:  # top_k, logprobs and stop token ids past the vocabulary would fail a step
+            params.check_vocab(vocab)
+        except SamplingParamsError as exc:
+            raise RequestRejected(str(exc), exc.param) from None
         if n >= self.max_model_len:
             raise RequestRejected(
                 f"the prompt has {n} tokens; this model's context is {self.max_model_len} "
