@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+# First, before anything can import torch: idle OpenMP threads sleep (see omp_policy.py).
+from pagewarden import omp_policy  # noqa: F401, I001
 from pagewarden.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams"]

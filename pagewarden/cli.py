@@ -4,67 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import asdict, fields
+from dataclasses import asdict
 
-from pagewarden.engine.config import EngineConfig
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine flags, named as vLLM names them."""
-    d = EngineConfig()
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)",
-    )
-    parser.add_argument("--dtype", default=d.dtype, help="bfloat16 | float32 | float16")
-    parser.add_argument("--block-size", type=int, default=d.block_size)
-    parser.add_argument("--kv-cache-memory", default=None, help="e.g. 2GiB (default 1GiB)")
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=d.enable_prefix_caching,
-    )
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument(
-        "--integrity",
-        default=d.integrity,
-        choices=("off", "audit", "standard", "strict"),
-        help="KV integrity checks (default standard; see README)",
-    )
-    parser.add_argument(
-        "--audit-interval",
-        type=int,
-        default=d.audit_interval,
-        help="steps between metadata invariant audits",
-    )
-    parser.add_argument(
-        "--scrub-blocks-per-step",
-        type=int,
-        default=d.scrub_blocks_per_step,
-        help="sealed blocks the scrubber re-verifies each step",
-    )
-    parser.add_argument(
-        "--swap-space",
-        type=float,
-        default=d.swap_space,
-        help="GiB of host memory for swapped-out KV (default 0: no host tier)",
-    )
-    parser.add_argument(
-        "--preemption-mode",
-        default=None,
-        choices=("recompute", "swap"),
-        help="default: swap when --swap-space > 0, else recompute",
-    )
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    names = {f.name for f in fields(EngineConfig)}
-    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+from pagewarden.engine.args import add_engine_args, engine_config
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -145,23 +87,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pagewarden")
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="complete one prompt and print the text")
-    gen.add_argument("prompt")
-    gen.add_argument(
-        "--chat-template",
-        action="store_true",
-        help="wrap the prompt as a user message with the model's chat template",
-    )
-    add_engine_args(gen)
-    add_sampling_args(gen)
-    gen.set_defaults(func=cmd_generate)
-    chat = sub.add_parser("chat", help="interactive chat in the terminal")
-    add_engine_args(chat)
-    add_sampling_args(chat)
-    chat.set_defaults(func=cmd_chat)
+def _add_chaos_parser(sub) -> None:
     chaos = sub.add_parser(
         "chaos",
         help="inject KV faults into a mixed workload and report "
@@ -194,9 +120,29 @@ def main(argv: list[str] | None = None) -> int:
     )
     chaos.add_argument("--seed", type=int, default=0)
     chaos.set_defaults(func=cmd_chaos)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagewarden")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete one prompt and print the text")
+    gen.add_argument("prompt")
+    gen.add_argument(
+        "--chat-template",
+        action="store_true",
+        help="wrap the prompt as a user message with the model's chat template",
+    )
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="interactive chat in the terminal")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+    _add_chaos_parser(sub)
     try:
         from pagewarden.server.cli import add_serve_parser
-    except ImportError:
+    except ImportError:  # the server's dependencies (fastapi, uvicorn) are optional
         pass
     else:
         add_serve_parser(sub)

@@ -1,13 +1,16 @@
-"""Async front end: runs ``EngineCore.step()`` in one daemon thread, streams to asyncio.
+"""Async front end: streams the engine-core process's outputs to asyncio.
 
-Ownership: the engine thread is the only thread that calls ``step()`` or ``stats()``,
-so it is the only one touching scheduler and KV state. Event-loop code only enqueues
-(``add_request`` / ``abort_request``, which the core makes thread-safe) and reads
-snapshots the engine thread publishes.
+The engine core runs in its own process (``core_proc.py``), started and supervised by
+``EngineCoreClient`` (``core_client.py``); this process never runs model code. The event
+loop only queues messages for the core and reads what the client's reader thread
+dispatched; ``is_alive()`` and ``engine_stats()`` read state that thread published, so
+``/health`` and ``/metrics`` never wait on the engine.
 
 Admission control bounds the requests that have not yet produced a first token
 (``max_waiting_requests``) and their prompt tokens (``max_queued_tokens``); past either
-bound ``add_request`` raises ``AdmissionRejected`` at once instead of queueing.
+bound ``add_request`` raises ``AdmissionRejected`` at once instead of queueing. The
+server's front door (``server/admission.py``) sheds most of a spike before this point,
+without parsing the body; these bounds are the exact check once the prompt is known.
 """
 
 from __future__ import annotations
@@ -18,33 +21,44 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from pagewarden.engine.config import EngineConfig
+from pagewarden.engine.core_client import EngineCoreClient
+from pagewarden.engine.core_proc import EngineInfo
 from pagewarden.engine.outputs import CompletionOutput, RequestOutput
+from pagewarden.engine.request_check import check_request
 from pagewarden.metrics.stats import FrontendStats, FrontendStatsRecorder
 from pagewarden.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagewarden.engine.async")
 
-#: The engine thread re-checks its stop flag and heartbeat this often when idle.
-_IDLE_WAIT_S = 0.5
-
 
 class AdmissionRejected(RuntimeError):
-    """The waiting queue is full; retry after ``retry_after`` seconds."""
+    """The waiting queue is full; retry after ``retry_after`` seconds (may be fractional)."""
 
-    def __init__(self, message: str, retry_after: int = 1) -> None:
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after = retry_after
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (shut down or crashed); no request can be served."""
+    """The engine core is down (stopped, crashed or stalled); the request was not served."""
+
+
+class AdmissionObserver(Protocol):
+    """What the front door's admission controller wants to hear about requests."""
+
+    rejected: int  # 429s it sent itself (counted in the admission_rejections metric)
+
+    def first_token(self, queue_time_s: float) -> None: ...
+
+    def finished(self) -> None: ...
 
 
 @dataclass
 class _Tracker:
-    """Per-request latency bookkeeping, owned by the engine thread after registration."""
+    """Per-request latency bookkeeping (the reader thread updates it under the lock)."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
@@ -53,30 +67,15 @@ class _Tracker:
     first_token: float | None = None
     last_token: float | None = None
     num_tokens: int = 0
+    n: int = 1
 
 
-def _snapshot(out: RequestOutput) -> RequestOutput:
-    """Copy an output so the event loop never sees the engine thread mutate it."""
-    outputs = [
-        CompletionOutput(
-            c.index,
-            c.text,
-            list(c.token_ids),
-            c.finish_reason,
-            c.stop_reason,
-            list(c.logprobs) if c.logprobs is not None else None,
-        )
-        for c in out.outputs
-    ]
-    return RequestOutput(
-        out.request_id,
-        out.prompt,
-        out.prompt_token_ids,
-        outputs,
-        out.finished,
-        out.num_cached_tokens,
-        dict(out.metrics),
-    )
+def _deliver(tracker: _Tracker, item: RequestOutput | BaseException) -> None:
+    """Hand an output (or the error ending the stream) to the request's event loop."""
+    try:
+        tracker.loop.call_soon_threadsafe(tracker.queue.put_nowait, item)
+    except RuntimeError:  # that event loop is closed: nobody is listening any more
+        pass
 
 
 class RequestStream:
@@ -110,39 +109,41 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """An ``EngineCore`` driven by a background thread, with asyncio streaming."""
+    """The engine-core process seen from asyncio: add requests, stream their outputs."""
 
     def __init__(
         self,
         config: EngineConfig | None,
-        core=None,
         *,
         max_waiting_requests: int | None = None,
         max_queued_tokens: int | None = None,
-        heartbeat_timeout_s: float = 60.0,
+        stall_timeout_s: float = 60.0,
+        observer: AdmissionObserver | None = None,
     ) -> None:
-        if core is None:
-            from pagewarden.engine.core import EngineCore
-
-            core = EngineCore(config if config is not None else EngineConfig())
-        self.core = core
-        self.tokenizer = core.tokenizer
-        self.max_model_len: int = core.max_model_len
         self.max_waiting_requests = max_waiting_requests
         self.max_queued_tokens = max_queued_tokens
-        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.observer = observer
         self.frontend_stats = FrontendStatsRecorder()
         self._lock = threading.Lock()
         self._trackers: dict[str, _Tracker] = {}
         self._num_waiting = 0  # admitted requests without a first token
         self._queued_tokens = 0
-        self._wake = threading.Event()
-        self._stopping = False
-        self._error: BaseException | None = None
-        self._heartbeat = time.monotonic()
-        self._engine_stats = core.stats()
-        self._thread = threading.Thread(target=self._run, name="pagewarden-engine", daemon=True)
-        self._thread.start()
+        self._engine_stats = None
+        self.client = EngineCoreClient(
+            config if config is not None else EngineConfig(),
+            self._on_message,
+            self._on_lost,
+            lambda: bool(self._trackers),
+            stall_timeout_s=stall_timeout_s,
+        )
+        info = self.client.info
+        assert info is not None
+        self.info: EngineInfo = info
+        self.tokenizer = info.tokenizer
+        self.max_model_len: int = info.max_model_len
+        deadline = time.monotonic() + 10.0  # the core's first heartbeat follows "ready"
+        while self._engine_stats is None and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     # ---- event-loop side ---------------------------------------------------------
     async def add_request(
@@ -153,46 +154,47 @@ class AsyncEngine:
         prompt: str | None = None,
         cache_salt: str | None = None,
     ) -> RequestStream:
-        """Validate, admit and enqueue a request; raises before anything is queued.
+        """Check, admit and queue a request; raises before anything is queued.
 
         Raises ``RequestRejected`` (never runnable), ``AdmissionRejected`` (queue full),
-        ``EngineDeadError`` (engine stopped) or ``ValueError`` (duplicate id).
+        ``EngineDeadError`` (engine down) or ``ValueError`` (duplicate id).
         """
         if not self.is_alive():
-            raise EngineDeadError("the engine is not running")
+            raise EngineDeadError("the engine is not running (restarting); retry shortly")
+        check_request(self.info, prompt_token_ids, params)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         n_prompt = len(prompt_token_ids)
         with self._lock:
             if request_id in self._trackers:
                 raise ValueError(f"request id {request_id!r} is already running")
-            if (
-                self.max_waiting_requests is not None
-                and self._num_waiting >= self.max_waiting_requests
-            ):
-                self.frontend_stats.admission_rejected()
-                raise AdmissionRejected(
-                    f"the server has {self._num_waiting} requests waiting (limit "
-                    f"{self.max_waiting_requests}); retry later"
-                )
-            if (
-                self.max_queued_tokens is not None
-                and self._num_waiting > 0
-                and self._queued_tokens + n_prompt > self.max_queued_tokens
-            ):
-                self.frontend_stats.admission_rejected()
-                raise AdmissionRejected(
-                    f"the server has {self._queued_tokens} prompt tokens waiting (limit "
-                    f"{self.max_queued_tokens}); retry later"
-                )
-            self.core.add_request(
-                request_id, prompt_token_ids, params, prompt=prompt, cache_salt=cache_salt
+            self._admit(n_prompt)
+            self._trackers[request_id] = _Tracker(
+                loop, queue, n_prompt, time.monotonic(), n=params.n
             )
-            self._trackers[request_id] = _Tracker(loop, queue, n_prompt, time.monotonic())
             self._num_waiting += 1
             self._queued_tokens += n_prompt
-        self._wake.set()
+        self.client.send(("add", request_id, prompt_token_ids, params, prompt, cache_salt))
         return RequestStream(self, request_id, queue)
+
+    def _admit(self, n_prompt: int) -> None:
+        """Raise ``AdmissionRejected`` past the waiting bounds (caller holds the lock)."""
+        if self.max_waiting_requests is not None and self._num_waiting >= self.max_waiting_requests:
+            self.frontend_stats.admission_rejected()
+            raise AdmissionRejected(
+                f"the server has {self._num_waiting} requests waiting (limit "
+                f"{self.max_waiting_requests}); retry later"
+            )
+        if (
+            self.max_queued_tokens is not None
+            and self._num_waiting > 0
+            and self._queued_tokens + n_prompt > self.max_queued_tokens
+        ):
+            self.frontend_stats.admission_rejected()
+            raise AdmissionRejected(
+                f"the server has {self._queued_tokens} prompt tokens waiting (limit "
+                f"{self.max_queued_tokens}); retry later"
+            )
 
     async def generate(
         self,
@@ -212,76 +214,51 @@ class AsyncEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request from any thread; a finished or unknown id is a no-op."""
-        self.core.abort_request(request_id)
-        self._wake.set()
+        self.client.send(("abort", request_id))
 
     def is_alive(self) -> bool:
-        """True while the engine thread runs and its heartbeat is recent."""
-        return (
-            self._thread.is_alive()
-            and not self._stopping
-            and self._error is None
-            and time.monotonic() - self._heartbeat < self.heartbeat_timeout_s
-        )
+        """True while the engine core is up and making progress (from its heartbeat)."""
+        return self.client.is_ready()
 
     def engine_stats(self):
-        """The ``EngineStats`` the engine thread published after its latest step."""
+        """The ``EngineStats`` the engine core sent with its latest step or heartbeat."""
         return self._engine_stats
 
     def stats(self) -> FrontendStats:
-        return self.frontend_stats.snapshot()
+        return self.frontend_stats.snapshot(
+            engine_restarts=self.client.restarts,
+            gate_rejections=self.observer.rejected if self.observer is not None else 0,
+        )
 
     @property
     def num_in_flight(self) -> int:
-        with self._lock:
-            return len(self._trackers)
+        return len(self._trackers)
+
+    @property
+    def num_waiting(self) -> int:
+        """Admitted requests that have no first token yet."""
+        return self._num_waiting
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort every in-flight request, stop the engine thread and join it."""
-        with self._lock:
-            ids = list(self._trackers)
-        for request_id in ids:
-            self.core.abort_request(request_id)
-        self._stopping = True
-        self._wake.set()
-        self._thread.join(timeout)
+        """Stop the engine core (in-flight requests fail with ``EngineDeadError``)."""
+        self.client.shutdown(timeout)
+        self._on_lost("the server is shutting down")
 
-    # ---- engine thread -----------------------------------------------------------
-    def _run(self) -> None:
-        self.core.claim_ownership()
-        try:
-            while True:
-                self._heartbeat = time.monotonic()
-                if self._stopping:
-                    self._step()  # apply the shutdown aborts so blocks are freed
-                    break
-                if not self.core.has_unfinished():
-                    self._engine_stats = self.core.stats()
-                    self._wake.wait(_IDLE_WAIT_S)
-                    self._wake.clear()
-                    continue
-                self._step()
-        except BaseException as exc:  # noqa: BLE001 - any crash must reach the clients
-            logger.exception("engine thread crashed")
-            self._error = exc
-        finally:
-            self._fail_all(
-                EngineDeadError(
-                    "the engine stopped"
-                    if self._error is None
-                    else f"the engine crashed: {self._error!r}"
-                )
-            )
-
-    def _step(self) -> None:
-        step_start = time.monotonic()
-        outputs = self.core.step()
+    # ---- reader / supervisor threads -----------------------------------------------
+    def _on_message(self, msg: tuple) -> None:
         now = time.monotonic()
-        for out in outputs:
-            self._dispatch(out, step_start, now)
-        self._engine_stats = self.core.stats()
+        if msg[0] == "step":
+            _, outputs, stats, failed = msg
+            self._engine_stats = stats
+            for out in outputs:
+                self._dispatch(out, now)
+        else:  # "beat"
+            _, stats, failed = msg
+            self._engine_stats = stats
+        for request_id, message in failed:
+            self._fail_one(request_id, message, now)
 
-    def _dispatch(self, out: RequestOutput, step_start: float, now: float) -> None:
+    def _dispatch(self, out: RequestOutput, now: float) -> None:
         with self._lock:
             tracker = self._trackers.get(out.request_id)
             if tracker is None:
@@ -291,35 +268,58 @@ class AsyncEngine:
                 if tracker.first_token is None:
                     tracker.first_token = now
                     self._leave_waiting(tracker)
-                    # Queue time: until the start of the step that produced the first token.
-                    self.frontend_stats.first_token(
-                        now - tracker.arrival, step_start - tracker.arrival
-                    )
+                    self.frontend_stats.first_token(now - tracker.arrival, now - tracker.arrival)
+                    if self.observer is not None:
+                        self.observer.first_token(now - tracker.arrival)
                 else:
                     self.frontend_stats.inter_token(now - tracker.last_token)
                 tracker.last_token = now
                 tracker.num_tokens = num_tokens
             if out.finished:
-                del self._trackers[out.request_id]
-                if tracker.first_token is None:
-                    self._leave_waiting(tracker)
-                reasons = [c.finish_reason or "abort" for c in out.outputs]
-                reason = "abort" if "abort" in reasons else reasons[0]
-                self.frontend_stats.finished(reason, now - tracker.arrival)
-        tracker.loop.call_soon_threadsafe(tracker.queue.put_nowait, _snapshot(out))
+                self._finish(out.request_id, tracker, out, now)
+        _deliver(tracker, out)
+
+    def _finish(self, request_id: str, tracker: _Tracker, out: RequestOutput, now: float) -> None:
+        """Forget a finished request and count it (caller holds the lock)."""
+        del self._trackers[request_id]
+        if tracker.first_token is None:
+            self._leave_waiting(tracker)
+        reasons = [c.finish_reason or "abort" for c in out.outputs]
+        reason = next((r for r in ("error", "abort") if r in reasons), reasons[0])
+        self.frontend_stats.finished(reason, now - tracker.arrival)
+        if self.observer is not None:
+            self.observer.finished()
+
+    def _fail_one(self, request_id: str, message: str, now: float) -> None:
+        """Finish one request with ``finish_reason="error"`` (the engine failed it alone)."""
+        logger.warning("request %s failed: %s", request_id, message)
+        with self._lock:
+            tracker = self._trackers.get(request_id)
+            if tracker is None:
+                return
+            out = RequestOutput(
+                request_id,
+                None,
+                [],
+                [CompletionOutput(i, "", [], "error", message) for i in range(tracker.n)],
+                finished=True,
+            )
+            self._finish(request_id, tracker, out, now)
+        _deliver(tracker, out)
 
     def _leave_waiting(self, tracker: _Tracker) -> None:
         self._num_waiting -= 1
         self._queued_tokens -= tracker.num_prompt_tokens
 
-    def _fail_all(self, exc: BaseException) -> None:
+    def _on_lost(self, message: str) -> None:
+        """The engine core is gone: fail every in-flight request with ``message``."""
         with self._lock:
             trackers = list(self._trackers.values())
             self._trackers.clear()
             self._num_waiting = 0
             self._queued_tokens = 0
         for tracker in trackers:
-            try:
-                tracker.loop.call_soon_threadsafe(tracker.queue.put_nowait, exc)
-            except RuntimeError:  # that event loop is already closed
-                pass
+            self.frontend_stats.finished("error", time.monotonic() - tracker.arrival)
+            if self.observer is not None:
+                self.observer.finished()
+            _deliver(tracker, EngineDeadError(message))

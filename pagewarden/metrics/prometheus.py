@@ -82,12 +82,18 @@ class PagewardenCollector:
             f.admission_rejections,
             m,
         )
+        yield _counter(
+            "engine_restarts",
+            "Engine-core processes restarted after a crash or a stall.",
+            f.engine_restarts,
+            m,
+        )
         success = CounterMetricFamily(
             P + "request_success",
             "Finished requests by reason.",
             labels=["model_name", "finished_reason"],
         )
-        for reason in sorted({"stop", "length", "abort", *f.request_success}):
+        for reason in sorted({"stop", "length", "abort", "error", *f.request_success}):
             success.add_metric([m, reason], f.request_success.get(reason, 0))
         yield success
         yield _histogram(

@@ -78,6 +78,7 @@ class FrontendStats:
     inter_token_latency: HistogramSnapshot
     e2e_request_latency: HistogramSnapshot
     request_queue_time: HistogramSnapshot
+    engine_restarts: int = 0  # engine-core processes restarted by the supervisor
 
 
 class FrontendStatsRecorder:
@@ -110,13 +111,15 @@ class FrontendStatsRecorder:
             self._success[reason] = self._success.get(reason, 0) + 1
             self._e2e.observe(e2e)
 
-    def snapshot(self) -> FrontendStats:
+    def snapshot(self, engine_restarts: int = 0, gate_rejections: int = 0) -> FrontendStats:
+        """``gate_rejections``: 429s the server's admission gate sent before parsing."""
         with self._lock:
             return FrontendStats(
-                admission_rejections=self._admission_rejections,
+                admission_rejections=self._admission_rejections + gate_rejections,
                 request_success=dict(self._success),
                 time_to_first_token=self._ttft.snapshot(),
                 inter_token_latency=self._itl.snapshot(),
                 e2e_request_latency=self._e2e.snapshot(),
                 request_queue_time=self._queue.snapshot(),
+                engine_restarts=engine_restarts,
             )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagewarden.sampling_params import SamplingParams
+from pagewarden.sampling_params import SamplingParams, SamplingParamsError
 
 __all__ = ["AdmissionLimits", "RequestRejected", "check_request", "max_kv_blocks"]
 
@@ -58,6 +58,11 @@ def check_request(
         for t in prompt_token_ids
     ):
         raise RequestRejected(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+    if vocab is not None:
+        try:  # top_k, logprobs and stop token ids past the vocabulary would fail a step
+            params.check_vocab(vocab)
+        except SamplingParamsError as exc:
+            raise RequestRejected(str(exc), exc.param) from None
     max_len = limits.max_model_len
     if num_prompt >= max_len:
         raise RequestRejected(

@@ -14,17 +14,62 @@ logger = logging.getLogger("pagewarden.server")
 
 
 def add_serve_parser(subparsers) -> None:
-    from pagewarden.cli import add_engine_args
+    from pagewarden.engine.args import add_engine_args
 
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", action="append", default=None, help="repeat for several keys")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--max-waiting-requests", type=int, default=None)
-    p.add_argument("--max-queued-tokens", type=int, default=None)
+    _add_limit_args(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
+
+
+def _add_limit_args(p) -> None:
+    """Front-door limits and admission control (see server/admission.py)."""
+    p.add_argument(
+        "--admission-control",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="shed load with 429 before parsing when the engine is saturated (default on)",
+    )
+    p.add_argument(
+        "--max-inflight-requests",
+        type=int,
+        default=None,
+        help="pin the admission limit on generation requests in flight (default: adaptive, "
+        "sized from the KV pool and --max-num-seqs)",
+    )
+    p.add_argument(
+        "--admission-target-queue-time",
+        type=float,
+        default=0.5,
+        metavar="SECONDS",
+        help="the adaptive limit shrinks when requests wait longer than this for a first token",
+    )
+    p.add_argument("--max-waiting-requests", type=int, default=None)
+    p.add_argument("--max-queued-tokens", type=int, default=None)
+    p.add_argument("--max-logprobs", type=int, default=20, help="as vLLM's (default 20)")
+    p.add_argument("--max-n", type=int, default=8, help="largest n per request")
+    p.add_argument("--max-prompts-per-request", type=int, default=32)
+    p.add_argument(
+        "--engine-stall-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="restart the engine core after this long without step progress while "
+        "requests are in flight",
+    )
+
+
+def _check_limits(args: argparse.Namespace) -> None:
+    for name in ("max_logprobs", "max_n", "max_prompts_per_request", "max_inflight_requests"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "max_logprobs" else 1):
+            raise SystemExit(f"--{name.replace('_', '-')} is out of range: {value}")
+    if args.engine_stall_timeout <= 0 or args.admission_target_queue_time <= 0:
+        raise SystemExit("--engine-stall-timeout and --admission-target-queue-time must be > 0")
 
 
 def _graceful_server(config):
@@ -61,28 +106,58 @@ def _graceful_server(config):
     return _Server(config)
 
 
+def _build_app(args: argparse.Namespace, engine, name: str):
+    """The app with the front-door limits and admission control the flags ask for."""
+    from pagewarden.server.api import build_app, default_admission
+    from pagewarden.server.context import ServerLimits
+
+    limits = ServerLimits(
+        max_n=args.max_n,
+        max_logprobs=args.max_logprobs,
+        max_prompts_per_request=args.max_prompts_per_request,
+    )
+    admission = default_admission(
+        engine,
+        target_queue_s=args.admission_target_queue_time,
+        fixed_limit=args.max_inflight_requests,
+        enabled=args.admission_control,
+    )
+    return build_app(engine, name, args.api_key, limits=limits, admission=admission)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from pagewarden.cli import engine_config
+    from pagewarden.engine.args import engine_config
     from pagewarden.engine.async_engine import AsyncEngine
-    from pagewarden.server.api import build_app
+    from pagewarden.server.fast_reject import available as fast_reject_available
+    from pagewarden.server.fast_reject import reject_fast_protocol
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    _check_limits(args)
     engine = AsyncEngine(
         engine_config(args),
         max_waiting_requests=args.max_waiting_requests,
         max_queued_tokens=args.max_queued_tokens,
+        stall_timeout_s=args.engine_stall_timeout,
     )
-    name = args.served_model_name or engine.core.loaded.name
-    # The start-up heap (model, tokenizer) lives as long as the process: freeze it so
-    # that no later collection walks it.
+    name = args.served_model_name or engine.info.model_name
+    # The start-up heap lives as long as the process: freeze it so that no later
+    # collection walks it.
     gc.collect()
     gc.freeze()
-    app = build_app(engine, name, args.api_key)
+    app = _build_app(args, engine, name)
+    # 429s straight from the HTTP parser where uvicorn allows it (see fast_reject.py).
+    http = reject_fast_protocol(app.controller, app) if fast_reject_available() else "auto"
     server = _graceful_server(
         uvicorn.Config(
-            app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10
+            app,
+            http=http,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=10,
         )
     )
 
@@ -97,6 +172,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         asyncio.run(serve())
     finally:
-        engine.shutdown()  # aborts what is still in flight and joins the engine thread
+        engine.shutdown()  # stops the engine-core process; in-flight requests fail
         logger.info("pagewarden: stopped")
     return 0

@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI API as pydantic models (strict types, unknown fields 400).
 
-Well-known OpenAI fields that pagewarden does not implement (``user``, ``metadata``, ...)
-are accepted and ignored so that stock clients work.
+Fields that current OpenAI clients send and that have no effect here (``user``,
+``metadata``, ``prompt_cache_key``, ``safety_identifier``, ``reasoning_effort``,
+``modalities``, ``prediction``, ...) are accepted and ignored, so stock clients work.
+Numeric ranges are checked by ``SamplingParams`` and the server's limits (``responses.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # accepted and ignored (OpenAI fields with no effect here)
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     # vLLM extensions
     top_k: int | None = None
     min_p: float = 0.0
@@ -64,12 +72,11 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    # Required: OpenAI allows a missing content only beside tool calls, unsupported here.
+    content: str | list[TextPart]
     name: str | None = None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
@@ -82,10 +89,15 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    # accepted and ignored (OpenAI fields with no effect here)
-    metadata: dict[str, Any] | None = None
-    store: bool | None = None
-    service_tier: str | None = None
+    # accepted and ignored (OpenAI chat fields with no effect here)
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
     parallel_tool_calls: bool | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

@@ -15,17 +15,26 @@ import uvicorn
 
 from pagewarden.engine.async_engine import AsyncEngine
 from pagewarden.engine.config import EngineConfig
+from pagewarden.server.admission import AdmissionController
 from pagewarden.server.api import build_app
 
 MODEL = "tiny"
 
 
 class _Running:
-    def __init__(self, engine: AsyncEngine, api_key: str | None = None) -> None:
+    def __init__(
+        self, engine: AsyncEngine, api_key: str | None = None, admission: bool = False
+    ) -> None:
+        # Most tests send more at once than the tiny pool's default admission limit;
+        # tests of admission itself pass admission=True (the server's default).
+        ctl = None if admission else AdmissionController(1, fixed_limit=1000)
         self.engine = engine
         self.server = uvicorn.Server(
             uvicorn.Config(
-                build_app(engine, MODEL, api_key), host="127.0.0.1", port=0, log_level="warning"
+                build_app(engine, MODEL, api_key, admission=ctl),
+                host="127.0.0.1",
+                port=0,
+                log_level="warning",
             )
         )
         self.thread = threading.Thread(target=self.server.run, daemon=True)

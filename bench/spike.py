@@ -1,0 +1,290 @@
+"""Spike test of ``pagewarden serve``: a real load generator against the real server.
+
+Load generator: autocannon (npm), which this project does not write. The script uses
+``$PAGEWARDEN_AUTOCANNON`` if set, else ``autocannon`` on PATH, else
+``~/.cache/pagewarden-bench/node_modules/.bin/autocannon``, installing it there with
+``npm install --prefix ~/.cache/pagewarden-bench autocannon@7`` when missing (outside
+the repository; needs npm and the npm registry once).
+
+What it does, all on loopback and bounded in time:
+
+1. starts ``pagewarden serve`` with default flags (plus ``--model`` if given);
+2. measures a few patient probe requests alone (the baseline);
+3. offers ``--rate`` small ``/v1/completions`` POSTs per second for ``--duration`` s from
+   ``--connections`` connections, while probe clients (which honour Retry-After) measure
+   the requests they get accepted and a pinger reads ``/health`` every 100 ms;
+4. waits for the drain and reads the KV pool from ``/metrics``.
+
+It prints responses/s, status-code counts, latency of the load's responses (p50/p99; at
+least 99% of them are 429s under the spike, the share is printed), probe latency during
+the spike against the baseline, ``/health`` misses (non-200 or slower than 1 s), RSS of
+both processes before and after, the KV pool after the drain, and the front door's CPU
+time per 429 (the HTTP process's CPU time over the spike divided by the 429s; it also
+pays for the accepted requests, so it is an upper bound), each against its target.
+
+    python bench/spike.py                      # the issue's spike: 14,720 req/s, 15 s, 1,024 conns
+    python bench/spike.py --rate 2000 --duration 5 --connections 128   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+CACHE = Path.home() / ".cache" / "pagewarden-bench"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def find_autocannon() -> str:
+    """Path of autocannon; installs it into ``CACHE`` with npm when it is nowhere."""
+    for candidate in (
+        os.environ.get("PAGEWARDEN_AUTOCANNON"),
+        shutil.which("autocannon"),
+        str(CACHE / "node_modules" / ".bin" / "autocannon"),
+    ):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    if shutil.which("npm") is None:
+        raise SystemExit("autocannon not found and npm is missing: install Node.js and npm")
+    CACHE.mkdir(parents=True, exist_ok=True)
+    print(f"installing autocannon: npm install --prefix {CACHE} autocannon@7", flush=True)
+    subprocess.run(
+        ["npm", "install", "--prefix", str(CACHE), "--no-audit", "--no-fund", "autocannon@7"],
+        check=True,
+    )
+    return str(CACHE / "node_modules" / ".bin" / "autocannon")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(extra: list[str], timeout: float = 300) -> tuple[subprocess.Popen, str]:
+    """``pagewarden serve`` on a free loopback port; returns (process, base url)."""
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "pagewarden", "serve", "--port", str(port), *extra]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    deadline, line = time.time() + timeout, ""
+    while "serving" not in line:
+        if time.time() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise RuntimeError(f"pagewarden serve did not start: {line!r}")
+        line = proc.stdout.readline()
+    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    m = re.search(r"^pagewarden:" + name + r"(\{[^}]*\})? (\S+)$", text, re.M)
+    return float(m.group(2)) if m else float("nan")
+
+
+def rss_mib(proc: psutil.Process) -> tuple[float, float]:
+    """RSS of the HTTP process and of its engine-core child, MiB."""
+    children = proc.children(recursive=True)
+    engine = max((c.memory_info().rss for c in children), default=0)
+    return proc.memory_info().rss / 2**20, engine / 2**20
+
+
+def model_name(url: str) -> str:
+    return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+class Probe(threading.Thread):
+    """A patient client: retries after Retry-After, times the accepted request."""
+
+    def __init__(self, url: str, body: dict, stop: threading.Event, count: int = 0) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body, self.stop, self.count = url, body, stop, count
+        self.latencies: list[float] = []
+        self.errors: list[str] = []
+
+    def run(self) -> None:
+        with httpx.Client(timeout=120) as client:
+            while not self.stop.is_set() and (not self.count or len(self.latencies) < self.count):
+                t0 = time.perf_counter()
+                r = client.post(self.url + "/v1/completions", json=self.body)
+                if r.status_code == 429:
+                    delay = float(r.headers.get("retry-after-ms", 1000)) / 1000
+                    self.stop.wait(delay)
+                    continue
+                if r.status_code != 200:
+                    self.errors.append(f"{r.status_code}: {r.text[:200]}")
+                    continue
+                self.latencies.append(time.perf_counter() - t0)
+
+
+class HealthPinger(threading.Thread):
+    """GET /health every 100 ms; a miss is a non-200 or an answer slower than 1 s."""
+
+    def __init__(self, url: str, stop: threading.Event) -> None:
+        super().__init__(daemon=True)
+        self.url, self.stop = url, stop
+        self.checks = self.misses = 0
+        self.worst = 0.0
+
+    def run(self) -> None:
+        with httpx.Client(timeout=1.0) as client:
+            while not self.stop.wait(0.1):
+                t0 = time.perf_counter()
+                try:
+                    ok = client.get(self.url + "/health").status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                dt = time.perf_counter() - t0
+                self.worst = max(self.worst, dt)
+                self.checks += 1
+                self.misses += (not ok) or dt > 1.0
+
+
+def run_autocannon(
+    tool: str, url: str, body: dict, rate: int, duration: int, connections: int, workers: int
+) -> dict:
+    cmd = [
+        tool,
+        *(["-w", str(workers)] if workers else []),
+        "-c", str(connections),
+        "-d", str(duration),
+        "-R", str(rate),
+        "-t", "30",
+        "-m", "POST",
+        "-H", "content-type=application/json",
+        "-b", json.dumps(body),
+        "-j",
+        url + "/v1/completions",
+    ]  # fmt: skip
+    print("load:", " ".join(cmd[:-4]), "...", flush=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=duration + 120)
+    return json.loads(out.stdout)
+
+
+def drain(url: str, timeout: float = 300) -> float:
+    """Wait until no request runs or waits; returns the KV blocks still in use."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        busy = metric(url, "num_requests_running") + metric(url, "num_requests_waiting")
+        if busy == 0:
+            break
+        time.sleep(0.5)
+    return metric(url, "kv_blocks_used")
+
+
+def spike(args: argparse.Namespace, url: str, server: psutil.Process) -> dict:
+    """Baseline probes, then the spike with probes and the health pinger."""
+    tool = find_autocannon()
+    name = model_name(url)
+    probe_body = {"model": name, "prompt": "Tell me about the sea.", "max_tokens": 32}
+    load_body = {"model": name, "prompt": "hi", "max_tokens": 16}
+    base = Probe(url, probe_body, threading.Event(), count=args.baseline_probes)
+    base.run()
+    rss_before = rss_mib(server)
+    stop = threading.Event()
+    probes = [Probe(url, probe_body, stop) for _ in range(args.probes)]
+    pinger = HealthPinger(url, stop)
+    for t in (*probes, pinger):
+        t.start()
+    cpu0 = server.cpu_times()
+    rejected0 = metric(url, "admission_rejections_total")
+    t0 = time.perf_counter()
+    result = run_autocannon(
+        tool, url, load_body, args.rate, args.duration, args.connections, args.workers
+    )
+    wall = time.perf_counter() - t0
+    cpu1 = server.cpu_times()
+    stop.set()
+    for t in (*probes, pinger):
+        t.join(130)
+    return {
+        "result": result,
+        "wall": wall,
+        "cpu_s": (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system),
+        "base": base.latencies,
+        "spike": [x for p in probes for x in p.latencies],
+        "probe_errors": [e for p in probes for e in p.errors],
+        "pinger": pinger,
+        "rss_before": rss_before,
+        "gate_rejections": metric(url, "admission_rejections_total") - rejected0,
+    }
+
+
+def report(r: dict, used_after: float, rss_after: tuple[float, float]) -> None:
+    res, pinger = r["result"], r["pinger"]
+    codes = res.get("statusCodeStats", {})
+    n429 = codes.get("429", {}).get("count", 0)
+    total = sum(v.get("count", 0) for v in codes.values())
+    n5xx = sum(v["count"] for k, v in codes.items() if k.startswith("5"))
+    lat = res["latency"]
+    cpu_429_us = r["cpu_s"] / max(n429, 1) * 1e6
+    base_med = statistics.median(r["base"]) if r["base"] else float("nan")
+    spike_med = statistics.median(r["spike"]) if r["spike"] else float("nan")
+    rows = [
+        ("responses/s", f"{total / max(res['duration'], 1e-9):.0f}", ""),
+        ("status codes", json.dumps({k: v["count"] for k, v in sorted(codes.items())}), ""),
+        ("5xx", n5xx, "target 0"),
+        ("connection errors / timeouts", f"{res['errors']} / {res['timeouts']}", "target 0"),
+        ("429 share of responses", f"{n429 / max(total, 1):.4f}", ""),
+        ("response latency p50 / p99 (ms)", f"{lat['p50']} / {lat['p99']}", "429 p99 <= 250"),
+        ("front-door CPU per 429 (us)", f"{cpu_429_us:.0f}", "target <= 100"),
+        ("probe median alone (s)", f"{base_med:.3f} (n={len(r['base'])})", ""),
+        ("probe median in spike (s)", f"{spike_med:.3f} (n={len(r['spike'])})", "<= 3x alone"),
+        ("probe ratio spike/alone", f"{spike_med / base_med:.2f}", "target <= 3"),
+        ("probe errors", len(r["probe_errors"]), "target 0"),
+        ("/health misses (of checks)", f"{pinger.misses} ({pinger.checks})", "target 0"),
+        ("/health worst (s)", f"{pinger.worst:.3f}", ""),
+        ("RSS http/engine before (MiB)", "{:.0f} / {:.0f}".format(*r["rss_before"]), ""),
+        ("RSS http/engine after (MiB)", "{:.0f} / {:.0f}".format(*rss_after), ""),
+        ("KV blocks used after drain", f"{used_after:.0f}", "target 0"),
+    ]
+    for name, value, target in rows:
+        print(f"{name:34s} {value!s:>28s}  {target}")
+    for e in r["probe_errors"][:5]:
+        print("probe error:", e)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rate", type=int, default=14720, help="requests/s offered")
+    ap.add_argument("--duration", type=int, default=15, help="seconds of spike")
+    ap.add_argument("--connections", type=int, default=1024)
+    ap.add_argument(
+        "--workers", type=int, default=0, help="autocannon worker threads (-w); 0: its main thread"
+    )
+    ap.add_argument("--probes", type=int, default=3, help="patient probe clients")
+    ap.add_argument("--baseline-probes", type=int, default=5)
+    ap.add_argument("--model", default=None, help="passed to pagewarden serve")
+    args = ap.parse_args()
+    extra = ["--model", args.model] if args.model else []
+    print(f"uptime: {os.popen('uptime').read().strip()}")
+    proc, url = start_server(extra)
+    try:
+        server = psutil.Process(proc.pid)
+        r = spike(args, url, server)
+        used_after = drain(url)
+        report(r, used_after, rss_mib(server))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    print(f"uptime: {os.popen('uptime').read().strip()}")
+
+
+if __name__ == "__main__":
+    main()

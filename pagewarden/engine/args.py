@@ -1,0 +1,70 @@
+"""Engine command-line flags, beside ``EngineConfig`` (named as vLLM names them).
+
+``pagewarden generate``, ``chat``, ``serve`` and ``chaos`` all build their engine from
+these; the CLIs import them from here, so neither CLI module imports the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from pagewarden.engine.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags, named as vLLM names them."""
+    d = EngineConfig()
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--dtype", default=d.dtype, help="bfloat16 | float32 | float16")
+    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--kv-cache-memory", default=None, help="e.g. 2GiB (default 1GiB)")
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_prefix_caching,
+    )
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument(
+        "--integrity",
+        default=d.integrity,
+        choices=("off", "audit", "standard", "strict"),
+        help="KV integrity checks (default standard; see README)",
+    )
+    parser.add_argument(
+        "--audit-interval",
+        type=int,
+        default=d.audit_interval,
+        help="steps between metadata invariant audits",
+    )
+    parser.add_argument(
+        "--scrub-blocks-per-step",
+        type=int,
+        default=d.scrub_blocks_per_step,
+        help="sealed blocks the scrubber re-verifies each step",
+    )
+    parser.add_argument(
+        "--swap-space",
+        type=float,
+        default=d.swap_space,
+        help="GiB of host memory for swapped-out KV (default 0: no host tier)",
+    )
+    parser.add_argument(
+        "--preemption-mode",
+        default=None,
+        choices=("recompute", "swap"),
+        help="default: swap when --swap-space > 0, else recompute",
+    )
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    names = {f.name for f in fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})

@@ -1,0 +1,258 @@
+"""The engine-core process: one ``EngineCore`` stepping in a process of its own.
+
+The HTTP process (``server/``) never runs model code and never shares a GIL with the
+step loop: it talks to this process through two one-way pipes (``core_client.py`` holds
+the other ends and supervises the process).
+
+Transport: ``multiprocessing`` pipes carrying pickled tuples, not ZeroMQ + msgpack.
+There is exactly one peer on the same host, so ZeroMQ's routing, reconnection and
+multi-peer sockets buy nothing; pickle carries our dataclasses (``SamplingParams``,
+``RequestOutput``, ``EngineStats``, the tokenizer) without a second schema that msgpack
+would need kept in step with them; and the pipes are in the standard library. Both sides
+batch: one message carries every add/abort queued since the last send, and one message
+carries every output of a step, so the framing cost is per step, not per token.
+
+Messages (tuples, first item the kind)::
+
+    client -> core   ("add", request_id, prompt_token_ids, params, prompt, cache_salt)
+                     ("abort", request_id)
+                     ("stop",)
+    core -> client   ("ready", EngineInfo)              once, after the model loaded
+                     ("step", outputs, stats, failed)   after every step (failed:
+                                                        [(request_id, message)])
+                     ("beat", stats, failed)            while idle, every HEARTBEAT_S
+                     ("fatal", message)                 before exiting on an error
+
+Failure isolation: a request whose parameters would make a step raise is failed alone
+(``finish_reason="error"``) rather than taking the engine down. At admission, a request
+with sampling features (temperature, penalties, top-k/p, logprobs) is first run through
+the sampler on one row of random logits; if that raises, only it fails. If a step raises
+anyway, each request in flight is probed again; the ones that fail the probe are failed
+alone and the loop goes on. A failure no probe explains, or two failed steps in a row,
+is not attributable: the process reports it and exits, and the supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import signal
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from pagewarden.engine.config import EngineConfig
+from pagewarden.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagewarden.engine.proc")
+
+#: While idle, the core sends a heartbeat this often (seconds).
+HEARTBEAT_S = 0.2
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the front end needs to know about the engine, sent once at start-up."""
+
+    model_name: str
+    tokenizer: object  # pagewarden.models.tokenizer.Tokenizer (picklable)
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int  # including the reserved block 0
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+class _Inbox:
+    """Applies the client's messages to the core from a receiver thread.
+
+    ``EngineCore.add_request`` / ``abort_request`` only enqueue (they are thread-safe);
+    the step loop applies them at the start of its next step.
+    """
+
+    def __init__(self, core, conn: Connection, probe) -> None:
+        self.core, self.conn, self.probe = core, conn, probe
+        self.wake = threading.Event()
+        self.stop = False
+        self._lock = threading.Lock()
+        self._failed: list[tuple[str, str]] = []
+        self.params: dict[str, tuple[list[int], SamplingParams]] = {}
+
+    def run(self) -> None:
+        try:
+            while not self.stop:
+                for msg in self.conn.recv():
+                    self._apply(msg)
+                self.wake.set()
+        except (EOFError, OSError):  # the client went away: stop serving
+            pass
+        self.stop = True
+        self.wake.set()
+
+    def _apply(self, msg: tuple) -> None:
+        from pagewarden.engine.core import RequestRejected
+
+        if msg[0] == "stop":
+            self.stop = True
+        elif msg[0] == "abort":
+            self.core.abort_request(msg[1])
+        elif msg[0] == "add":
+            _, rid, ids, params, prompt, salt = msg
+            error = self.probe(ids, params)
+            if error is not None:
+                self.fail(rid, f"the request's parameters fail in the sampler: {error}")
+                return
+            try:
+                self.core.add_request(rid, ids, params, prompt=prompt, cache_salt=salt)
+            except (RequestRejected, ValueError) as exc:
+                self.fail(rid, str(exc))
+                return
+            with self._lock:
+                self.params[rid] = (ids, params)
+
+    def fail(self, rid: str, message: str) -> None:
+        with self._lock:
+            self._failed.append((rid, message))
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        with self._lock:
+            failed, self._failed = self._failed, []
+        return failed
+
+    def forget(self, rid: str) -> None:
+        with self._lock:
+            self.params.pop(rid, None)
+
+    def in_flight(self) -> list[tuple[str, list[int], SamplingParams]]:
+        with self._lock:
+            return [(rid, ids, p) for rid, (ids, p) in self.params.items()]
+
+
+def make_probe(vocab_size: int):
+    """A function that runs one request's sampling parameters through the sampler on
+    random logits and returns the exception text, or None when they sample fine."""
+    import torch
+
+    from pagewarden.worker.sampler import Sampler, SamplingRow
+
+    sampler = Sampler(vocab_size, torch.Generator().manual_seed(0))
+
+    def probe(ids: list[int], params: SamplingParams) -> str | None:
+        plain = (
+            params.greedy
+            and params.logprobs is None
+            and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0
+            and params.repetition_penalty == 1.0
+        )
+        if plain:  # argmax only: nothing that depends on the parameters
+            return None
+        try:
+            logits = torch.randn(1, vocab_size)  # (1, V)
+            sampler(logits, [SamplingRow(params, ids[-64:], [], params.seed, 0)])
+        except Exception as exc:  # noqa: BLE001 - any failure is this request's
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    return probe
+
+
+def _engine_info(core) -> EngineInfo:
+    return EngineInfo(
+        model_name=core.loaded.name,
+        tokenizer=core.tokenizer,
+        vocab_size=core.loaded.config.vocab_size,
+        max_model_len=core.max_model_len,
+        block_size=core.config.block_size,
+        num_blocks=core.kv_store.shape.num_blocks,
+        max_num_seqs=core.config.max_num_seqs,
+        max_num_batched_tokens=core.config.max_num_batched_tokens,
+    )
+
+
+def _fail_outputs(core, inbox: _Inbox, failed: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Drop failed requests from the core (their blocks are freed at the next step)."""
+    for rid, _ in failed:
+        core.outputs.abort(rid, reason="error")
+        core.abort_request(rid)
+        inbox.forget(rid)
+    return failed
+
+
+def _isolate(core, inbox: _Inbox, exc: BaseException) -> list[tuple[str, str]]:
+    """After a failed step: the in-flight requests whose parameters fail the probe."""
+    culprits = []
+    for rid, ids, params in inbox.in_flight():
+        error = inbox.probe(ids, params)
+        if error is not None:
+            culprits.append((rid, f"the request failed a step: {error}"))
+    if not culprits:
+        raise RuntimeError(f"a step failed and no request explains it: {exc!r}") from exc
+    logger.warning("step failed (%r); failing %d request(s) alone", exc, len(culprits))
+    return culprits
+
+
+def _loop(core, inbox: _Inbox, out: Connection) -> None:
+    last_send = 0.0
+    failed_steps = 0
+    while not inbox.stop:
+        failed = _fail_outputs(core, inbox, inbox.take_failed())
+        if not core.has_unfinished():
+            now = time.monotonic()
+            if failed or now - last_send >= HEARTBEAT_S:
+                out.send(("beat", core.stats(), failed))
+                last_send = now
+            inbox.wake.wait(HEARTBEAT_S)
+            inbox.wake.clear()
+            continue
+        try:
+            outputs = core.step()
+            failed_steps = 0
+        except Exception as exc:  # noqa: BLE001 - isolated below, or re-raised
+            failed_steps += 1
+            if failed_steps > 1:
+                raise
+            failed += _fail_outputs(core, inbox, _isolate(core, inbox, exc))
+            outputs = []
+        for o in outputs:
+            if o.finished:
+                inbox.forget(o.request_id)
+        out.send(("step", outputs, core.stats(), failed))
+        last_send = time.monotonic()
+
+
+def run_engine_core(config: EngineConfig, inbox_conn: Connection, out_conn: Connection) -> None:
+    """Entry point of the engine-core process: load, report ready, step until told to stop.
+
+    SIGINT is ignored: a Ctrl-C in the terminal reaches the whole process group, and the
+    server, not the signal, decides when the core stops (a "stop" message, or the pipe
+    closing when the server process is gone)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        from pagewarden.engine.core import EngineCore
+
+        core = EngineCore(config)
+        core.claim_ownership()
+        inbox = _Inbox(core, inbox_conn, make_probe(core.loaded.config.vocab_size))
+        # The start-up heap (model, tokenizer) lives as long as the process: freeze it so
+        # that no later collection walks it.
+        gc.collect()
+        gc.freeze()
+        out_conn.send(("ready", _engine_info(core)))
+        threading.Thread(target=inbox.run, name="pagewarden-inbox", daemon=True).start()
+        _loop(core, inbox, out_conn)
+        # Apply the aborts that came with the stop so every block is freed.
+        if core.has_unfinished():
+            core.step()
+    except BaseException as exc:  # noqa: BLE001 - reported to the supervisor, then exit
+        message = f"{type(exc).__name__}: {exc}"
+        logger.error("engine core failed: %s\n%s", message, traceback.format_exc())
+        try:
+            out_conn.send(("fatal", message))
+        except (OSError, ValueError):
+            pass
+        raise SystemExit(1) from None

@@ -1,0 +1,185 @@
+"""Admission control at the front door: shed a spike before reading a byte of its bodies.
+
+``AdmissionGate`` is a raw ASGI layer in front of the FastAPI app. For a generation POST
+it compares one counter (generation requests in flight: admitted by the gate and not yet
+answered) with the current limit; past it, it answers 429 itself from pre-encoded bytes,
+without routing, parsing or tokenizing, so a rejected request costs a few microseconds
+of this process's CPU. Every other route passes through untouched.
+
+``AdmissionController`` sets the limit:
+
+- capacity: what the engine can hold at once, ``min(max_num_seqs, KV pool tokens /
+  min(TYPICAL_REQUEST_TOKENS, max_model_len))``, from the ``EngineInfo`` the core sent at start-up;
+- the limit starts at a quarter of that and moves AIMD-style on the time requests wait
+  for their first token: a window whose worst queue time exceeds ``target_queue_s``
+  cuts it by a quarter; a saturated window under the target raises it by one;
+- ``fixed_limit`` pins it (``--max-inflight-requests``); ``enabled=False`` turns the gate
+  off (``--no-admission-control``).
+
+``retry_after_s()`` is the time the measured drain rate (answers per second over the
+last window) needs to free a slot for the rejected client, times a uniform jitter in
+[0.5, 1.5] so that rejected clients do not all come back at the same instant. The 429
+carries it as ``Retry-After`` (whole seconds, at least 1) and ``retry-after-ms`` (which
+the OpenAI SDKs read first).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import threading
+import time
+
+#: Prompt + output tokens of a typical request, to turn the KV pool into a request count.
+TYPICAL_REQUEST_TOKENS = 512
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class AdmissionController:
+    """The in-flight limit and the counters the gate and the engine report to.
+
+    Invariant: ``0 <= in_flight``; ``min_limit <= limit <= capacity`` unless pinned.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        target_queue_s: float = 0.5,
+        fixed_limit: int | None = None,
+        enabled: bool = True,
+        min_limit: int = 2,
+        window_s: float = 0.5,
+        rng: random.Random | None = None,
+    ) -> None:
+        if capacity < 1 or target_queue_s <= 0 or (fixed_limit is not None and fixed_limit < 1):
+            raise ValueError("admission: capacity, target and fixed limit must be positive")
+        self.capacity = capacity
+        self.min_limit = min(min_limit, capacity)
+        self.enabled = enabled
+        self.fixed = fixed_limit is not None
+        self.limit = fixed_limit if fixed_limit is not None else max(self.min_limit, capacity // 4)
+        self.target_queue_s = target_queue_s
+        self.window_s = window_s
+        self.in_flight = 0
+        self.rejected = 0
+        self._rng = rng or random.Random()
+        self._lock = threading.Lock()
+        self._window_start = time.monotonic()
+        self._window_max_queue = 0.0
+        self._window_saturated = False
+        self._done_in_window = 0
+        self._drain_rate = 0.0  # answers per second, last full window
+
+    # ---- the gate (event loop) -----------------------------------------------------
+    def try_enter(self) -> bool:
+        """Admit one generation request unless the limit is reached."""
+        if self.enabled and self.in_flight >= self.limit:
+            self.note_rejected()
+            return False
+        self.in_flight += 1
+        return True
+
+    def note_rejected(self) -> None:
+        """Count a 429 sent at the limit (by the gate or by ``fast_reject``)."""
+        self.rejected += 1
+        self._window_saturated = True
+
+    def leave(self) -> None:
+        """An admitted request was answered (any outcome)."""
+        with self._lock:
+            self.in_flight -= 1
+            self._done_in_window += 1
+            self._roll_window(time.monotonic())
+
+    def retry_after_s(self) -> float:
+        """Seconds until a slot is likely free, jittered (see the module docstring)."""
+        ahead = max(1, self.in_flight - self.limit + 1)
+        rate = max(self._drain_rate, 1.0)
+        return min(30.0, max(0.05, ahead / rate) * self._rng.uniform(0.5, 1.5))
+
+    # ---- the engine's observer (reader thread) -------------------------------------
+    def first_token(self, queue_time_s: float) -> None:
+        with self._lock:
+            self._window_max_queue = max(self._window_max_queue, queue_time_s)
+            if self.in_flight >= self.limit:
+                self._window_saturated = True
+            self._roll_window(time.monotonic())
+
+    def finished(self) -> None:
+        """The engine finished a request (the gate counts answers in ``leave``)."""
+
+    def _roll_window(self, now: float) -> None:
+        elapsed = now - self._window_start
+        if elapsed < self.window_s:
+            return
+        self._drain_rate = self._done_in_window / elapsed
+        if not self.fixed:
+            if self._window_max_queue > self.target_queue_s:
+                self.limit = max(self.min_limit, math.floor(self.limit * 0.75))
+            elif self._window_saturated:
+                self.limit = min(self.capacity, self.limit + 1)
+        self._window_start = now
+        self._window_max_queue = 0.0
+        self._window_saturated = False
+        self._done_in_window = 0
+
+
+def engine_capacity(max_num_seqs: int, num_blocks: int, block_size: int, max_model_len: int) -> int:
+    """Requests the engine can hold at once: the batch limit or the KV pool, if smaller."""
+    typical = min(TYPICAL_REQUEST_TOKENS, max_model_len)
+    kv_requests = (num_blocks - 1) * block_size // typical
+    return max(1, min(max_num_seqs, kv_requests))
+
+
+class AdmissionGate:
+    """Raw ASGI middleware: 429 without parsing when the controller says no.
+
+    ``body`` is the pre-encoded 429 body (``fast_reject.py`` sends the same bytes)."""
+
+    def __init__(self, app, controller: AdmissionController) -> None:
+        self.app = app
+        self.controller = controller
+        self.body = json.dumps(
+            {
+                "error": {
+                    "message": "the server is at capacity; retry after the Retry-After delay",
+                    "type": "RateLimitError",
+                    "param": None,
+                    "code": 429,
+                }
+            }
+        ).encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (
+            scope["type"] != "http"
+            or scope["method"] != "POST"
+            or scope["path"] not in GENERATION_PATHS
+        ):
+            await self.app(scope, receive, send)
+            return
+        ctl = self.controller
+        if not ctl.try_enter():
+            await self._reject(send, ctl.retry_after_s())
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            ctl.leave()
+
+    async def _reject(self, send, retry_after: float) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 429,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(self.body)).encode()),
+                    (b"retry-after", str(max(1, math.ceil(retry_after))).encode()),
+                    (b"retry-after-ms", str(int(retry_after * 1000)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": self.body})

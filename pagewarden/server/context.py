@@ -1,0 +1,146 @@
+"""Per-app state shared by the routes: engine, model name, auth, limits, submission."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import uuid
+from dataclasses import dataclass
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
+
+from pagewarden.engine.async_engine import (
+    AdmissionRejected,
+    AsyncEngine,
+    EngineDeadError,
+    RequestStream,
+)
+from pagewarden.engine.core import RequestRejected
+from pagewarden.sampling_params import SamplingParams
+from pagewarden.server.admission import AdmissionController
+from pagewarden.server.errors import APIError
+
+DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Front-door bounds on what one request may ask for (vLLM's names where they exist)."""
+
+    max_n: int = 8
+    max_logprobs: int = 20  # as vLLM's --max-logprobs
+    max_prompts_per_request: int = 32
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+
+def cache_salt_for(api_key: str) -> str:
+    """Per-tenant prefix-cache salt: different keys never share cached blocks."""
+    return hashlib.sha256(b"pagewarden-tenant:" + api_key.encode()).hexdigest()[:32]
+
+
+class ServerContext:
+    """What every route needs; one per app."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model: str,
+        api_keys: list[str],
+        limits: ServerLimits,
+        admission: AdmissionController,
+    ) -> None:
+        self.engine, self.model, self.api_keys = engine, model, api_keys
+        self.limits, self.admission = limits, admission
+        self.tokenizer = engine.tokenizer
+
+    def authorize(self, request: Request) -> str | None:
+        """Return the tenant's cache salt (None without keys); 401 on a bad key."""
+        if not self.api_keys:
+            return None
+        auth = request.headers.get("authorization", "")
+        token = auth[7:] if auth.lower().startswith("bearer ") else ""
+        for key in self.api_keys:
+            if token and hmac.compare_digest(token.encode(), key.encode()):
+                return cache_salt_for(key)
+        raise APIError(401, "missing or invalid API key; send 'Authorization: Bearer KEY'")
+
+    async def read_request(self, request: Request, model: type[BaseModel]):
+        """Authorize, read and validate a body; returns (cache salt, parsed request)."""
+        salt = self.authorize(request)
+        req = parse_body(model, await read_body(request, self.limits.max_body_bytes))
+        if req.model != self.model:  # type: ignore[attr-defined]
+            raise APIError(404, f"The model `{req.model}` does not exist.", "model")  # type: ignore[attr-defined]
+        return salt, req
+
+    def retry_headers(self) -> dict[str, str]:
+        seconds = self.admission.retry_after_s()
+        return {
+            "Retry-After": str(max(1, math.ceil(seconds))),
+            "retry-after-ms": str(int(seconds * 1000)),
+        }
+
+    async def submit(
+        self,
+        prompts: list[tuple[str | None, list[int]]],
+        params: SamplingParams,
+        salt: str | None,
+        prefix: str,
+    ) -> list[RequestStream]:
+        """Add every prompt or none; maps engine refusals to API errors."""
+        streams: list[RequestStream] = []
+        base = f"{prefix}-{uuid.uuid4().hex}"
+        try:
+            for i, (text, ids) in enumerate(prompts):
+                streams.append(
+                    await self.engine.add_request(
+                        f"{base}-{i}", ids, params, prompt=text, cache_salt=salt
+                    )
+                )
+        except BaseException as exc:
+            for s in streams:
+                s.abort()
+            if isinstance(exc, RequestRejected):
+                raise APIError(400, str(exc), exc.param or "prompt") from None
+            if isinstance(exc, AdmissionRejected):
+                raise APIError(429, str(exc), None, self.retry_headers()) from None
+            if isinstance(exc, EngineDeadError):
+                raise APIError(503, str(exc)) from None
+            raise
+        return streams
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, 413 past ``limit``; a client that hangs up mid-body gets 499."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise APIError(413, f"the request body is {length} bytes; the limit is {limit}")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"the request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(499, "the client disconnected while sending the body") from None
+    return b"".join(chunks)
+
+
+def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(
+            400, f"the request body is not valid UTF-8 ({exc.reason} at byte {exc.start})"
+        ) from None
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        if err["type"] == "json_invalid":
+            raise APIError(400, f"the request body is not valid JSON: {err['msg']}") from None
+        param = ".".join(str(p) for p in err["loc"]) or None
+        raise APIError(400, f"{param or 'body'}: {err['msg']}", param) from None

@@ -1,0 +1,92 @@
+"""Building blocks of responses: sampling parameters from a body, usage, logprobs, SSE."""
+
+from __future__ import annotations
+
+import json
+
+from pagewarden.engine.outputs import CompletionOutput
+from pagewarden.sampling_params import SamplingParams, SamplingParamsError
+from pagewarden.server.context import ServerLimits
+from pagewarden.server.errors import APIError
+
+
+def sampling_params(
+    req, max_tokens: int | None, logprobs: int | None, limits: ServerLimits
+) -> SamplingParams:
+    """The engine's ``SamplingParams`` for a body, with the server's limits applied."""
+    if req.n > limits.max_n:
+        raise APIError(400, f"n must be at most {limits.max_n}, got {req.n}", "n")
+    if getattr(req, "best_of", None) not in (None, req.n):
+        raise APIError(400, "best_of other than n is not supported", "best_of")
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", "logit_bias")
+    if logprobs is not None and not 0 <= logprobs <= limits.max_logprobs:
+        name = "logprobs" if hasattr(req, "echo") else "top_logprobs"
+        raise APIError(
+            400,
+            f"{name} must be in [0, {limits.max_logprobs}] (--max-logprobs), got {logprobs}",
+            name,
+        )
+    try:
+        return SamplingParams(
+            n=req.n,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            seed=req.seed,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            logprobs=logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except SamplingParamsError as exc:
+        raise APIError(400, str(exc), exc.param) from None
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_logprobs(tok, c: CompletionOutput, start: int, offset: int) -> dict:
+    lps = c.logprobs[start:] if c.logprobs else []
+    tokens = [tok.decode([lp.token_id]) for lp in lps]
+    offsets, pos = [], offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{tok.decode([t]): v for t, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tok, c: CompletionOutput, start: int) -> dict:
+    def entry(tid: int, lp: float) -> dict:
+        s = tok.decode([tid])
+        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+    lps = c.logprobs[start:] if c.logprobs else []
+    return {
+        "content": [
+            dict(entry(lp.token_id, lp.logprob), top_logprobs=[entry(t, v) for t, v in lp.top])
+            for lp in lps
+        ]
+    }

@@ -1,0 +1,84 @@
+"""The engine-core process loop: a failed step fails its culprit alone, or ends the loop."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagewarden.engine.core_proc import _Inbox, _loop
+from pagewarden.sampling_params import SamplingParams
+
+
+class _Conn:
+    def __init__(self) -> None:
+        self.sent: list[tuple] = []
+
+    def send(self, msg: tuple) -> None:
+        self.sent.append(msg)
+
+
+class _Outputs:
+    def __init__(self) -> None:
+        self.aborted: list[tuple[str, str]] = []
+
+    def abort(self, rid: str, reason: str = "abort"):
+        self.aborted.append((rid, reason))
+
+
+class _FakeCore:
+    """Steps ``steps`` times; the steps listed in ``fail_at`` raise."""
+
+    def __init__(self, steps: int, fail_at: set[int], inbox_ref: list) -> None:
+        self.left, self.fail_at, self.n, self.inbox_ref = steps, fail_at, 0, inbox_ref
+        self.outputs = _Outputs()
+        self.aborts: list[str] = []
+
+    def has_unfinished(self) -> bool:
+        if self.left == 0:
+            self.inbox_ref[0].stop = True
+        return self.left > 0
+
+    def step(self):
+        self.n += 1
+        self.left -= 1
+        if self.n in self.fail_at:
+            raise RuntimeError("boom")
+        return []
+
+    def abort_request(self, rid: str) -> None:
+        self.aborts.append(rid)
+
+    def stats(self) -> str:
+        return "stats"
+
+
+def _setup(steps: int, fail_at: set[int], culprits: set[str]):
+    ref: list = [None]
+    core = _FakeCore(steps, fail_at, ref)
+    probe = lambda ids, params: "bad params" if ids == [666] else None  # noqa: E731
+    inbox = _Inbox(core, None, probe)
+    ref[0] = inbox
+    for rid in ("good", *culprits):
+        inbox.params[rid] = ([666] if rid in culprits else [1], SamplingParams())
+    return core, inbox
+
+
+def test_failed_step_fails_only_the_request_whose_params_fail():
+    core, inbox = _setup(steps=3, fail_at={2}, culprits={"bad"})
+    out = _Conn()
+    _loop(core, inbox, out)
+    assert core.outputs.aborted == [("bad", "error")] and core.aborts == ["bad"]
+    failed = [f for msg in out.sent if msg[0] == "step" for f in msg[3]]
+    assert [rid for rid, _ in failed] == ["bad"] and "bad params" in failed[0][1]
+    assert set(inbox.params) == {"good"}  # the others go on
+
+
+def test_unattributable_step_failure_ends_the_loop():
+    core, inbox = _setup(steps=3, fail_at={2}, culprits=set())
+    with pytest.raises(RuntimeError, match="no request explains it"):
+        _loop(core, inbox, _Conn())
+
+
+def test_two_failed_steps_in_a_row_end_the_loop():
+    core, inbox = _setup(steps=4, fail_at={2, 3}, culprits={"bad", "worse"})
+    with pytest.raises(RuntimeError, match="boom"):
+        _loop(core, inbox, _Conn())

@@ -1,0 +1,143 @@
+"""The admission controller and the gate that answers 429 before parsing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+from pagewarden.server.admission import AdmissionController, AdmissionGate, engine_capacity
+
+
+def test_capacity_is_the_batch_or_the_kv_pool():
+    assert engine_capacity(256, 1025, 16, 4096) == 32  # 1024 blocks * 16 / 512 tokens
+    assert engine_capacity(8, 1025, 16, 4096) == 8
+    assert engine_capacity(256, 65, 16, 256) == 4  # short context: 256 tokens a request
+    assert engine_capacity(256, 2, 16, 4096) == 1
+
+
+def test_limit_counts_in_flight_requests():
+    ctl = AdmissionController(10, fixed_limit=2)
+    assert ctl.try_enter() and ctl.try_enter()
+    assert not ctl.try_enter() and ctl.rejected == 1
+    ctl.leave()
+    assert ctl.try_enter() and ctl.in_flight == 2
+
+
+def test_limit_adapts_to_queue_time():
+    ctl = AdmissionController(40, target_queue_s=0.5, window_s=0.0)
+    start = ctl.limit
+    assert start == 10  # a quarter of capacity
+    ctl.first_token(2.0)  # a window over the target: cut by a quarter
+    assert ctl.limit == 7
+    for _ in range(ctl.limit):
+        assert ctl.try_enter()
+    assert not ctl.try_enter()  # saturated ...
+    ctl.first_token(0.1)  # ... and under the target: one more
+    assert ctl.limit == 8
+    for _ in range(100):
+        ctl.first_token(10.0)
+    assert ctl.limit == ctl.min_limit == 2
+
+
+def test_disabled_or_pinned_limit_does_not_move():
+    off = AdmissionController(4, enabled=False)
+    assert all(off.try_enter() for _ in range(100))
+    pinned = AdmissionController(40, fixed_limit=5, window_s=0.0)
+    pinned.first_token(100.0)
+    assert pinned.limit == 5
+
+
+def test_retry_after_is_jittered_and_bounded():
+    ctl = AdmissionController(4, fixed_limit=1, rng=random.Random(0))
+    ctl.try_enter()
+    values = [ctl.retry_after_s() for _ in range(200)]
+    assert len({round(v, 3) for v in values}) > 100
+    assert all(0.05 * 0.5 <= v <= 30.0 for v in values)
+    assert max(values) / min(values) > 2  # spread over [0.5, 1.5] of the base
+
+
+def test_gate_answers_429_without_reading_the_body():
+    calls = []
+
+    async def app(scope, receive, send):
+        calls.append(scope["path"])
+
+    ctl = AdmissionController(4, fixed_limit=1)
+    gate = AdmissionGate(app, ctl)
+    sent: list[dict] = []
+
+    async def receive():
+        raise AssertionError("the gate must not read the body")
+
+    async def send(msg):
+        sent.append(msg)
+
+    async def run():
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions"}
+        await gate(scope, receive, send)  # admitted: the app runs
+        ctl.in_flight = 1  # one request still in flight
+        await gate(scope, receive, send)  # at the limit: 429 from the gate
+        await gate({**scope, "method": "GET", "path": "/health"}, receive, send)
+
+    asyncio.run(run())
+    assert calls == ["/v1/completions", "/health"]
+    start, body = sent
+    headers = dict(start["headers"])
+    assert start["status"] == 429 and int(headers[b"retry-after"]) >= 1
+    assert int(headers[b"retry-after-ms"]) > 0
+    assert json.loads(body["body"])["error"]["code"] == 429
+
+
+def test_fast_reject_protocol_answers_at_the_parser_and_keeps_the_connection():
+    import socket
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    from pagewarden.server.fast_reject import available, reject_fast_protocol
+
+    assert available()
+    seen = []
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        seen.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    ctl = AdmissionController(4, fixed_limit=1)
+    gate = AdmissionGate(app, ctl)
+    config = uvicorn.Config(gate, http=reject_fast_protocol(ctl, gate), port=0, log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    try:
+        with httpx.Client() as client:
+            assert client.post(url + "/v1/completions", content=b"{}").status_code == 200
+            ctl.in_flight = 1  # at the limit from now on
+            r = client.post(url + "/v1/completions", content=b"x" * 100_000)
+            assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["code"] == 429 and "retry-after-ms" in r.headers
+            assert client.get(url + "/health").status_code == 200  # same connection
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+                b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n"
+            )
+            data = b""
+            while data.count(b"HTTP/1.1") < 2:
+                data += s.recv(65536)
+        assert data.startswith(b"HTTP/1.1 429") and b"HTTP/1.1 200" in data
+        assert seen == ["/v1/completions", "/health", "/version"]
+        assert ctl.rejected == 2
+    finally:
+        server.should_exit = True
+        thread.join(10)

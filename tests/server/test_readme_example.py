@@ -1,0 +1,25 @@
+"""The README's curl example names the model that ``pagewarden serve`` serves by default."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def test_readme_curl_names_the_default_model():
+    import gguf
+
+    from pagewarden.models.loader import default_model_path
+
+    path = default_model_path()
+    fields = gguf.GGUFReader(str(path)).fields
+    # The name the loader gives the default model (models/loader.py, _load_gguf).
+    served = str(fields["general.name"].contents()) if "general.name" in fields else path.stem
+    bodies = re.findall(
+        r"curl localhost:8000/v1/completions .*?-d '(\{.*?\})'", README.read_text(), re.S
+    )
+    assert bodies, "no curl example in the README"
+    assert json.loads(bodies[0])["model"] == served
