@@ -27,9 +27,9 @@ from pagewarden.engine.config import EngineConfig
 from pagewarden.engine.core_client import EngineCoreClient
 from pagewarden.engine.core_proc import EngineInfo
 from pagewarden.engine.outputs import CompletionOutput, RequestOutput
-from pagewarden.engine.request_check import check_request
 from pagewarden.metrics.stats import FrontendStats, FrontendStatsRecorder
 from pagewarden.sampling_params import SamplingParams
+from pagewarden.sched.admission import check_request
 
 logger = logging.getLogger("pagewarden.engine.async")
 
@@ -161,7 +161,9 @@ class AsyncEngine:
         """
         if not self.is_alive():
             raise EngineDeadError("the engine is not running (restarting); retry shortly")
-        check_request(self.info, prompt_token_ids, params)
+        # The one admission check, against the limits the core sent at start-up; the core
+        # checks again on arrival, when the pool may have shrunk.
+        check_request(prompt_token_ids, params, self.info.limits)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         n_prompt = len(prompt_token_ids)

@@ -45,6 +45,7 @@ from multiprocessing.connection import Connection
 
 from pagewarden.engine.config import EngineConfig
 from pagewarden.sampling_params import SamplingParams
+from pagewarden.sched.admission import AdmissionLimits
 
 logger = logging.getLogger("pagewarden.engine.proc")
 
@@ -64,6 +65,7 @@ class EngineInfo:
     num_blocks: int  # including the reserved block 0
     max_num_seqs: int
     max_num_batched_tokens: int
+    limits: AdmissionLimits  # what the front end checks a request against before sending it
 
 
 class _Inbox:
@@ -170,6 +172,7 @@ def _engine_info(core) -> EngineInfo:
         num_blocks=core.kv_store.shape.num_blocks,
         max_num_seqs=core.config.max_num_seqs,
         max_num_batched_tokens=core.config.max_num_batched_tokens,
+        limits=core.scheduler.admission_limits(vocab_size=core.loaded.config.vocab_size),
     )
 
 

@@ -78,6 +78,12 @@ def check_request(
             "shorten the prompt or lower max_tokens",
             "max_tokens",
         )
+    if params.min_tokens > max_tokens:
+        raise RequestRejected(
+            f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens this "
+            "request can generate; lower min_tokens",
+            "min_tokens",
+        )
     blocks = max_kv_blocks(num_prompt, max_tokens, limits.block_size)
     if blocks > limits.usable_blocks:
         raise RequestRejected(
