@@ -10,7 +10,8 @@ functions that implement them with wall clocks (CPU torch ops are synchronous):
 
     attention     paged_attention (reads K/V, SDPA or the kernel)
     kv write      write_kv (the K/V scatter)
-    GEMMs         every nn.Linear of the decoder (qkv, o, gate_up, down)
+    GEMMs         every nn.Linear of the decoder (qkv, o, gate_up, down; o and down
+                  with their residual add folded in)
     lm_head       compute_logits
     elementwise   the rest of the forward: embedding, RMSNorm, RoPE, SiLU*mul, residuals,
                   Python between ops
@@ -84,6 +85,8 @@ def instrument(engine: EngineCore, clock: PhaseClock) -> None:
     """Wrap the engine's phase functions with `clock` (in place, for this process only)."""
     llama.paged_attention = clock.wrap("attention", llama.paged_attention)
     llama.write_kv = clock.wrap("kv write", llama.write_kv)
+    if hasattr(llama, "linear_residual"):  # o_proj and down_proj with the residual add
+        llama.linear_residual = clock.wrap("GEMMs", llama.linear_residual)
     model = engine.loaded.model
     for module in model.model.modules():
         if isinstance(module, torch.nn.Linear):
