@@ -1,123 +1,335 @@
-"""Offline throughput: pagewarden vs transformers ``generate`` on the same weights, one run.
+"""Offline throughput, side by side: pagewarden (integrity off / standard / strict),
+transformers ``generate`` (static cache) and, with ``--vllm-python``, vLLM-CPU tuned.
 
-    python bench/throughput.py --num-prompts 64 --input-len 128 --output-len 128
+    python bench/throughput.py                                   # 64 x 128/128, 3 rounds
+    python bench/throughput.py --vllm-python /work/venvs/vllm/bin/python \\
+        --vllm-model /work/venvs/smollm2-hf                      # + vLLM (an HF folder)
 
-Random prompt tokens, greedy, ignore EOS. Each engine: a warm-up, then ``--runs`` timed
-runs interleaved; prints median output tok/s of each and the ratio. These machines are
-noisy: read the ratio, not the absolute figure.
+Each engine runs in its own persistent process (started once, warmed up once, then
+driven over stdin/stdout), so one engine's threads and allocator never share a process
+with another's. Rounds alternate the engines, the order rotating every round, so a
+load change on the machine hits every engine alike. Each round runs the batch workload
+(``--num-prompts`` x ``--input-len``/``--output-len``: random prompt tokens, greedy,
+ignore EOS) and the single-stream workload (1 x ``--input-len``/``--output-len``).
+Prefix caching is off for every engine (repeated prompts would otherwise be served
+from the cache in later rounds). Prints each engine's per-round figures, the medians,
+and the ratios to pagewarden at the default level; the greedy tokens of the three
+pagewarden levels must be equal, and the share of tokens equal to pagewarden's is
+printed for the peers (they compute in other dtypes, so some drift is expected).
+
+vLLM is tuned as ``shared/notes/peers.md`` describes: ``VLLM_CPU_OMP_THREADS_BIND``
+over the cores this process may use, ``LD_PRELOAD`` of tcmalloc (when installed) and of
+the venv's Intel OpenMP, ``VLLM_CPU_KVCACHE_SPACE=2``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
-import torch
+MARK = "@@bench "
+PW_LEVELS = ("off", "standard", "strict")
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
 
-def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+# ---- worker side: one engine per process --------------------------------------------
+def _pagewarden_worker(args: argparse.Namespace):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from pagewarden import LLM, SamplingParams
+
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        integrity=args.integrity,
+        enable_prefix_caching=False,
+        cpu_threads=args.cpu_threads,
+    )
+
+    def generate(prompts: list[list[int]], output_len: int) -> list[list[int]]:
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    gemm = llm.engine.loaded.model.lm_head.weight.dtype
+    info = f"weights {args.dtype}, GEMMs in {str(gemm).removeprefix('torch.')}"
+    return generate, llm.engine.loaded.config.vocab_size, info
+
+
+def _hf_worker(args: argparse.Namespace):
+    import torch
+    import transformers
+
+    if args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
+    dtype = getattr(torch, args.hf_dtype)
+    p = Path(args.model)
+    if p.suffix == ".gguf":
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(p.parent), gguf_file=p.name, dtype=dtype
+        )
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype)
+    model.eval()
+
+    def generate(prompts: list[list[int]], output_len: int) -> list[list[int]]:
+        ids = torch.tensor(prompts)  # (B, L): equal lengths, no padding
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+                pad_token_id=0,
+                cache_implementation="static",
+            )
+        return out[:, ids.shape[1] :].tolist()
+
+    info = f"{args.hf_dtype}, cache_implementation=static"
+    return generate, model.config.vocab_size, info
+
+
+def _vllm_worker(args: argparse.Namespace):
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=args.vllm_model,
+        dtype=args.vllm_dtype,
+        enable_prefix_caching=False,
+        max_model_len=args.input_len + args.output_len + 64,
+        seed=0,
+    )
+
+    def generate(prompts: list[list[int]], output_len: int) -> list[list[int]]:
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    return generate, vocab, f"{args.vllm_dtype}, vLLM-CPU tuned"
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    """Load one engine, warm it up, then answer run commands read from stdin."""
+    make = {"pagewarden": _pagewarden_worker, "hf": _hf_worker, "vllm": _vllm_worker}
+    generate, vocab, info = make[args.worker](args)
+    generate([[100 + i for i in range(16)]] * 2, 4)  # warm-up
+    print(MARK + json.dumps({"vocab": vocab, "info": info}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        start = time.perf_counter()
+        tokens = generate(cmd["prompts"], cmd["output_len"])
+        elapsed = time.perf_counter() - start
+        assert all(len(t) == cmd["output_len"] for t in tokens), "short output"
+        print(MARK + json.dumps({"elapsed": elapsed, "tokens": tokens}), flush=True)
+
+
+# ---- driver side -----------------------------------------------------------------------
+class Engine:
+    """A persistent worker process for one engine configuration."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self.name = name
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
+            text=True,
+        )  # fmt: skip
+        self.ready = self._read()
+        self.batch: list[float] = []
+        self.single: list[float] = []
+        self.tokens: list[list[int]] | None = None
+
+    def _read(self) -> dict:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK) :])
+        raise RuntimeError(f"{self.name} worker exited; see {self._log.name}")
+
+    def run(self, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "output_len": output_len}) + "\n")
+        self.proc.stdin.flush()
+        reply = self._read()
+        return len(prompts) * output_len / reply["elapsed"], reply["tokens"]
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+        self._log.close()
+
+
+def _common_argv(args: argparse.Namespace) -> list[str]:
+    argv = [
+        f"--model={args.model}",
+        f"--dtype={args.dtype}",
+        f"--hf-dtype={args.hf_dtype}",
+        f"--input-len={args.input_len}",
+        f"--output-len={args.output_len}",
+    ]
+    if args.cpu_threads:
+        argv.append(f"--cpu-threads={args.cpu_threads}")
+    return argv
+
+
+def _vllm_env(args: argparse.Namespace) -> dict[str, str]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    cores = sorted(os.sched_getaffinity(0))
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}-{cores[-1]}")
+    venv_lib = Path(args.vllm_python).resolve().parents[1] / "lib" / "libiomp5.so"
+    preload = [p for p in (TCMALLOC, str(venv_lib)) if Path(p).exists()]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    return env
+
+
+def start_engines(args: argparse.Namespace, log_dir: Path) -> list[Engine]:
+    script = str(Path(__file__).resolve())
+    env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
+    engines = []
+    for level in args.levels:
+        argv = [sys.executable, script, "--worker=pagewarden", f"--integrity={level}"]
+        engines.append(
+            Engine(
+                f"pagewarden {level}", argv + _common_argv(args), env, log_dir / f"pw_{level}.log"
+            )
+        )
+    if not args.no_hf:
+        argv = [sys.executable, script, "--worker=hf"] + _common_argv(args)
+        engines.append(Engine("transformers", argv, env, log_dir / "hf.log"))
+    if args.vllm_python:
+        argv = [args.vllm_python, script, "--worker=vllm", f"--vllm-model={args.vllm_model}"]
+        argv += [f"--vllm-dtype={args.vllm_dtype}"] + _common_argv(args)
+        engines.append(Engine("vLLM-CPU", argv, _vllm_env(args), log_dir / "vllm.log"))
+    return engines
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
 
 
-def run_pagewarden(llm, prompts, output_len: int) -> float:
-    from pagewarden import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
-    return len(prompts) * output_len / elapsed
+def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of positions where two runs' tokens agree, up to each row's first difference."""
+    same = total = 0
+    for x, y in zip(a, b):
+        n = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), len(x))
+        same, total = same + n, total + len(x)
+    return same / total
 
 
-def load_hf(model_path, dtype):
-    from pathlib import Path
-
-    import transformers
-
-    p = Path(model_path)
-    if p.suffix == ".gguf":
-        return transformers.AutoModelForCausalLM.from_pretrained(
-            str(p.parent), gguf_file=p.name, dtype=dtype
+def report(engines: list[Engine], args: argparse.Namespace) -> None:
+    base = next((e for e in engines if e.name == "pagewarden standard"), engines[0])
+    print(
+        f"\nmedians of {args.rounds} rounds; batch {args.num_prompts} x "
+        f"{args.input_len}/{args.output_len}, single 1 x {args.input_len}/{args.output_len}"
+    )
+    print(
+        f"{'engine':<22}{'batch tok/s':>12}{'ratio':>8}{'per-round':>10}"
+        f"{'single tok/s':>14}{'ratio':>8}{'per-round':>10}"
+    )
+    b_med, s_med = statistics.median(base.batch), statistics.median(base.single)
+    for e in engines:
+        b, s = statistics.median(e.batch), statistics.median(e.single)
+        # Same-round ratios cancel the machine's drift between rounds.
+        b_rr = statistics.median(x / y for x, y in zip(base.batch, e.batch))
+        s_rr = statistics.median(x / y for x, y in zip(base.single, e.single))
+        print(
+            f"{e.name:<22}{b:>12.1f}{b_med / b:>7.2f}x{b_rr:>9.2f}x"
+            f"{s:>14.1f}{s_med / s:>7.2f}x{s_rr:>9.2f}x"
         )
-    return transformers.AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype)
-
-
-def run_hf(model, prompts, output_len: int, cache: str | None) -> float:
-    ids = torch.tensor(prompts)  # equal lengths: no padding needed
-    kwargs = {"cache_implementation": cache} if cache else {}
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=output_len,
-            min_new_tokens=output_len,
-            pad_token_id=0,
-            **kwargs,
-        )
-    elapsed = time.perf_counter() - start
-    assert out.shape[1] == ids.shape[1] + output_len
-    return len(prompts) * output_len / elapsed
+    print(
+        f"(ratio: {base.name} / engine, of the medians; per-round: median of the same-round"
+        " ratios; above 1 = pagewarden faster)"
+    )
+    for e in engines:
+        if e is not base and base.tokens and e.tokens:
+            agree = _agreement(base.tokens, e.tokens)
+            print(f"greedy tokens equal to pagewarden standard: {e.name} {agree:.1%}")
+            if e.name.startswith("pagewarden"):
+                assert agree == 1.0, f"{e.name} tokens differ from {base.name}"
+    for e in engines:
+        print(f"{e.name}: {e.ready['info']}")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="GGUF or HF folder (default: SmolLM2 GGUF)")
+    ap.add_argument("--dtype", default="bfloat16", help="pagewarden weights / KV dtype")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--hf-cache", default="static", help="transformers cache_implementation")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--levels", nargs="+", default=list(PW_LEVELS), choices=PW_LEVELS)
     ap.add_argument(
         "--hf-dtype",
         default=None,
-        help="dtype of the transformers run (default: --dtype); on CPUs without bf16 "
-        "GEMM kernels float32 is transformers' fastest setting",
+        help="transformers dtype (default: --dtype where the CPU has bf16 GEMM kernels, "
+        "else float32, its fastest setting there)",
     )
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--no-single", action="store_true", help="skip the 1-stream workload")
+    ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
+    ap.add_argument("--vllm-model", default=None, help="HF folder of the same weights")
+    ap.add_argument("--vllm-dtype", default="bfloat16")
+    ap.add_argument("--cpu-threads", type=int, default=None)
+    ap.add_argument("--log-dir", default="/tmp/pagewarden-bench")
+    ap.add_argument("--worker", choices=("pagewarden", "hf", "vllm"), help=argparse.SUPPRESS)
+    ap.add_argument("--integrity", default="standard", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker:
+        worker_main(args)
+        return
+    if args.model is None:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from pagewarden.models.loader import default_model_path
 
-    from pagewarden import LLM
-    from pagewarden.models.loader import default_model_path
+        args.model = str(default_model_path())
+    if args.hf_dtype is None:
+        import torch
 
-    model_path = args.model or str(default_model_path())
-    llm = LLM(model=model_path, dtype=args.dtype)
-    vocab = llm.engine.loaded.config.vocab_size
-    prompts = make_prompts(args.num_prompts, args.input_len, vocab)
-    hf_dtype = args.hf_dtype or args.dtype
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[hf_dtype]
-    hf = None if args.no_hf else load_hf(model_path, dtype)
-
-    run_pagewarden(llm, prompts[:8], 8)  # warm-up
-    if hf is not None:
-        run_hf(hf, prompts[:8], 8, args.hf_cache)
-    pw, ref = [], []
-    for i in range(args.runs):
-        pw.append(run_pagewarden(llm, prompts, args.output_len))
-        if hf is not None:
-            ref.append(run_hf(hf, prompts, args.output_len, args.hf_cache))
-        print(
-            f"run {i}: pagewarden {pw[-1]:.1f} tok/s"
-            + (f", transformers {ref[-1]:.1f} tok/s" if ref else ""),
-            flush=True,
-        )
-    pw_med = statistics.median(pw)
-    gemm = llm.engine.loaded.model.lm_head.weight.dtype
-    print(f"pagewarden   GEMMs in {str(gemm).removeprefix('torch.')}")
-    print(
-        f"pagewarden   median {pw_med:.1f} output tok/s  ({args.num_prompts}x"
-        f"{args.input_len}/{args.output_len}, {args.dtype})"
-    )
-    if ref:
-        ref_med = statistics.median(ref)
-        print(f"transformers median {ref_med:.1f} output tok/s (cache={args.hf_cache}, {hf_dtype})")
-        print(f"ratio pagewarden / transformers = {pw_med / ref_med:.2f}")
+        bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        args.hf_dtype = args.dtype if bf16 or args.dtype == "float32" else "float32"
+    if args.vllm_python and not args.vllm_model:
+        ap.error("--vllm-python needs --vllm-model (an HF folder; vLLM does not load the GGUF)")
+    log_dir = Path(args.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"uptime: {os.popen('uptime').read().strip()}", flush=True)
+    engines = start_engines(args, log_dir)
+    try:
+        vocab = min(e.ready["vocab"] for e in engines)
+        for r in range(args.rounds):
+            order = engines[r % len(engines) :] + engines[: r % len(engines)]
+            batch = make_prompts(args.num_prompts, args.input_len, vocab, seed=r)
+            single = make_prompts(1, args.input_len, vocab, seed=1000 + r)
+            for e in order:
+                tok_s, tokens = e.run(batch, args.output_len)
+                e.batch.append(tok_s)
+                if r == 0:
+                    e.tokens = tokens
+                line = f"round {r} {e.name:<22} batch {tok_s:8.1f} tok/s"
+                if not args.no_single:
+                    e.single.append(e.run(single, args.output_len)[0])
+                    line += f"   single {e.single[-1]:6.1f} tok/s"
+                print(line, flush=True)
+        if args.no_single:
+            for e in engines:
+                e.single = [float("nan")]
+        report(engines, args)
+        print(f"uptime: {os.popen('uptime').read().strip()}")
+    finally:
+        for e in engines:
+            e.close()
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pagewarden.sched.config import MIN_MAX_MODEL_LEN
+from pagewarden.worker.cpu_threads import CpuBindError, parse_cpu_list
 from pagewarden.worker.kv_guard import INTEGRITY_LEVELS
 
 _DTYPES = {
@@ -52,6 +53,10 @@ class EngineConfig:
     num_swap_blocks: int | None = None
     # "recompute" | "swap"; None: swap when a host tier is configured, else recompute.
     preemption_mode: str | None = None
+    # torch threads (None: torch's default) and the cores they may run on, a Linux cpu
+    # list such as "0-3" (None: no binding); see worker/cpu_threads.py.
+    cpu_threads: int | None = None
+    cpu_bind: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -100,6 +105,17 @@ class EngineConfig:
             raise EngineConfigError(
                 "preemption_mode 'swap' needs a host tier: set swap_space (GiB) or num_swap_blocks"
             )
+        if self.cpu_threads is not None and (
+            not isinstance(self.cpu_threads, int) or self.cpu_threads < 1
+        ):
+            raise EngineConfigError(
+                f"cpu_threads must be a positive integer, got {self.cpu_threads!r}"
+            )
+        if self.cpu_bind is not None:
+            try:
+                parse_cpu_list(self.cpu_bind)
+            except CpuBindError as exc:
+                raise EngineConfigError(str(exc)) from None
         if self.max_model_len is not None and self.max_model_len < MIN_MAX_MODEL_LEN:
             raise EngineConfigError(
                 f"max_model_len must be >= {MIN_MAX_MODEL_LEN}, got {self.max_model_len}"

@@ -23,6 +23,7 @@ from pagewarden.sched.config import SchedulerConfig
 from pagewarden.sched.request import Request
 from pagewarden.sched.scheduler import Scheduler
 from pagewarden.sched.stats import SchedulerStats, metric
+from pagewarden.worker.cpu_threads import apply_cpu_threads
 from pagewarden.worker.kv_store import KVCacheShape, KVStore
 from pagewarden.worker.runner import ModelRunner
 
@@ -51,6 +52,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
+        apply_cpu_threads(config.cpu_threads, config.cpu_bind)
         self.loaded = loaded if loaded is not None else load_model(config.model, config.torch_dtype)
         mcfg = self.loaded.config
         self.tokenizer = self.loaded.tokenizer

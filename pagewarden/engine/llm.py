@@ -44,6 +44,8 @@ class LLM:
         swap_space: float = 0.0,
         num_swap_blocks: int | None = None,
         preemption_mode: str | None = None,
+        cpu_threads: int | None = None,
+        cpu_bind: str | None = None,
     ) -> None:
         self.config = EngineConfig(
             model=model,
@@ -62,6 +64,8 @@ class LLM:
             swap_space=swap_space,
             num_swap_blocks=num_swap_blocks,
             preemption_mode=preemption_mode,
+            cpu_threads=cpu_threads,
+            cpu_bind=cpu_bind,
         )
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()

@@ -105,13 +105,27 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused op
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE: x (T, H, D), cos/sin (T, 1, D)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x (T, H, D); cos, sin_signed (T, 1, D) from `LlamaForCausalLM._rope`.
+
+    rotate_half(x) = [-x2, x1] is x with its halves swapped (one flip of a (2, D/2)
+    view) times [-1, +1], and that sign is folded into `sin_signed` = [-sin, +sin].
+    """
+    t, h, d = x.shape
+    swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d)  # [x2, x1]
+    return torch.addcmul(x * cos, swapped, sin_signed)
+
+
+def linear_residual(linear: nn.Linear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + linear(x), the add folded into the GEMM when the layer has no bias."""
+    if linear.bias is not None:
+        return residual + linear(x)
+    return torch.addmm(residual, x, linear.weight.t())
 
 
 def compute_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -147,14 +161,16 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
 
     def forward(self, x, cos, sin, cache, meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.n_heads, self.head_dim), cos, sin)  # (T, n_heads, D)
-        k = apply_rope(k.view(t, self.n_kv, self.head_dim), cos, sin)  # (T, n_kv, D)
-        v = v.view(t, self.n_kv, self.head_dim)  # (T, n_kv, D)
+        """Attention output (T, n_heads * D), before o_proj (the layer adds the residual)."""
+        t, d = x.shape[0], self.head_dim
+        qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
+        # q and k are adjacent columns: one RoPE call rotates both.
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.n_heads + self.n_kv, d)
+        q, k = apply_rope(qk, cos, sin).split([self.n_heads, self.n_kv], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.n_kv, d)  # (T, n_kv, D)
         write_kv(cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, cache, meta, self.scale)  # (T, n_heads, D)
-        return self.o_proj(out.reshape(t, self.q_size))
+        out = paged_attention(q, cache, meta, self.scale, new_kv=(k, v))  # (T, n_heads, D)
+        return out.reshape(t, self.q_size)
 
 
 class LlamaMLP(nn.Module):
@@ -162,10 +178,17 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.intermediate_size = c.intermediate_size
+
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up (T, intermediate), before down_proj."""
+        gate_up = self.gate_up_proj(x)  # (T, 2 * intermediate)
+        return F.silu(gate_up[:, : self.intermediate_size]).mul_(
+            gate_up[:, self.intermediate_size :]
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -177,8 +200,11 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(c)
 
     def forward(self, x, cos, sin, cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)  # (T, q_size)
+        x = linear_residual(self.self_attn.o_proj, attn, x)  # (T, hidden)
+        return linear_residual(
+            self.mlp.down_proj, self.mlp.act(self.post_attention_layernorm(x)), x
+        )
 
 
 class LlamaModel(nn.Module):
@@ -228,7 +254,8 @@ class LlamaForCausalLM(nn.Module):
     def _rope(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (T, 1, head_dim) for `positions`, from a table built once."""
+        """cos, sin_signed (T, 1, head_dim) for `positions` (see `apply_rope`), from a
+        table built once; one lookup per step serves every layer."""
         need = int(positions.max()) + 1
         if (
             self._rope_cache is None
@@ -239,9 +266,12 @@ class LlamaForCausalLM(nn.Module):
             freqs = torch.outer(
                 torch.arange(n, dtype=torch.float32), rope_inv_freq(self.config)
             )  # (n, D/2)
-            emb = torch.cat((freqs, freqs), dim=-1)  # (n, D)
+            cos, sin = freqs.cos(), freqs.sin()
             dev = self.model.embed_tokens.weight.device
-            self._rope_cache = (emb.cos().to(dev, dtype), emb.sin().to(dev, dtype))
+            self._rope_cache = (
+                torch.cat((cos, cos), dim=-1).to(dev, dtype),  # (n, D)
+                torch.cat((-sin, sin), dim=-1).to(dev, dtype),  # (n, D)
+            )
         cos, sin = self._rope_cache
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 

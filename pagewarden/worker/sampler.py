@@ -5,7 +5,7 @@ Order of operations for each row (as vLLM v1 does it)::
     logits[:, :vocab_size]                      drop padded vocab columns
       -> repetition / presence / frequency penalties
       -> logprobs (log_softmax of the penalized, untempered logits), when asked
-      -> greedy rows: argmax
+      -> greedy rows: max(dim=-1).indices (the first maximum, as argmax; faster on CPU)
       -> other rows: / temperature -> top_k -> top_p -> min_p -> softmax
                      -> argmax(probs / Exp(1) noise)
 
@@ -118,20 +118,33 @@ def apply_top_k_top_p_min_p(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p:
     ``logits`` is (S, V) already divided by temperature; ``top_k`` is (S,) int64 with
     ``V`` meaning "off", ``top_p`` and ``min_p`` are (S,) float. The most likely token is
     never masked, so every row keeps at least one candidate.
+
+    When every row has a top_k below V, only the ``max(top_k)`` best tokens of each row
+    are sorted (``topk``) instead of the whole vocabulary: every other token is masked by
+    top_k anyway, and top_p / min_p only ever remove tokens from the kept set.
     """
-    vocab_size = logits.shape[1]
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # (S, V)
-    ranks = torch.arange(vocab_size, device=logits.device).unsqueeze(0)  # (1, V)
-    remove = ranks >= top_k.unsqueeze(1)  # (S, V) top_k
+    num_rows, vocab_size = logits.shape
+    k_max = int(top_k.max()) if num_rows else vocab_size
+    if k_max < vocab_size:
+        sorted_logits, sorted_idx = logits.topk(k_max, dim=-1)  # (S, k_max), descending
+    else:
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # (S, V)
+    width = sorted_logits.shape[1]
+    ranks = torch.arange(width, device=logits.device).unsqueeze(0)  # (1, W)
+    remove = ranks >= top_k.unsqueeze(1)  # (S, W) top_k
     sorted_logits = sorted_logits.masked_fill(remove, _MASK)
-    probs = sorted_logits.softmax(dim=-1)  # (S, V)
+    # Softmax over the kept candidates equals the full softmax renormalised to them:
+    # top_k runs first, so top_p and min_p see the top_k-filtered distribution.
+    probs = sorted_logits.softmax(dim=-1)  # (S, W)
     # top_p: drop a token when the mass strictly before it already reaches top_p.
     mass_before = probs.cumsum(dim=-1) - probs
     remove |= mass_before >= top_p.unsqueeze(1)
     # min_p: drop tokens with prob < min_p * max prob (max prob is column 0).
     remove |= probs < min_p.unsqueeze(1) * probs[:, :1]
     remove[:, 0] = False
-    mask = torch.zeros_like(remove).scatter_(1, sorted_idx, remove)  # back to vocab order
+    # Back to vocab order; tokens outside the sorted candidates are removed.
+    mask = torch.full_like(logits, width < vocab_size, dtype=torch.bool)  # (S, V)
+    mask.scatter_(1, sorted_idx, remove)
     return logits.masked_fill(mask, _MASK)
 
 
@@ -182,7 +195,7 @@ class Sampler:
             return SamplerOutput(token_ids=[], logprobs=[])
         params = [r.params for r in rows]
         if all(p.greedy and not _has_penalties(p) and p.logprobs is None for p in params):
-            greedy_ids = logits.argmax(dim=-1).tolist()  # (S,)
+            greedy_ids = logits.max(dim=-1).indices.tolist()  # (S,)
             return SamplerOutput(token_ids=greedy_ids, logprobs=[None] * len(rows))
 
         device = logits.device
@@ -200,7 +213,7 @@ class Sampler:
             logits.log_softmax(dim=-1) if any(p.logprobs is not None for p in params) else None
         )
 
-        token_ids = logits.argmax(dim=-1)  # (S,) correct for greedy rows
+        token_ids = logits.max(dim=-1).indices  # (S,) correct for greedy rows
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             idx = torch.tensor(random_rows, device=device)
@@ -215,7 +228,7 @@ class Sampler:
             )
             probs = scaled.softmax(dim=-1)  # (R, V)
             noise = self._exponential_noise([rows[i] for i in random_rows], device)  # (R, V)
-            token_ids[idx] = (probs / noise).argmax(dim=-1)
+            token_ids[idx] = (probs / noise).max(dim=-1).indices
 
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:

@@ -110,21 +110,26 @@ def naive_attention(q, cache, query_lens, context_lens, tables, scale):
         [(8, 1), (8, 1)],  # decode, lengths a multiple of the block size
         [(0, 6), (3, 2), (0, 1), (9, 1)],  # prefill, chunk and decode mixed
         [(0, 5), (0, 5)],  # prefill, equal lengths
+        [(0, 3), (4, 1), (0, 5), (0, 3), (2, 4), (6, 1)],  # fresh groups, decodes, chunk
+        [(2, 3), (5, 2)],  # chunks over a cached prefix only
     ],
 )
-def test_paged_attention_matches_naive(n_heads, n_kv, plan):
-    from pagewarden.models.paged_attention import paged_attention
+@pytest.mark.parametrize("pass_new_kv", [True, False])
+def test_paged_attention_matches_naive(n_heads, n_kv, plan, pass_new_kv):
+    from pagewarden.models.paged_attention import paged_attention, read_new_kv
 
     g = torch.Generator().manual_seed(3)
     head_dim = 8
     cache = torch.randn(2, 16, BS, n_kv, head_dim, generator=g)
-    tables = [[1, 2, 3, 4], [5, 6, 7], [8, 9], [10, 11, 12, 13]][: len(plan)]
+    # Tables may share blocks: nothing is written here, only read.
+    tables = [[1, 2, 3, 4], [5, 6, 7], [8, 9], [10, 11, 12, 13], [14, 15], [3, 7]][: len(plan)]
     ql, cl = [q for _, q in plan], [c for c, _ in plan]
     t = sum(ql)
     q = torch.randn(t, n_heads, head_dim, generator=g)
     slot_mapping = sum((slots(tb, c, n) for tb, (c, n) in zip(tables, plan)), [])
     meta = AttentionMetadata.build(ql, cl, tables, slot_mapping, BS, "cpu")
-    got = paged_attention(q, cache, meta, 0.3)
+    new_kv = read_new_kv(cache, meta.slot_mapping) if pass_new_kv else None
+    got = paged_attention(q, cache, meta, 0.3, new_kv=new_kv)
     torch.testing.assert_close(
         got, naive_attention(q, cache, ql, cl, tables, 0.3), atol=1e-5, rtol=1e-5
     )

@@ -261,3 +261,41 @@ def test_logprobs_are_after_penalties() -> None:
 def test_empty_batch() -> None:
     out = Sampler(V)(torch.empty(0, V), [])
     assert out.token_ids == [] and out.logprobs == []
+
+
+def _truncate_one_row(logits: torch.Tensor, k: int, p: float, min_p: float) -> torch.Tensor:
+    """Reference for one (V,) row: sort all, keep k, then top_p and min_p over them."""
+    order = logits.argsort(descending=True).tolist()
+    kept = order[:k]
+    probs = torch.softmax(logits[kept], dim=0)
+    keep, mass = [], 0.0
+    for rank, tok in enumerate(kept):
+        if rank > 0 and (mass >= p or probs[rank] < min_p * probs[0]):
+            continue
+        keep.append(tok)
+        mass += float(probs[rank])
+    out = torch.full_like(logits, float("-inf"))
+    out[keep] = logits[keep]
+    return out
+
+
+@pytest.mark.parametrize("top_ks", [[3, 5, 1, 7], [3, V, 2, 5]])  # topk path, full-sort path
+def test_truncation_matches_per_row_reference(top_ks: list[int]) -> None:
+    logits = random_logits(4, seed=11)
+    top_p = [0.9, 0.5, 1.0, 0.7]
+    min_p = [0.0, 0.1, 0.0, 0.05]
+    got = apply_top_k_top_p_min_p(
+        logits, torch.tensor(top_ks), torch.tensor(top_p), torch.tensor(min_p)
+    )
+    for i in range(4):
+        want = _truncate_one_row(logits[i], top_ks[i], top_p[i], min_p[i])
+        assert torch.equal(got[i].isinf(), want.isinf()), f"row {i}"
+        torch.testing.assert_close(got[i][~got[i].isinf()], want[~want.isinf()])
+
+
+def test_greedy_picks_first_of_tied_maxima() -> None:
+    logits = torch.zeros(2, V)
+    logits[0, [4, 9]] = 5.0
+    logits[1, [0, V - 1]] = 5.0
+    out = Sampler(V)(logits, [row(SamplingParams(temperature=0.0))] * 2)
+    assert out.token_ids == [4, 0]
