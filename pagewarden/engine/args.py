@@ -63,6 +63,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=("recompute", "swap"),
         help="default: swap when --swap-space > 0, else recompute",
     )
+    parser.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch intra-op threads of the engine (default: torch's choice, one per core)",
+    )
+    parser.add_argument(
+        "--cpu-bind",
+        default=None,
+        metavar="LIST",
+        help="bind the engine to these cores, a Linux cpu list such as 0-3,8 (default: unbound)",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

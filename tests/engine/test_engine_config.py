@@ -16,3 +16,21 @@ def test_engine_and_scheduler_agree_on_the_minimum_max_model_len() -> None:
         SchedulerConfig(num_blocks=4, max_model_len=too_short)
     assert EngineConfig(max_model_len=MIN_MAX_MODEL_LEN).max_model_len == MIN_MAX_MODEL_LEN
     assert SchedulerConfig(num_blocks=4, max_model_len=MIN_MAX_MODEL_LEN)
+
+
+def test_cpu_flags_reach_the_engine_config() -> None:
+    import argparse
+
+    import pytest
+
+    from pagewarden.engine.args import add_engine_args, engine_config
+    from pagewarden.engine.config import EngineConfigError
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    cfg = engine_config(parser.parse_args(["--cpu-threads", "2", "--cpu-bind", "0-1"]))
+    assert (cfg.cpu_threads, cfg.cpu_bind) == (2, "0-1")
+    with pytest.raises(EngineConfigError):
+        engine_config(parser.parse_args(["--cpu-threads", "0"]))
+    with pytest.raises(EngineConfigError):
+        engine_config(parser.parse_args(["--cpu-bind", "3-1"]))
