@@ -24,6 +24,7 @@ from pagewarden.sched.request import Request
 from pagewarden.sched.scheduler import RequestRejectedError, Scheduler
 from pagewarden.worker.kv_store import KVCacheShape, KVStore
 from pagewarden.worker.runner import ModelRunner
+from pagewarden.worker.step_hooks import StepHooks
 
 logger = logging.getLogger("pagewarden.engine")
 
@@ -131,6 +132,14 @@ class EngineCore:
         self._children: dict[str, list[str]] = {}
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.hooks: StepHooks | None = None  # fault injection only (see install_hooks)
+
+    def install_hooks(self, hooks: StepHooks | None) -> None:
+        """Let ``hooks`` act at fixed points of every step (fault injection; None
+        removes them)."""
+        self.hooks = hooks
+        self.runner.step_hooks = hooks
+        self.integrity.hooks = hooks
 
     # ---- called from any thread -------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -239,6 +248,8 @@ class EngineCore:
         # The worker side (runner, guard, fault injection, recovery) works one
         # ScheduledRequest at a time: fold the columnar decode batch in once.
         sched_out = sched_out.materialized()
+        if self.hooks is not None:
+            sched_out = self.hooks.before_execute(sched_out)
         result = self.runner.execute(sched_out)
         if result.faults:
             sched_out, report = self.integrity.recover(sched_out, result)
@@ -249,6 +260,8 @@ class EngineCore:
         # The output side wants one RequestUpdate per token: build them now, while every
         # request they describe is still in the scheduler.
         updates = self.scheduler.update(sched_out, result).updates()
+        if self.hooks is not None:
+            self.hooks.after_step(sched_out, result, updates)
         self.integrity.after_step()
         self.generation_tokens += len(updates)  # one entry per sampled token
         changed, stopped = self.outputs.process(updates)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pagewarden.sched.output import KVFault, ModelRunnerOutput, SchedulerOutput
 from pagewarden.sched.scheduler import RecoveryReport, Scheduler
 from pagewarden.worker.kv_guard import KVGuard
+from pagewarden.worker.step_hooks import StepHooks
 
 logger = logging.getLogger("pagewarden.integrity")
 
@@ -82,6 +83,7 @@ class IntegrityMonitor:
         self.failed_requests = 0
         self.failures: dict[str, int] = {}  # scheduler-found kinds (worker's in guard)
         self._steps = 0
+        self.hooks: StepHooks | None = None  # told of every detection made here
 
     def before_schedule(self) -> None:
         """Catch stale or altered block-table entries before a step can read them."""

@@ -152,7 +152,7 @@ class LlamaAttention(nn.Module):
         q = apply_rope(q.view(t, self.n_heads, self.head_dim), cos, sin)  # (T, n_heads, D)
         k = apply_rope(k.view(t, self.n_kv, self.head_dim), cos, sin)  # (T, n_kv, D)
         v = v.view(t, self.n_kv, self.head_dim)  # (T, n_kv, D)
-        write_kv(cache, k, v, meta.slot_mapping)
+        write_kv(cache, k, v, meta)
         out = paged_attention(q, cache, meta, self.scale)  # (T, n_heads, D)
         return self.o_proj(out.reshape(t, self.q_size))
 

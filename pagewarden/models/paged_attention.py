@@ -45,6 +45,14 @@ class AttentionMetadata:
     and its keys are the context_lens[i] cached tokens followed by those new tokens.
     `kv_len` is the longest of those key ranges; keys past a sequence's own range are
     masked out by `attn_mask`, which is None when no key and no query row is padding.
+
+    Index contract: `slot_mapping` is the only index a kernel writes the cache with and
+    `block_index` the only one it reads it with. The integrity guard writes slot tags
+    through the same `slot_mapping` tensor, in the same `write_kv` call, and checks them
+    through this object's `block_index` after the forward pass, so a kernel that keeps
+    to the contract is covered by construction. `slot_tags` (num_slots,) int64 is the
+    guard's tag store and `new_tags` (T,) int64 the tag of each new token; both None
+    when tags are off.
     """
 
     slot_mapping: torch.Tensor  # (T,) int64 slot of each new token
@@ -58,6 +66,8 @@ class AttentionMetadata:
     max_blocks: int
     block_size: int
     kv_len: int
+    slot_tags: torch.Tensor | None = None  # (num_blocks * block_size,) int64, a view
+    new_tags: torch.Tensor | None = None  # (T,) int64
 
     @property
     def is_decode(self) -> bool:
@@ -125,13 +135,17 @@ def _attention_mask(
 
 
 def write_kv(
-    cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
 ) -> None:
-    """Scatter new K/V (T, n_kv_heads, head_dim) into `cache` at `slot_mapping` (T,)."""
+    """Scatter new K/V (T, n_kv_heads, head_dim) into `cache` at `meta.slot_mapping` (T,),
+    and the new tokens' slot tags (when on) through the very same index tensor."""
     _, num_blocks, block_size, n_kv, head_dim = cache.shape
+    slot_mapping = meta.slot_mapping
     flat = cache.view(2, num_blocks * block_size, n_kv, head_dim)  # (2, slots, n_kv, D)
     flat[0].index_copy_(0, slot_mapping, k.to(cache.dtype))
     flat[1].index_copy_(0, slot_mapping, v.to(cache.dtype))
+    if meta.new_tags is not None:  # (same value in every layer's call: idempotent)
+        meta.slot_tags.index_copy_(0, slot_mapping, meta.new_tags)
 
 
 def gather_kv(cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
