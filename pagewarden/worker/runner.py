@@ -9,8 +9,8 @@ from pagewarden.models.paged_attention import AttentionMetadata
 from pagewarden.sched.output import KVFault, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagewarden.worker.kv_guard import KVGuard
 from pagewarden.worker.kv_store import KVStore
-from pagewarden.worker.step_hooks import StepHooks
 from pagewarden.worker.sampler import Sampler, SamplingRow
+from pagewarden.worker.step_hooks import StepHooks
 
 
 class ModelRunner:
