@@ -122,9 +122,9 @@ class EngineCore:
         self.integrity = IntegrityMonitor(
             self.scheduler, self.runner.guard, config.integrity, config.audit_interval
         )
-        # The constructing thread owns scheduler and KV state until another thread
-        # claims it (the async front end's engine thread does, before its first step).
-        self.claim_ownership()
+        # Scheduler and KV state belong to the thread that claims them: the async front
+        # end's engine thread does before its first step; otherwise the first ``step()``.
+        self._owned = False
         self.outputs = OutputProcessor(self.tokenizer)
         self._lock = threading.Lock()
         self._pending_adds: deque[tuple[Request, str | None]] = deque()
@@ -200,8 +200,10 @@ class EngineCore:
 
     def claim_ownership(self) -> None:
         """Make the calling thread the engine-core thread: from now on a mutation of
-        scheduler or KV state from any other thread raises ``KVOwnershipError``."""
+        scheduler or KV state from any other thread raises ``KVOwnershipError`` (a claim
+        included, once owned)."""
         self.scheduler.claim_ownership()
+        self._owned = True
 
     # ---- engine-core thread only ------------------------------------------------
     def _apply_pending(self) -> list[RequestOutput]:
@@ -240,6 +242,8 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the outputs that changed."""
+        if not self._owned:
+            self.claim_ownership()
         finished = self._apply_pending()
         self.integrity.before_schedule()
         sched_out = self.scheduler.schedule()

@@ -10,9 +10,12 @@ The monitor runs on the engine-core thread around each step::
                         prefix-cache entries, roll every holder back to the start of the
                         bad block; the step's output loses the rolled-back requests, so
                         no token computed from bad KV is appended or released
-    after_step()        every ``audit_interval`` steps: scheduler.check_invariants();
-                        quarantined blocks nobody holds are zeroed and read back by the
-                        worker, then released (the pool retires a block that keeps failing)
+    after_step()        every ``audit_interval`` steps: scheduler.check_invariants(); a
+                        violation triggers scheduler.repair() (quarantine blocks held
+                        beyond their ref count, roll their holders back, rebuild ref counts
+                        and the free queue from the references tables hold); quarantined
+                        blocks nobody holds are zeroed and read back by the worker, then
+                        released (the pool retires a block that keeps failing)
 
 Every detection and recovery is logged with the request ids and block ids involved and
 counted by kind; ``IntegrityStats`` is the snapshot ``llm.stats()`` reports.
@@ -93,7 +96,8 @@ class IntegrityMonitor:
             key = f"{event.kind}/schedule"
             self.failures[key] = self.failures.get(key, 0) + 1
             self.recoveries += 1
-            self.rolled_back_requests += 1
+            if event.kind != "free_list":
+                self.rolled_back_requests += 1
             logger.warning(
                 "integrity: %s: request %s, block %d; recomputing from position %d",
                 event.kind,
@@ -101,6 +105,8 @@ class IntegrityMonitor:
                 event.block_id,
                 event.position,
             )
+            if self.hooks is not None:
+                self.hooks.on_detection({event.block_id}, key, event.req_id)
 
     def recover(
         self, out: SchedulerOutput, result: ModelRunnerOutput
@@ -168,11 +174,37 @@ class IntegrityMonitor:
         if violations:
             self.invariant_violations += len(violations)
             logger.error(
-                "integrity: %d invariant violation(s): %s",
+                "integrity: %d invariant violation(s): %s; recovering",
                 len(violations),
                 "; ".join(violations[:5]),
             )
+            self._repair()
         return violations
+
+    def _repair(self) -> None:
+        """Recovery after a failed audit: quarantine blocks held beyond their reference
+        count, roll their holders back, rebuild ref counts and the free queue from the
+        references the tables hold."""
+        over = set(self.scheduler.kv.overshared_blocks())
+        changed = set(self.scheduler.kv.refcount_mismatches())
+        report = self.scheduler.repair()
+        self.quarantined_blocks += len(report.quarantined)
+        self.rolled_back_requests += len(report.rolled_back)
+        self.recomputed_tokens += report.recomputed_tokens
+        if report.failed:
+            self.failed_requests += len(report.failed)
+        self.failures["refcount/audit"] = self.failures.get("refcount/audit", 0) + 1
+        self.recoveries += 1
+        left = self.scheduler.check_invariants()
+        logger.warning(
+            "integrity: audit repair: quarantined %s, rolled back %s; %d violation(s) left%s",
+            list(report.quarantined),
+            dict(sorted(report.rolled_back.items())),
+            len(left),
+            "" if not left else ": " + "; ".join(left[:5]),
+        )
+        if self.hooks is not None:
+            self.hooks.on_detection(over | changed, "refcount/audit", None)
 
     def stats(self) -> IntegrityStats:
         c = self.guard.counters
@@ -180,6 +212,8 @@ class IntegrityMonitor:
         failures = dict(c.failures)
         for key, n in self.failures.items():
             failures[key] = failures.get(key, 0) + n
+        if self.scheduler.kv.pool.held_blocks_skipped:
+            failures["free_list/allocate"] = self.scheduler.kv.pool.held_blocks_skipped
         if self.scheduler.kv.stale_refs_dropped:
             failures["stale_ref/free"] = self.scheduler.kv.stale_refs_dropped
         return IntegrityStats(

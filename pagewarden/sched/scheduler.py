@@ -177,8 +177,10 @@ class SchedulerStats:
 class IntegrityEvent:
     """A metadata fault the scheduler caught itself, before the step that would read it.
 
-    ``kind`` is "stale_ref" (a table entry's block was freed under it: use after free) or
-    "table_mismatch" (a table's block id disagrees with its epoch-tagged reference).
+    ``kind`` is "stale_ref" (a table entry's block was freed under it: use after free),
+    "table_mismatch" (a table's block id disagrees with its epoch-tagged reference) or
+    "free_list" (a block the table holds was on the free queue: taken off it, nothing
+    recomputed; ``position`` is then the request's progress).
     """
 
     kind: str
@@ -1012,15 +1014,26 @@ class Scheduler:
         events: list[IntegrityEvent] = []
         kv = self.kv
         bs = self.config.block_size
+        blocks = kv.pool.blocks
         for req in self.running:
-            index = kv.first_unsound_block(req.req_id)
-            if index is None:
-                continue
-            entry = kv.tables[req.req_id]
-            ref = entry.refs[index]
-            kind = "stale_ref" if entry.ids[index] == ref.block_id else "table_mismatch"
-            events.append(IntegrityEvent(kind, req.req_id, ref.block_id, index * bs))
-            self._roll_back(req, index * bs)
+            while (index := kv.first_unsound_block(req.req_id)) is not None:
+                entry = kv.tables[req.req_id]
+                ref = entry.refs[index]
+                if entry.ids[index] != ref.block_id:
+                    kind = "table_mismatch"
+                elif blocks[ref.block_id].epoch != ref.epoch:
+                    kind = "stale_ref"
+                else:
+                    # Held, yet on the free queue (or counted free): nothing was handed
+                    # out yet (allocation comes after this check), so the K/V is intact.
+                    # Take it off the queue; the request keeps its progress.
+                    kv.reconcile()
+                    position = req.num_computed_tokens
+                    events.append(IntegrityEvent("free_list", req.req_id, ref.block_id, position))
+                    continue
+                events.append(IntegrityEvent(kind, req.req_id, ref.block_id, index * bs))
+                self._roll_back(req, index * bs)
+                break
         return events
 
     def recover(self, faults: list[KVFault]) -> RecoveryReport:
@@ -1053,7 +1066,24 @@ class Scheduler:
             rolled_back[rid] = self._roll_back(req, pos)
             recomputed += before - rolled_back[rid]
         failed = self._fail_unservable(rolled_back)
+        # Rollbacks free by the entries the tables hold; an entry that named another
+        # request's block freed that block, not its own. Counting the references the
+        # tables really hold frees whatever is left over, so no fault leaks a block.
+        self.kv.reconcile()
         return RecoveryReport(tuple(sorted(bad)), rolled_back, recomputed, failed)
+
+    def repair(self) -> RecoveryReport:
+        """Recover from metadata an invariant audit found inconsistent.
+
+        Blocks more tables hold than their ref_cnt counts are quarantined and every
+        holder rolls back to before them (any of them may have overwritten the others'
+        K/V); then ref counts and the free queue are rebuilt from the references the
+        tables really hold (leaked references freed, held blocks off the free queue).
+        """
+        self.kv.pool.check_owner()
+        over = self.kv.overshared_blocks()
+        detail = "blocks held by more tables than their reference count"
+        return self.recover([KVFault("refcount", tuple(over), {}, "audit", detail)])
 
     def _roll_back(self, req: Request, position: int) -> int:
         """Forget computed tokens from the block holding ``position`` on; returns the
@@ -1091,5 +1121,6 @@ class Scheduler:
 
     def release_quarantined(self, block_ids: Iterable[int]) -> None:
         """Return scrubbed and re-verified blocks to service."""
+        self.kv.pool.check_owner()
         for block_id in block_ids:
             self.kv.pool.release_quarantine(block_id)
