@@ -99,10 +99,11 @@ class IntegrityMonitor:
             if event.kind != "free_list":
                 self.rolled_back_requests += 1
             logger.warning(
-                "integrity: %s: request %s, block %d; recomputing from position %d",
+                "integrity: %s: request %s, block %d; %s from position %d",
                 event.kind,
                 event.req_id,
                 event.block_id,
+                "taken off the free queue, keeping" if event.kind == "free_list" else "recomputing",
                 event.position,
             )
             if self.hooks is not None:
