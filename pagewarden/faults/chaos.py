@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pagewarden.engine.config import EngineConfig
 from pagewarden.engine.core import EngineCore
 from pagewarden.faults.injector import FAULT_KINDS, FaultInjector, InjectedFault
+from pagewarden.kv.block import BlockState
 from pagewarden.models.loader import LoadedModel, load_model
 from pagewarden.sampling_params import SamplingParams
 
@@ -58,6 +59,10 @@ class ChaosReport:
     prefix_hit_tokens: int = 0
     invariant_violations: list[str] = field(default_factory=list)
     crash: str | None = None  # the engine raised during the faulty run
+    # Blocks still referenced after every request finished: a recovery that freed the
+    # wrong block leaks one (the pool is whole when this is 0).
+    leaked_blocks: int = 0
+    pool_states: dict[str, int] = field(default_factory=dict)  # block state -> count
 
     @property
     def injected(self) -> int:
@@ -100,6 +105,8 @@ class ChaosReport:
             f"{'yes' if self.outputs_equal else 'NO ' + str(self.mismatched_requests)}"
         )
         lines.append(f"metadata invariant violations at the end: {len(self.invariant_violations)}")
+        states = ", ".join(f"{n} {state}" for state, n in sorted(self.pool_states.items()))
+        lines.append(f"leaked blocks at the end: {self.leaked_blocks} (pool: {states})")
         if self.crash is not None:
             lines.append(f"ENGINE CRASHED during the faulty run: {self.crash}")
         return "\n".join(lines)
@@ -249,7 +256,11 @@ def run_chaos(
                 max_delay=max(delays) if delays else None,
             )
         )
+    pool = engine.scheduler.kv.pool
+    counts = pool.state_counts()
     return ChaosReport(
+        leaked_blocks=sum(1 for b in pool.blocks[1:] if b.ref_cnt or b.state is BlockState.USED),
+        pool_states={state.value: n for state, n in counts.items() if n},
         integrity=integrity,
         num_requests=num_requests,
         steps_clean=steps_clean,
