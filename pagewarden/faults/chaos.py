@@ -75,7 +75,7 @@ class ChaosReport:
     def table(self) -> str:
         """The report as a fixed-width text table."""
         head = (
-            f"{'fault kind':<16}{'injected':>9}{'detected':>9}{'recovered':>10}"
+            f"{'fault kind':<22}{'injected':>9}{'detected':>9}{'recovered':>10}"
             f"{'harmless':>9}{'max delay':>10}"
         )
         lines = [
@@ -89,12 +89,12 @@ class ChaosReport:
         for r in self.rows:
             delay = "-" if r.max_delay is None else str(r.max_delay)
             lines.append(
-                f"{r.kind:<16}{r.injected:>9}{r.detected:>9}{r.recovered:>10}"
+                f"{r.kind:<22}{r.injected:>9}{r.detected:>9}{r.recovered:>10}"
                 f"{r.harmless:>9}{delay:>10}"
             )
         lines.append("-" * len(head))
         lines.append(
-            f"{'total':<16}{self.injected:>9}{self.detected:>9}"
+            f"{'total':<22}{self.injected:>9}{self.detected:>9}"
             f"{sum(r.recovered for r in self.rows):>10}"
             f"{sum(r.harmless for r in self.rows):>9}"
         )
