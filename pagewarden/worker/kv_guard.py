@@ -8,26 +8,40 @@
         faults = guard.swap_in(out, ...)         # a swapped-in block is verified on arrival
         guard.copy_blocks(out.copy_blocks)       # COW copies carry tags, sums and seals
         faults += guard.check_reads(out)         # before the forward pass: contents it reads
-        model forward (writes the step's K/V)
-        faults += guard.after_write(out)         # write tags, check every read position's
-                                                 # tag, write-time sums, seal full blocks
+        meta = AttentionMetadata.build(...)
+        guard.bind(out, meta)                    # the step's tags, to scatter with the K/V
+        model forward: write_kv(cache, k, v, meta) scatters K, V and tags through
+                       meta.slot_mapping; attention gathers through meta.block_index
+        faults += guard.after_write(out, meta)   # tags read through meta.block_index,
+                                                 # slot_mapping checked against block_index,
+                                                 # write-time sums at meta.slot_mapping, seal
         drop the sampled tokens of every request a fault names
+
+One index source, by construction: the tags are written by the same call and index tensor
+as the K/V (``meta.slot_mapping``) and read through the same index tensor as attention
+(``meta.block_index``) of that forward call; no other copy of the mapping (the scheduler's
+tables, the runner's lists) takes part in a placement check. A kernel that reads and
+writes the cache only through the metadata's two indices is covered without change.
 
 What each level checks (each includes the one before):
 
 ========  ==================================================================================
 off       nothing
 audit     slot tags: after the step's writes, every position ``[0, stop)`` of every
-          scheduled request, read through its block table, must hold the tag of that
-          request's token chain at that position (catches wrong table entries and wrong
-          slot indices in the step they happen)
-standard  write-time slot checksums; block checksums at seal (from slots that still
-          verify: a block whose slots earlier steps wrote is re-read first); verification
-          of a request's context blocks the first time it reads them (prefix-cache reuse,
-          return after preemption or rollback); verification of every block swapped in
-          from the host tier (sealed blocks by block checksum, a partly filled one by its
-          used slots' write-time sums); a scrubber re-verifying ``scrub_blocks_per_step``
-          sealed blocks per step, round robin
+          scheduled request, read through ``meta.block_index``, must hold the tag of that
+          request's token chain at that position; and every new token's
+          ``meta.slot_mapping`` entry must be the slot ``meta.block_index`` reads its
+          position from (catches a wrong block-index entry, a wrong slot, a table entry
+          pointing at another request's block, in the step they happen, before its tokens
+          are released)
+standard  write-time slot checksums (from the bytes at ``meta.slot_mapping``); block
+          checksums at seal (from slots that still verify: a block whose slots earlier
+          steps wrote is re-read first); verification of a request's context blocks the
+          first time it reads them (prefix-cache reuse, return after preemption or
+          rollback); verification of every block swapped in from the host tier (sealed
+          blocks by block checksum, a partly filled one by its used slots' write-time
+          sums); a scrubber re-verifying ``scrub_blocks_per_step`` sealed blocks per step,
+          round robin
 strict    every block a step reads is verified before the forward pass (sealed blocks by
           block checksum, the open block by its slots' write-time sums)
 ========  ==================================================================================
@@ -39,9 +53,9 @@ this step, so nothing computed from bad KV is released by a check that caught it
 
 State per physical block: ``sealed[b]`` and ``block_sums[b]`` (valid while sealed);
 per slot: ``slot_sums`` (write-time checksum) and the slot tag. A write at offset 0 of a
-block starts that block's new life and unseals it. Host (swap) blocks carry the same
-state, copied along with their bytes: what a block held when it left the device is what
-it must hold when it comes back.
+block starts that block's new life: ``bind`` unseals it and clears its tags before the
+forward pass. Host (swap) blocks carry the same state, copied along with their bytes:
+what a block held when it left the device is what it must hold when it comes back.
 """
 
 from __future__ import annotations
