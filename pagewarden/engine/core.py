@@ -26,6 +26,7 @@ from pagewarden.sched.stats import SchedulerStats, metric
 from pagewarden.worker.cpu_threads import apply_cpu_threads
 from pagewarden.worker.kv_store import KVCacheShape, KVStore
 from pagewarden.worker.runner import ModelRunner
+from pagewarden.worker.step_hooks import StepHooks
 
 logger = logging.getLogger("pagewarden.engine")
 
@@ -101,9 +102,9 @@ class EngineCore:
         self.integrity = IntegrityMonitor(
             self.scheduler, self.runner.guard, config.integrity, config.audit_interval
         )
-        # The constructing thread owns scheduler and KV state until another thread
-        # claims it (the async front end's engine thread does, before its first step).
-        self.claim_ownership()
+        # Scheduler and KV state belong to the thread that claims them: the async front
+        # end's engine thread does before its first step; otherwise the first ``step()``.
+        self._owned = False
         self.outputs = OutputProcessor(self.tokenizer)
         self._lock = threading.Lock()
         self._pending_adds: deque[tuple[Request, str | None]] = deque()
@@ -111,6 +112,14 @@ class EngineCore:
         self._children: dict[str, list[str]] = {}
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.hooks: StepHooks | None = None  # fault injection only (see install_hooks)
+
+    def install_hooks(self, hooks: StepHooks | None) -> None:
+        """Let ``hooks`` act at fixed points of every step (fault injection; None
+        removes them)."""
+        self.hooks = hooks
+        self.runner.step_hooks = hooks
+        self.integrity.hooks = hooks
 
     # ---- called from any thread -------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -145,8 +154,10 @@ class EngineCore:
 
     def claim_ownership(self) -> None:
         """Make the calling thread the engine-core thread: from now on a mutation of
-        scheduler or KV state from any other thread raises ``KVOwnershipError``."""
+        scheduler or KV state from any other thread raises ``KVOwnershipError`` (a claim
+        included, once owned)."""
         self.scheduler.claim_ownership()
+        self._owned = True
 
     # ---- engine-core thread only ------------------------------------------------
     def _apply_pending(self) -> list[RequestOutput]:
@@ -185,11 +196,15 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the outputs that changed."""
+        if not self._owned:
+            self.claim_ownership()
         finished = self._apply_pending()
         self.integrity.before_schedule()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty and not sched_out.copy_blocks:
             return finished
+        if self.hooks is not None:
+            sched_out = self.hooks.before_execute(sched_out)
         result = self.runner.execute(sched_out)
         if result.faults:
             sched_out, report = self.integrity.recover(sched_out, result)
@@ -198,6 +213,8 @@ class EngineCore:
                 if out is not None:
                     finished.append(out)
         updates = self.scheduler.update(sched_out, result)
+        if self.hooks is not None:
+            self.hooks.after_step(sched_out, result, updates)
         self.integrity.after_step()
         self.generation_tokens += len(updates)  # one entry per sampled token
         changed, stopped = self.outputs.process(updates)

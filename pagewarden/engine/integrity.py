@@ -10,9 +10,12 @@ The monitor runs on the engine-core thread around each step::
                         prefix-cache entries, roll every holder back to the start of the
                         bad block; the step's output loses the rolled-back requests, so
                         no token computed from bad KV is appended or released
-    after_step()        every ``audit_interval`` steps: scheduler.check_invariants();
-                        quarantined blocks nobody holds are zeroed and read back by the
-                        worker, then released (the pool retires a block that keeps failing)
+    after_step()        every ``audit_interval`` steps: scheduler.check_invariants(); a
+                        violation triggers scheduler.repair() (quarantine blocks held
+                        beyond their ref count, roll their holders back, rebuild ref counts
+                        and the free queue from the references tables hold); quarantined
+                        blocks nobody holds are zeroed and read back by the worker, then
+                        released (the pool retires a block that keeps failing)
 
 Every detection and recovery is logged with the request ids and block ids involved and
 counted by kind; ``IntegrityStats`` is the snapshot ``llm.stats()`` reports.
@@ -29,6 +32,7 @@ from pagewarden.sched.recovery import RecoveryReport
 from pagewarden.sched.scheduler import Scheduler
 from pagewarden.sched.stats import metric
 from pagewarden.worker.kv_guard import KVGuard
+from pagewarden.worker.step_hooks import StepHooks
 
 logger = logging.getLogger("pagewarden.integrity")
 
@@ -100,6 +104,7 @@ class IntegrityMonitor:
         self.failed_requests = 0
         self.failures: dict[FailureKey, int] = {}  # scheduler-found kinds (worker's in guard)
         self._steps = 0
+        self.hooks: StepHooks | None = None  # told of every detection made here
 
     def before_schedule(self) -> None:
         """Catch stale or altered block-table entries before a step can read them."""
@@ -109,14 +114,18 @@ class IntegrityMonitor:
             key = FailureKey(event.kind, "schedule")
             self.failures[key] = self.failures.get(key, 0) + 1
             self.recoveries += 1
-            self.rolled_back_requests += 1
+            if event.kind != "free_list":
+                self.rolled_back_requests += 1
             logger.warning(
-                "integrity: %s: request %s, block %d; recomputing from position %d",
+                "integrity: %s: request %s, block %d; %s from position %d",
                 event.kind,
                 event.req_id,
                 event.block_id,
+                "taken off the free queue, keeping" if event.kind == "free_list" else "recomputing",
                 event.position,
             )
+            if self.hooks is not None:
+                self.hooks.on_detection({event.block_id}, key, event.req_id)
 
     def recover(
         self, out: SchedulerOutput, result: ModelRunnerOutput
@@ -183,11 +192,39 @@ class IntegrityMonitor:
         if violations:
             self.invariant_violations += len(violations)
             logger.error(
-                "integrity: %d invariant violation(s): %s",
+                "integrity: %d invariant violation(s): %s; recovering",
                 len(violations),
                 "; ".join(violations[:5]),
             )
+            self._repair()
         return violations
+
+    def _repair(self) -> None:
+        """Recovery after a failed audit: quarantine blocks held beyond their reference
+        count, roll their holders back, rebuild ref counts and the free queue from the
+        references the tables hold."""
+        over = set(self.scheduler.kv.overshared_blocks())
+        changed = set(self.scheduler.kv.refcount_mismatches())
+        report = self.scheduler.repair()
+        self.quarantined_blocks += len(report.quarantined)
+        self.rolled_back_requests += len(report.rolled_back)
+        self.recomputed_tokens += report.recomputed_tokens
+        if report.failed:
+            self.failed_requests += len(report.failed)
+        self.failures[FailureKey("refcount", "audit")] = (
+            self.failures.get(FailureKey("refcount", "audit"), 0) + 1
+        )
+        self.recoveries += 1
+        left = self.scheduler.check_invariants()
+        logger.warning(
+            "integrity: audit repair: quarantined %s, rolled back %s; %d violation(s) left%s",
+            list(report.quarantined),
+            dict(sorted(report.rolled_back.items())),
+            len(left),
+            "" if not left else ": " + "; ".join(left[:5]),
+        )
+        if self.hooks is not None:
+            self.hooks.on_detection(over | changed, FailureKey("refcount", "audit"), None)
 
     def stats(self) -> IntegrityStats:
         c = self.guard.counters
@@ -195,6 +232,10 @@ class IntegrityMonitor:
         failures = dict(c.failures)
         for key, n in self.failures.items():
             failures[key] = failures.get(key, 0) + n
+        if self.scheduler.kv.pool.held_blocks_skipped:
+            failures[FailureKey("free_list", "allocate")] = (
+                self.scheduler.kv.pool.held_blocks_skipped
+            )
         if self.scheduler.kv.stale_refs_dropped:
             failures[FailureKey("stale_ref", "free")] = self.scheduler.kv.stale_refs_dropped
         return IntegrityStats(

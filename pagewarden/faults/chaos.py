@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 from pagewarden.engine.config import EngineConfig
 from pagewarden.engine.core import EngineCore
 from pagewarden.faults.injector import FAULT_KINDS, FaultInjector, InjectedFault
+from pagewarden.kv.block import BlockState
 from pagewarden.models.loader import LoadedModel, load_model
 from pagewarden.sampling_params import SamplingParams
+from pagewarden.sched.output import FailureKey
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,10 @@ class ChaosReport:
     prefix_hit_tokens: int = 0
     invariant_violations: list[str] = field(default_factory=list)
     crash: str | None = None  # the engine raised during the faulty run
+    # Blocks still referenced after every request finished: a recovery that freed the
+    # wrong block leaks one (the pool is whole when this is 0).
+    leaked_blocks: int = 0
+    pool_states: dict[str, int] = field(default_factory=dict)  # block state -> count
 
     @property
     def injected(self) -> int:
@@ -70,7 +76,7 @@ class ChaosReport:
     def table(self) -> str:
         """The report as a fixed-width text table."""
         head = (
-            f"{'fault kind':<16}{'injected':>9}{'detected':>9}{'recovered':>10}"
+            f"{'fault kind':<22}{'injected':>9}{'detected':>9}{'recovered':>10}"
             f"{'harmless':>9}{'max delay':>10}"
         )
         lines = [
@@ -84,12 +90,12 @@ class ChaosReport:
         for r in self.rows:
             delay = "-" if r.max_delay is None else str(r.max_delay)
             lines.append(
-                f"{r.kind:<16}{r.injected:>9}{r.detected:>9}{r.recovered:>10}"
+                f"{r.kind:<22}{r.injected:>9}{r.detected:>9}{r.recovered:>10}"
                 f"{r.harmless:>9}{delay:>10}"
             )
         lines.append("-" * len(head))
         lines.append(
-            f"{'total':<16}{self.injected:>9}{self.detected:>9}"
+            f"{'total':<22}{self.injected:>9}{self.detected:>9}"
             f"{sum(r.recovered for r in self.rows):>10}"
             f"{sum(r.harmless for r in self.rows):>9}"
         )
@@ -100,6 +106,8 @@ class ChaosReport:
             f"{'yes' if self.outputs_equal else 'NO ' + str(self.mismatched_requests)}"
         )
         lines.append(f"metadata invariant violations at the end: {len(self.invariant_violations)}")
+        states = ", ".join(f"{n} {state}" for state, n in sorted(self.pool_states.items()))
+        lines.append(f"leaked blocks at the end: {self.leaked_blocks} (pool: {states})")
         if self.crash is not None:
             lines.append(f"ENGINE CRASHED during the faulty run: {self.crash}")
         return "\n".join(lines)
@@ -176,7 +184,7 @@ def scrub_until_covered(engine: EngineCore, injector: FaultInjector) -> None:
     per_step = max(1, engine.config.scrub_blocks_per_step)
     for _ in range((guard.num_sealed + per_step - 1) // per_step):
         for f in engine.integrity.scrub_idle(per_step):
-            injector.mark_detected(set(f.block_ids), f"{f.kind}/{f.found_by}")
+            injector.mark_detected(set(f.block_ids), FailureKey(f.kind, f.found_by))
         injector.steps += 1
 
 
@@ -249,7 +257,11 @@ def run_chaos(
                 max_delay=max(delays) if delays else None,
             )
         )
+    pool = engine.scheduler.kv.pool
+    counts = pool.state_counts()
     return ChaosReport(
+        leaked_blocks=sum(1 for b in pool.blocks[1:] if b.ref_cnt or b.state is BlockState.USED),
+        pool_states={state.value: n for state, n in counts.items() if n},
         integrity=integrity,
         num_requests=num_requests,
         steps_clean=steps_clean,

@@ -1,7 +1,9 @@
 """Fault injection into a live engine, with ground truth for what each fault touched.
 
-``FaultInjector`` attaches to an ``EngineCore`` and injects one fault at a time between
-steps (or, for indexing faults, into the worker's view of the next step). It watches
+``FaultInjector`` attaches to an ``EngineCore`` through its ``StepHooks``
+(``EngineCore.install_hooks``; nothing on the engine is replaced) and injects one fault
+at a time between steps, or, for indexing faults, into the worker's view of the next
+step or the attention metadata of its forward call. It watches
 the engine's checks, so it can say for each fault whether and when it was detected, and
 it counts the tokens released from a step that read KV altered by a fault nobody had
 detected yet (first-order: the tokens of that step, not what they later influence)::
@@ -16,21 +18,34 @@ detected yet (first-order: the tokens of that step, not what they later influenc
 
 Fault kinds (``FAULT_KINDS``) and the defence each exercises:
 
-=================  =============================================================  ==========
-kind               what is injected                                               caught by
-=================  =============================================================  ==========
-sealed_bitflip     one bit of a sealed (full, checksummed) block a request holds  checksum
-open_bitflip       one bit of a written slot of a block still being filled        checksum
-tag_corruption     the slot tag of a written slot                                 slot tag
-table_redirect     a block-table entry, as the worker sees it, points at another  slot tag
-                   live request's block for one step
-slot_redirect      a slot index of the next step points into another request's    slot tag
-                   block, so K/V is scattered there
-use_after_free     a block a request still lists is freed and handed out again    epoch
-foreign_thread     a block-pool mutation from another thread                      owner
-swap_corruption    one bit of a used slot of a host (swap) block that a swapped-  checksum
-                   out request will bring back                                    at swap-in
-=================  =============================================================  ==========
+=====================  ==========================================================  ===========
+kind                   what is injected                                            caught by
+=====================  ==========================================================  ===========
+sealed_bitflip         one bit of a sealed (full, checksummed) block a request     checksum
+                       holds
+open_bitflip           one bit of a written slot of a block still being filled     checksum
+tag_corruption         the slot tag of a written slot                              slot tag
+table_redirect         a block-table entry, as the worker sees it, points at       slot tag
+                       another live request's block for one step
+slot_redirect          a slot index of the next step points into another           slot mapping
+                       request's block, so K/V is scattered there
+index_redirect         one entry of ``AttentionMetadata.block_index`` (only the    slot tag
+                       index attention gathers with) points at another live
+                       request's block, for one forward call
+slot_mapping_redirect  one entry of ``AttentionMetadata.slot_mapping`` (only the   slot mapping
+                       index the model scatters with) points at a written slot
+                       of another request, for one forward call
+use_after_free         a block a request still lists is freed and handed out       epoch
+                       again
+coherent_wrong_ref     a table entry rewritten to a valid ``BlockRef`` of another  slot tag, then
+                       request's block (refs and ids agree)                        ref counts
+free_list_push         a held block pushed on the free queue, no epoch bump        free queue
+foreign_thread         one public mutator of the scheduler, the KV manager, the    owner
+                       pool or the host tier, called from another thread (round
+                       robin over all of them)
+swap_corruption        one bit of a used slot of a host (swap) block that a        checksum
+                       swapped-out request will bring back                         at swap-in
+=====================  ==========================================================  ===========
 
 A swap corruption alters host memory, which no step reads: it becomes live (and counts
 for corrupted tokens) in the device block it is swapped into, under that block's id.
@@ -40,15 +55,22 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import threading
 from dataclasses import dataclass, field
 
 import torch
 
+from pagewarden.faults.foreign import call_from_thread, foreign_calls, state_fingerprint
 from pagewarden.faults.kv_faults import corrupt_tag, flip_bit, flip_slot_bit
-from pagewarden.kv.block import BlockState
+from pagewarden.kv.block import BlockRef, BlockState
 from pagewarden.kv.errors import KVOwnershipError
-from pagewarden.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagewarden.models.paged_attention import AttentionMetadata
+from pagewarden.sched.output import (
+    FailureKey,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from pagewarden.worker.step_hooks import StepHooks
 
 FAULT_KINDS: tuple[str, ...] = (
     "sealed_bitflip",
@@ -56,11 +78,23 @@ FAULT_KINDS: tuple[str, ...] = (
     "tag_corruption",
     "table_redirect",
     "slot_redirect",
+    "index_redirect",
+    "slot_mapping_redirect",
     "use_after_free",
+    "coherent_wrong_ref",
+    "free_list_push",
     "foreign_thread",
     "swap_corruption",
 )
 _MAPPING = frozenset({"table_redirect", "slot_redirect"})
+#: Applied to the forward call's ``AttentionMetadata`` (``on_attention_metadata``).
+_METADATA = frozenset({"index_redirect", "slot_mapping_redirect"})
+#: Act at once on scheduler or KV metadata, between steps.
+_IMMEDIATE = frozenset({"use_after_free", "coherent_wrong_ref", "free_list_push", "foreign_thread"})
+#: Only the request whose view was altered reads wrong K/V.
+_PER_REQUEST = frozenset(
+    {"use_after_free", "table_redirect", "index_redirect", "coherent_wrong_ref"}
+)
 #: Kinds whose reads return wrong K/V until detected (tag corruption changes no K/V; a
 #: refused foreign mutation changes nothing).
 _ALTERS_KV = frozenset(
@@ -69,7 +103,10 @@ _ALTERS_KV = frozenset(
         "open_bitflip",
         "table_redirect",
         "slot_redirect",
+        "index_redirect",
+        "slot_mapping_redirect",
         "use_after_free",
+        "coherent_wrong_ref",
         "swap_corruption",
     }
 )
@@ -102,7 +139,7 @@ class InjectedFault:
         return None if self.detected_step is None else self.detected_step - self.step - 1
 
 
-class FaultInjector:
+class FaultInjector(StepHooks):
     """Injects faults into ``engine`` and attributes the engine's detections to them."""
 
     def __init__(self, engine, seed: int = 0) -> None:
@@ -118,36 +155,43 @@ class FaultInjector:
         self._view: dict[str, ScheduledRequest] = {}  # the worker's view of this step
         self._stale: dict[int, tuple[str, int, int]] = {}  # fault -> (rid, block, epoch)
         self._in_host: dict[int, int] = {}  # swap fault -> host block, until swapped in
-        self._hook()
+        self._foreign_next = 0  # round robin over the foreign mutators
+        self._written: set[int] = set()
+        engine.install_hooks(self)
 
     # ----------------------------------------------------------------- plumbing
-    def _hook(self) -> None:
-        runner, scheduler = self.engine.runner, self.engine.scheduler
-        execute, update, verify = runner.execute, scheduler.update, scheduler.verify_block_tables
+    def before_execute(self, out: SchedulerOutput) -> SchedulerOutput:
+        out = self._apply_step_faults(out)
+        self._follow_swap_ins(out)
+        return out
 
-        def hooked_execute(out: SchedulerOutput) -> ModelRunnerOutput:
-            out = self._apply_step_faults(out)
-            self._follow_swap_ins(out)
-            return execute(out)
+    def on_attention_metadata(self, out: SchedulerOutput, meta: AttentionMetadata) -> None:
+        pending = [f for f in self._pending if f.kind in _METADATA]
+        if not pending or out.is_empty:
+            return
+        reqs = list(out.requests)
+        bs = self.engine.config.block_size
+        self._written = {int(s) // bs for s in meta.slot_mapping.tolist()}
+        for fault in pending:
+            order = list(range(len(reqs)))
+            self.rng.shuffle(order)
+            if any(getattr(self, f"_apply_{fault.kind}")(reqs, meta, k, fault) for k in order):
+                self._pending.remove(fault)
+                fault.step = self.steps
+                blocks = self.engine.scheduler.kv.pool.blocks
+                fault.origins = {b: (blocks[b].epoch, blocks[b].block_hash) for b in fault.blocks}
+                fault.live_blocks = set(fault.blocks)
+                if fault.kind == "index_redirect":
+                    fault.live_blocks = {-1}  # live for this call only (see _after_step)
 
-        def hooked_update(out: SchedulerOutput, res: ModelRunnerOutput):
-            updates = update(out, res)
-            self._after_step(out, res, updates)
-            return updates
+    def on_detection(self, block_ids: set[int], key: FailureKey, req_id: str | None) -> None:
+        self.mark_detected(block_ids, key, req_id=req_id)
+        # A rollback to before one stale ref drops the request's later stale refs too:
+        # those faults can no longer be read, before this step runs.
+        self._prune_unreachable()
 
-        def hooked_verify():
-            events = verify()
-            for e in events:
-                self.mark_detected({e.block_id}, f"{e.kind}/schedule", req_id=e.req_id)
-            if events:
-                # A rollback to before one stale ref drops the request's later stale refs
-                # too: those faults can no longer be read, before this step runs.
-                self._prune_unreachable()
-            return events
-
-        runner.execute = hooked_execute
-        scheduler.update = hooked_update
-        scheduler.verify_block_tables = hooked_verify
+    def after_step(self, out: SchedulerOutput, result: ModelRunnerOutput, updates) -> None:
+        self._after_step(out, result, updates)
 
     def _running(self):
         sched = self.engine.scheduler
@@ -168,7 +212,7 @@ class FaultInjector:
         self.faults.append(fault)
         return fault
 
-    def mark_detected(self, blocks: set[int], found_by: str, req_id: str | None = None) -> None:
+    def mark_detected(self, blocks: set[int], key: FailureKey, req_id: str | None = None) -> None:
         """Attribute a detection (blocks named by a check) to the faults that touched them."""
         for f in self.faults:
             hit = f.blocks & blocks
@@ -177,11 +221,11 @@ class FaultInjector:
             if not hit:
                 continue
             f.live_blocks -= hit
-            if f.kind in ("use_after_free", "table_redirect"):
+            if f.kind in _PER_REQUEST:
                 f.live_blocks.clear()
             if f.detected_step is None:
-                f.detected_step = self.steps + 1 if found_by.endswith("/schedule") else self.steps
-                f.found_by = found_by
+                f.detected_step = self.steps + 1 if key.found_by == "schedule" else self.steps
+                f.found_by = f"{key.kind}/{key.found_by}"
 
     # ------------------------------------------------------------ ground truth
     def _reads_corrupt(self, sr: ScheduledRequest) -> bool:
@@ -190,7 +234,7 @@ class FaultInjector:
         for f in self.faults:
             if not f.live_blocks:
                 continue
-            if f.kind in ("use_after_free", "table_redirect"):
+            if f.kind in _PER_REQUEST:
                 # Only the request whose view was altered reads wrong K/V.
                 if sr.req_id in f.req_ids:
                     return True
@@ -208,10 +252,12 @@ class FaultInjector:
             if sr is not None and self._reads_corrupt(sr):
                 self.corrupted_tokens += len(u.new_token_ids)
         for kv_fault in res.faults:
-            self.mark_detected(set(kv_fault.block_ids), f"{kv_fault.kind}/{kv_fault.found_by}")
+            self.mark_detected(
+                set(kv_fault.block_ids), FailureKey(kv_fault.kind, kv_fault.found_by)
+            )
         # A redirect lasts one step: afterwards nothing reads through it.
         for f in self.faults:
-            if f.kind == "table_redirect":
+            if f.kind in ("table_redirect", "index_redirect"):
                 f.live_blocks.clear()
         self._prune_unreachable()
 
@@ -225,7 +271,7 @@ class FaultInjector:
         blocks = self.engine.scheduler.kv.pool.blocks
         tables = self.engine.scheduler.kv.tables
         for f in self.faults:
-            if f.kind == "use_after_free":
+            if f.kind in ("use_after_free", "coherent_wrong_ref"):
                 rid, bid, epoch = self._stale[f.fault_id]
                 entry = tables.get(rid)
                 if entry is None or all(
@@ -254,7 +300,7 @@ class FaultInjector:
         """
         if kind not in FAULT_KINDS:
             raise ValueError(f"unknown fault kind {kind!r}; one of {', '.join(FAULT_KINDS)}")
-        if kind in ("use_after_free", "foreign_thread"):
+        if kind in _IMMEDIATE:
             return getattr(self, f"_inject_{kind}")()
         fault = self._new(kind, set(), (), "pending: applied in the next step with a target")
         self._pending.append(fault)
@@ -266,7 +312,7 @@ class FaultInjector:
         return list(self._pending)
 
     def _apply_step_faults(self, out: SchedulerOutput) -> SchedulerOutput:
-        if not self._pending or out.is_empty:
+        if not any(f.kind not in _METADATA for f in self._pending) or out.is_empty:
             return out
         requests = list(out.requests)
         # Copy-on-write and swap-in destinations are overwritten by the copies at the
@@ -282,9 +328,10 @@ class FaultInjector:
         self._written = {slot // bs for r in out.requests for slot in r.slot_mapping}
         self._original = {r.req_id: r for r in out.requests}
         self._current = out
-        still = []
+        still = [f for f in self._pending if f.kind in _METADATA]
         # Mapping faults first: a content fault then lands in what the worker reads.
-        mapping_first = sorted(self._pending, key=lambda f: f.kind not in _MAPPING)
+        step_faults = [f for f in self._pending if f.kind not in _METADATA]
+        mapping_first = sorted(step_faults, key=lambda f: f.kind not in _MAPPING)
         for fault in mapping_first:
             order = list(range(len(requests)))
             self.rng.shuffle(order)
@@ -508,21 +555,141 @@ class FaultInjector:
         return fault
 
     def _inject_foreign_thread(self) -> InjectedFault | None:
-        pool = self.engine.scheduler.kv.pool
-        before = (len(pool.free_queue), pool.num_allocations)
-        outcome: list[BaseException] = []
-
-        def mutate() -> None:
-            try:
-                pool.get_new_blocks(1)
-            except KVOwnershipError as exc:
-                outcome.append(exc)
-
-        thread = threading.Thread(target=mutate, name="pagewarden-chaos-foreign")
-        thread.start()
-        thread.join()
-        fault = self._new("foreign_thread", set(), (), "get_new_blocks(1) from a foreign thread")
-        if outcome and (len(pool.free_queue), pool.num_allocations) == before:
+        """Call the next public mutator (round robin) from another thread; detected when
+        it raised ``KVOwnershipError`` and left every piece of state as it was."""
+        scheduler = self.engine.scheduler
+        calls = foreign_calls(scheduler)
+        call = calls[self._foreign_next % len(calls)]
+        self._foreign_next += 1
+        before = state_fingerprint(scheduler)
+        error = call_from_thread(call.fn)
+        fault = self._new(
+            "foreign_thread", set(), (), f"{call.owner}.{call.method} from a foreign thread"
+        )
+        if isinstance(error, KVOwnershipError) and state_fingerprint(scheduler) == before:
             fault.detected_step = self.steps + 1
             fault.found_by = "ownership/owner_check"
+        else:
+            fault.detail += f": NOT refused cleanly ({error!r})"
         return fault
+
+    # ------------------------------------------------------------ new kinds
+    def _apply_index_redirect(
+        self, reqs: list[ScheduledRequest], meta: AttentionMetadata, k: int, fault: InjectedFault
+    ) -> bool:
+        """Point one entry of the forward call's ``block_index`` (nothing else) at another
+        live request's block with different content."""
+        sr = reqs[k]
+        bs = self.engine.config.block_size
+        n_read = sr.positions.start // bs  # full context blocks (not written this call)
+        others = [b for b in self._other_live_blocks(sr) if b not in self._written]
+        if n_read == 0 or not others:
+            return False
+        index = self.rng.randrange(n_read)
+        row = k * meta.max_blocks + index
+        old = int(meta.block_index[row])
+        caches = self.engine.kv_store.caches
+        others = [b for b in others if not all(torch.equal(c[:, b], c[:, old]) for c in caches)]
+        if not others:
+            return False
+        target = self.rng.choice(others)
+        block_index = meta.block_index.clone()
+        block_index[row] = target
+        meta.block_index = block_index
+        fault.blocks, fault.req_ids = {old, target}, (sr.req_id,)
+        fault.detail = f"{sr.req_id} block_index[{index}]: block {old} -> {target}"
+        return True
+
+    def _apply_slot_mapping_redirect(
+        self, reqs: list[ScheduledRequest], meta: AttentionMetadata, k: int, fault: InjectedFault
+    ) -> bool:
+        """Point one entry of the forward call's ``slot_mapping`` (nothing else) at a
+        written slot of another running request."""
+        sr = reqs[k]
+        bs = self.engine.config.block_size
+        tables = self.engine.scheduler.kv.tables
+        own = set(sr.block_table)
+        mine = (sr.prompt_token_ids + sr.output_token_ids)[: sr.positions.start + 1]
+        victims = [
+            (r, p)
+            for r in self._running()
+            if r.req_id != sr.req_id
+            for p in range(r.num_computed_tokens)
+            if tables[r.req_id].ids[p // bs] not in own
+            and not (p == sr.positions.start and r.all_token_ids[: p + 1] == mine)
+        ]
+        if not victims:
+            return False
+        victim, pos = self.rng.choice(victims)
+        target = tables[victim.req_id].ids[pos // bs]
+        t = sum(len(r.positions) for r in reqs[:k])  # the request's first new token
+        slot_mapping = meta.slot_mapping.clone()
+        old = int(slot_mapping[t])
+        slot_mapping[t] = target * bs + pos % bs
+        meta.slot_mapping = slot_mapping
+        fault.blocks, fault.req_ids = {old // bs, target}, (sr.req_id,)
+        fault.detail = (
+            f"{sr.req_id} position {sr.positions.start}: slot_mapping {old} -> "
+            f"{target * bs + pos % bs} ({victim.req_id} position {pos})"
+        )
+        return True
+
+    def _inject_coherent_wrong_ref(self) -> InjectedFault | None:
+        """Rewrite a computed table entry to a valid ``BlockRef`` of another running
+        request's block (refs and ids agree, the epoch is current)."""
+        kv = self.engine.scheduler.kv
+        blocks = kv.pool.blocks
+        bs = self.engine.config.block_size
+        caches = self.engine.kv_store.caches
+        candidates = []
+        for r in self._running():
+            own = kv.tables[r.req_id].ids
+            full = r.num_computed_tokens // bs
+            others = [b for b in self._other_live_blocks_of(r.req_id) if b not in own]
+            for i in range(full):
+                for b in others:
+                    if not all(torch.equal(c[:, b], c[:, own[i]]) for c in caches):
+                        candidates.append((r, i, b))
+        if not candidates:
+            return None
+        req, index, target = self.rng.choice(candidates)
+        entry = kv.tables[req.req_id]
+        old = entry.ids[index]
+        entry.refs[index] = BlockRef(target, blocks[target].epoch)
+        ids = list(entry.ids)
+        ids[index] = target
+        entry.ids = ids
+        fault = self._new(
+            "coherent_wrong_ref",
+            {old, target},
+            (req.req_id,),
+            f"{req.req_id} table[{index}]: BlockRef({old}) -> BlockRef({target}) (coherent)",
+        )
+        self._stale[fault.fault_id] = (req.req_id, target, blocks[target].epoch)
+        return fault
+
+    def _other_live_blocks_of(self, req_id: str) -> list[int]:
+        tables = self.engine.scheduler.kv.tables
+        return sorted({b for rid, e in tables.items() if rid != req_id for b in e.ids})
+
+    def _inject_free_list_push(self) -> InjectedFault | None:
+        """Link a held block at the head of the free queue (next to be handed out),
+        leaving its ref_cnt, state and epoch alone."""
+        kv = self.engine.scheduler.kv
+        pool = kv.pool
+        candidates = sorted(
+            {
+                b
+                for r in self._running()
+                for b in kv.tables[r.req_id].ids
+                if pool.blocks[b].ref_cnt > 0 and pool.blocks[b].prev_free is None
+            }
+        )
+        if not candidates:
+            return None
+        block_id = self.rng.choice(candidates)
+        pool.free_queue.appendleft(pool.blocks[block_id])
+        holders = tuple(sorted(kv.holders({block_id})))
+        return self._new(
+            "free_list_push", {block_id}, holders, f"held block {block_id} pushed on the free queue"
+        )

@@ -6,7 +6,8 @@ QUARANTINED (out of the queue and the hash index; ref_cnt may still be > 0 until
 holders free it). ``audit.check_invariants`` verifies this.
 
 Ownership: once ``claim_ownership()`` has named a thread, every mutating method raises
-``KVOwnershipError`` (and counts it) when called from any other thread.
+``KVOwnershipError`` (and counts it) when called from any other thread, before it
+changes anything.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class BlockPool:
         "ownership_violations",
         "failure_counts",
         "retired",
+        "held_blocks_skipped",
     )
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -73,10 +75,17 @@ class BlockPool:
         # (stays quarantined for good, like a remapped bad sector).
         self.failure_counts: dict[int, int] = {}
         self.retired: set[BlockId] = set()
+        # Held blocks found on the free queue at allocation and kept out of it.
+        self.held_blocks_skipped = 0
 
     # --------------------------------------------------------------- ownership
     def claim_ownership(self, thread_id: int | None = None) -> None:
-        """Make ``thread_id`` (default: the calling thread) the only one allowed to mutate."""
+        """Make ``thread_id`` (default: the calling thread) the only one allowed to mutate.
+
+        Only an unowned pool can be claimed, or its owner hand it on: a claim from any
+        other thread is a foreign mutation like the rest (``KVOwnershipError``).
+        """
+        self.check_owner()
         self.owner_thread = threading.get_ident() if thread_id is None else thread_id
 
     def check_owner(self) -> None:
@@ -110,6 +119,8 @@ class BlockPool:
                 f"request or raise num_blocks"
             )
         out = queue.popleft_many(n)
+        if any(block.ref_cnt for block in out):
+            out = self._skip_held(out, n)
         index = self.hash_index
         for block in out:
             h = block.block_hash
@@ -122,6 +133,34 @@ class BlockPool:
             block.state = _USED
         self.num_allocations += n
         return out
+
+    def _skip_held(self, popped: list[KVBlock], n: int) -> list[KVBlock]:
+        """``popped`` without the blocks that are still referenced (on the free queue by
+        a bug: handing one out would give two requests one block), topped up to ``n``.
+        The held blocks stay off the queue, in use; each is counted."""
+        queue = self.free_queue
+        good = []
+        for block in popped:
+            if block.ref_cnt:
+                block.state = _USED
+                self.held_blocks_skipped += 1
+            else:
+                good.append(block)
+        while len(good) < n:
+            if not queue.num_free:
+                for block in reversed(good):
+                    queue.appendleft(block)
+                raise BlockPoolExhausted(
+                    f"asked for {n} blocks but only {len(good)} free ones are left once "
+                    f"held blocks are taken off the free queue; preempt a request"
+                )
+            block = queue.popleft()
+            if block.ref_cnt:
+                block.state = _USED
+                self.held_blocks_skipped += 1
+            else:
+                good.append(block)
+        return good
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take one more reference on each block (a prefix hit or a fork)."""
@@ -250,6 +289,50 @@ class BlockPool:
         else:
             block.state = _FREE
             self.free_queue.appendleft(block)
+
+    # ----------------------------------------------------------------- recovery
+    def reconcile(self, held: Sequence[int]) -> list[int]:
+        """Make every block's ref_cnt, state and free-queue link agree with ``held[b]``,
+        the references block tables really hold; returns the ids it had to change.
+
+        The recovery of last resort after a metadata fault (a reference freed by the wrong
+        entry, a held block pushed on the free queue): a block nobody holds goes back to
+        the queue with its epoch bumped, a held one leaves the queue, and the queue is
+        rebuilt from the blocks that should be on it, in their old order, so it is whole
+        even if its links were damaged. Quarantined blocks stay out of the queue.
+        """
+        self.check_owner()
+        assert len(held) == self.num_blocks
+        old_order: list[KVBlock] = []
+        linked: set[int] = set()
+        for block in self.free_queue:  # bounded: a damaged queue may loop
+            if block.block_id in linked or len(linked) >= self.num_blocks:
+                break
+            linked.add(block.block_id)
+            old_order.append(block)
+        changed: list[int] = []
+        queued: set[int] = set()  # the blocks the rebuilt queue holds
+        for block in self.blocks[1:]:
+            bid, n = block.block_id, held[block.block_id]
+            block.prev_free = block.next_free = None
+            if block.state is _QUARANTINED:
+                pass
+            elif n > 0:
+                if block.state is not _USED or block.ref_cnt != n or bid in linked:
+                    block.state = _USED
+                    changed.append(bid)
+            else:
+                if block.state is _USED or block.ref_cnt or bid not in linked:
+                    block.epoch += 1  # every reference taken before is stale now
+                    block.state = _CACHED_FREE if block.block_hash is not None else _FREE
+                    self.num_frees += 1
+                    changed.append(bid)
+                queued.add(bid)
+            block.ref_cnt = n
+        order = [b for b in old_order if b.block_id in queued]
+        order += [b for b in self.blocks[1:] if b.block_id in queued and b.block_id not in linked]
+        self.free_queue.reset(order)
+        return changed
 
     # ------------------------------------------------------------------ counts
     def state_counts(self) -> dict[BlockState, int]:

@@ -109,6 +109,14 @@ class FreeBlockQueue:
         block.prev_free = block.next_free = None
         self.num_free -= 1
 
+    def reset(self, blocks: list[KVBlock]) -> None:
+        """Relink exactly ``blocks``, in order (recovery rebuilds a damaged queue; the
+        caller has cleared every block's links)."""
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free = 0
+        self.extend(blocks)
+
     def __iter__(self) -> Iterator[KVBlock]:
         node = self._head.next_free
         while node is not None and node is not self._tail:

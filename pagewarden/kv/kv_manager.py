@@ -56,6 +56,10 @@ class KVCacheManager:
 
     Single-threaded by design. A request has a device table (``tables``) or a swapped
     table (``swap.tables``), never both.
+
+    Ownership: every public mutator calls ``pool.check_owner()`` before it changes
+    anything, so a call from a thread other than the owner raises ``KVOwnershipError``
+    and leaves tables, pool and host tier exactly as they were.
     """
 
     def __init__(
@@ -66,7 +70,7 @@ class KVCacheManager:
         num_host_blocks: int = 0,
     ) -> None:
         self.pool = BlockPool(num_blocks, block_size)
-        self.swap = SwapSpace(num_host_blocks)
+        self.swap = SwapSpace(num_host_blocks, self.pool.check_owner)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.tables: dict[str, RequestBlocks] = {}
@@ -123,6 +127,7 @@ class KVCacheManager:
         caller can always leave the last token to compute. Hit blocks are pinned (ref_cnt
         incremented) at once, so no allocation in the same pass can evict them.
         """
+        self.pool.check_owner()
         if req_id in self.tables:
             raise DuplicateRequestError(f"request {req_id!r} already has a block table")
         entry = RequestBlocks(extra_keys)
@@ -160,6 +165,7 @@ class KVCacheManager:
 
     def create_table(self, req_id: str, extra_keys: bytes) -> None:
         """An empty table (no prefix lookup)."""
+        self.pool.check_owner()
         if req_id in self.tables:
             raise DuplicateRequestError(f"request {req_id!r} already has a block table")
         self.tables[req_id] = RequestBlocks(extra_keys)
@@ -173,6 +179,7 @@ class KVCacheManager:
         Returns the copy-on-write pairs ``(src, dst)`` to apply before the step (usually
         empty; treat as read-only), or None (with nothing changed) when the pool has too few free blocks.
         """
+        self.pool.check_owner()
         entry = self.tables[req_id]
         ids = entry.ids
         bs = self.block_size
@@ -208,6 +215,7 @@ class KVCacheManager:
 
     def seal_full_blocks(self, req_id: str, token_ids: Sequence[int], num_computed: int) -> None:
         """Hash and index every block that ``num_computed`` computed tokens have filled."""
+        self.pool.check_owner()
         if not self.enable_prefix_caching:
             return
         entry = self.tables[req_id]
@@ -217,7 +225,6 @@ class KVCacheManager:
             return
         hashes = entry.hashes
         pool = self.pool
-        pool.check_owner()
         blocks = pool.blocks
         index = pool.hash_index
         ids = entry.ids
@@ -249,14 +256,14 @@ class KVCacheManager:
         The parent's own references pass to the children, so each block's ref_cnt grows
         by ``len(child_ids) - 1``.
         """
+        self.pool.check_owner()
+        for cid in child_ids:
+            if cid in self.tables:
+                raise DuplicateRequestError(f"request {cid!r} already has a block table")
         entry = self.tables.pop(parent_id)
         if not child_ids:
             self.pool.free_blocks(self.pool.blocks[i] for i in reversed(entry.ids))
             return
-        for cid in child_ids:
-            if cid in self.tables:
-                self.tables[parent_id] = entry
-                raise DuplicateRequestError(f"request {cid!r} already has a block table")
         extra = len(child_ids) - 1
         blocks = self.pool.blocks
         for bid in entry.ids:
@@ -273,6 +280,7 @@ class KVCacheManager:
     def free(self, req_id: str) -> None:
         """Release the request's table (device or swapped); a second call (or an unknown
         id) is a no-op."""
+        self.pool.check_owner()
         if self.swap.tables:
             swapped = self.swap.tables.pop(req_id, None)
             if swapped is not None:
@@ -304,6 +312,7 @@ class KVCacheManager:
         The worker copies before the step's forward pass, so device blocks freed here can
         be handed out again in the same step.
         """
+        self.pool.check_owner()
         entry = self._entry(req_id)
         if req_id in self.swap.tables:
             raise DuplicateRequestError(f"request {req_id!r} is already swapped out")
@@ -333,6 +342,7 @@ class KVCacheManager:
         The new blocks are private; full ones are indexed for prefix caching again the
         next time the request seals (their hashes are kept, not recomputed).
         """
+        self.pool.check_owner()
         table = self.swap.tables.get(req_id)
         if table is None:
             raise UnknownRequestError(f"request {req_id!r} is not swapped out")
@@ -361,15 +371,60 @@ class KVCacheManager:
         """Index of the first table entry that no longer names a live block, or None.
 
         An entry is unsound when its ``BlockRef`` epoch no longer matches the block (the
-        block was freed while this table still listed it: use after free) or when the
-        plain id list disagrees with the refs (a corrupted table entry).
+        block was freed while this table still listed it: use after free), when the plain
+        id list disagrees with the refs (a corrupted table entry), or when the block it
+        names is linked in the free queue or counts no reference (freed, or pushed on the
+        free queue, while still held: the next allocation would hand it to another
+        request with the same epoch).
         """
         entry = self._entry(req_id)
         blocks = self.pool.blocks
         for i, (ref, bid) in enumerate(zip(entry.refs, entry.ids)):
-            if bid != ref.block_id or blocks[bid].epoch != ref.epoch:
+            block = blocks[bid]
+            if (
+                bid != ref.block_id
+                or block.epoch != ref.epoch
+                or block.prev_free is not None
+                or block.ref_cnt <= 0
+            ):
                 return i
         return None
+
+    def held_counts(self) -> list[int]:
+        """References the tables really hold, per block id: entries whose id and epoch
+        match the block (a stale or altered entry holds nothing)."""
+        blocks = self.pool.blocks
+        held = [0] * len(blocks)
+        for entry in self.tables.values():
+            for ref, bid in zip(entry.refs, entry.ids):
+                if bid == ref.block_id and 0 < bid < len(blocks):
+                    if blocks[bid].epoch == ref.epoch:
+                        held[bid] += 1
+        return held
+
+    def overshared_blocks(self) -> list[int]:
+        """Blocks more tables hold than their ref_cnt counts (a table entry rewritten to
+        another request's block, or a reference never taken): whoever wrote there may
+        have overwritten the others' K/V."""
+        held = self.held_counts()
+        return [b.block_id for b in self.pool.blocks[1:] if held[b.block_id] > b.ref_cnt]
+
+    def refcount_mismatches(self) -> list[int]:
+        """Blocks whose ref_cnt differs from the references held, or that are held yet
+        linked in the free queue."""
+        held = self.held_counts()
+        return [
+            b.block_id
+            for b in self.pool.blocks[1:]
+            if b.ref_cnt != held[b.block_id] or (held[b.block_id] and b.prev_free is not None)
+        ]
+
+    def reconcile(self) -> list[int]:
+        """Set ref counts and the free queue from the references the tables hold
+        (``BlockPool.reconcile``); returns the block ids that changed. Run after the
+        holders of inconsistent blocks were rolled back."""
+        self.pool.check_owner()
+        return self.pool.reconcile(self.held_counts())
 
     def holders(self, block_ids: set[int]) -> dict[str, int]:
         """Each request whose table lists one of ``block_ids`` -> index of the first one."""
@@ -388,6 +443,7 @@ class KVCacheManager:
         (freed under the table already) is dropped without touching the block, which now
         belongs to someone else.
         """
+        self.pool.check_owner()
         entry = self._entry(req_id)
         dropped = entry.refs[num_blocks:]
         del entry.refs[num_blocks:]

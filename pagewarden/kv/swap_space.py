@@ -16,6 +16,7 @@ Invariant: every host block is either free or listed by exactly one swapped tabl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagewarden.kv.block import BlockHash
@@ -54,12 +55,18 @@ class SwappedTable:
 
 
 class SwapSpace:
-    """``num_blocks`` host blocks and the swapped tables that hold them."""
+    """``num_blocks`` host blocks and the swapped tables that hold them.
 
-    def __init__(self, num_blocks: int) -> None:
+    ``check_owner`` (the device pool's owner check) runs before ``allocate`` or
+    ``release`` changes anything: a call from a foreign thread raises
+    ``KVOwnershipError`` with the free list untouched.
+    """
+
+    def __init__(self, num_blocks: int, check_owner: Callable[[], None] | None = None) -> None:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
+        self._check_owner = check_owner if check_owner is not None else _no_owner
         # Handed out from the end; reversed so that block 0 goes first (readable tests).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.tables: dict[str, SwappedTable] = {}
@@ -72,6 +79,7 @@ class SwapSpace:
 
     def allocate(self, n: int) -> list[int] | None:
         """``n`` free host blocks, or None (nothing taken) when fewer are free."""
+        self._check_owner()
         if n > len(self._free):
             return None
         if n == 0:
@@ -83,6 +91,7 @@ class SwapSpace:
 
     def release(self, host_ids: list[int]) -> None:
         """Return host blocks to the free list (a swapped table gave them up)."""
+        self._check_owner()
         self._free.extend(reversed(host_ids))
 
     def check_invariants(self) -> list[str]:
@@ -107,3 +116,7 @@ class SwapSpace:
                 f"host blocks: {len(set(free))} free + {len(held)} held != {self.num_blocks}"
             )
         return errors
+
+
+def _no_owner() -> None:
+    """The owner check of a host tier that nobody claimed (tests of this module alone)."""

@@ -168,7 +168,7 @@ class LlamaAttention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.n_heads + self.n_kv, d)
         q, k = apply_rope(qk, cos, sin).split([self.n_heads, self.n_kv], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.n_kv, d)  # (T, n_kv, D)
-        write_kv(cache, k, v, meta.slot_mapping)
+        write_kv(cache, k, v, meta)
         out = paged_attention(q, cache, meta, self.scale, new_kv=(k, v))  # (T, n_heads, D)
         return out.reshape(t, self.q_size)
 

@@ -83,9 +83,15 @@ class AttentionMetadata:
 
     Invariant: sequence i owns the flat tokens [cu_q[i], cu_q[i] + query_lens[i]),
     and its keys are the context_lens[i] cached tokens followed by those new tokens.
-    K/V are written through `slot_mapping` only (`write_kv`) and read through
-    `block_index` only (the decode and chunked batches select their rows of it):
-    integrity checks that go through these two tensors see what attention used.
+
+    Index contract: `slot_mapping` is the only index a kernel writes the cache with and
+    `block_index` the only one it reads it with (the decode and chunked batches select
+    their rows of it; fresh prompts read only their own new K/V). The integrity guard writes slot tags
+    through the same `slot_mapping` tensor, in the same `write_kv` call, and checks them
+    through this object's `block_index` after the forward pass, so a kernel that keeps
+    to the contract is covered by construction. `slot_tags` (num_slots,) int64 is the
+    guard's tag store and `new_tags` (T,) int64 the tag of each new token; both None
+    when tags are off.
     """
 
     slot_mapping: torch.Tensor  # (T,) int64 slot of each new token
@@ -98,6 +104,8 @@ class AttentionMetadata:
     decode: DecodeBatch | None = None
     fresh: list[FreshBatch] = field(default_factory=list)
     chunked: ChunkedBatch | None = None
+    slot_tags: torch.Tensor | None = None  # (num_blocks * block_size,) int64, a view
+    new_tags: torch.Tensor | None = None  # (T,) int64
 
     @property
     def is_decode(self) -> bool:
@@ -230,13 +238,17 @@ def _attention_mask(
 
 
 def write_kv(
-    cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
 ) -> None:
-    """Scatter new K/V (T, n_kv_heads, head_dim) into `cache` at `slot_mapping` (T,)."""
+    """Scatter new K/V (T, n_kv_heads, head_dim) into `cache` at `meta.slot_mapping` (T,),
+    and the new tokens' slot tags (when on) through the very same index tensor."""
     _, num_blocks, block_size, n_kv, head_dim = cache.shape
+    slot_mapping = meta.slot_mapping
     flat = cache.view(2, num_blocks * block_size, n_kv, head_dim)  # (2, slots, n_kv, D)
     flat[0].index_copy_(0, slot_mapping, k.to(cache.dtype))
     flat[1].index_copy_(0, slot_mapping, v.to(cache.dtype))
+    if meta.new_tags is not None:  # (same value in every layer's call: idempotent)
+        meta.slot_tags.index_copy_(0, slot_mapping, meta.new_tags)
 
 
 def batch_block_index(

@@ -112,24 +112,30 @@ class TokenLogprobs:
     top: list[tuple[int, float]]  # (token_id, logprob), best first
 
 
-#: What a failed check found: stored K/V bytes changed ("checksum"), or a slot holds
-#: another token chain's K/V: wrong block id, wrong slot, or corrupted tag ("slot_tag").
-FaultKind = Literal["checksum", "slot_tag"]
+#: What a failed check found: stored K/V bytes changed ("checksum"); a slot holds
+#: another token chain's K/V: wrong block id, wrong slot, or corrupted tag ("slot_tag");
+#: a new token was written to a slot attention does not read it from ("slot_mapping");
+#: blocks held by more tables than their reference count ("refcount", from an audit).
+FaultKind = Literal["checksum", "slot_tag", "slot_mapping", "refcount"]
 #: Which check found it: verified before use in this step ("read"), on a prefix-cache
 #: hit ("reuse"), a block's slots at seal time ("seal"), the background scrubber
-#: ("scrub"), or a block coming back from the host tier ("swap_in").
-Finder = Literal["read", "reuse", "seal", "scrub", "swap_in"]
+#: ("scrub"), a block coming back from the host tier ("swap_in"), the write-index check
+#: after the forward pass ("write"), or the invariant audit ("audit").
+Finder = Literal["read", "reuse", "seal", "scrub", "swap_in", "write", "audit"]
 #: A metadata fault the scheduler catches itself: a table entry's block was freed under
-#: it ("stale_ref"), or a table's block id disagrees with its reference ("table_mismatch").
-TableFaultKind = Literal["stale_ref", "table_mismatch"]
+#: it ("stale_ref"), a table's block id disagrees with its reference ("table_mismatch"),
+#: or a block a table holds was on the free queue ("free_list": taken off it, nothing
+#: recomputed).
+TableFaultKind = Literal["stale_ref", "table_mismatch", "free_list"]
 
 
 class FailureKey(NamedTuple):
     """The key of a failed-check counter: what was found and which check found it.
-    Table faults are found before a step ("schedule") or when a table is freed ("free")."""
+    Table faults are found before a step ("schedule"), when a table is freed ("free"),
+    or when the pool refuses to hand out a block still referenced ("allocate")."""
 
     kind: FaultKind | TableFaultKind
-    found_by: Finder | Literal["schedule", "free"]
+    found_by: Finder | Literal["schedule", "free", "allocate"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,9 +6,13 @@ the start of the first suspect block and produces what it would have without the
 - ``verify_block_tables`` (before ``schedule``): a table entry whose epoch-tagged ref no
   longer matches its block (the block was freed under it: use after free), or whose id
   disagrees with its ref (an altered entry), rolls its request back.
+  A held block found on the free queue is taken off it (nothing to recompute).
 - ``recover`` (after a step whose worker checks failed): the failed blocks are
   quarantined (their prefix-cache entries go with them) and every request holding one
-  rolls back; a request that no longer fits the healthy blocks fails.
+  rolls back; a request that no longer fits the healthy blocks fails. Reference counts
+  and the free queue are then rebuilt from what the tables hold, so no fault leaks.
+- ``repair`` (after a failed invariant audit): blocks held by more tables than they
+  count are quarantined and their holders roll back, then the same rebuild.
 """
 
 from __future__ import annotations
@@ -51,19 +55,32 @@ class RecoveryReport:
 
 
 def verify_block_tables(sched: Scheduler) -> list[IntegrityEvent]:
-    """Roll back every running request whose table names a freed or altered block."""
+    """Roll back every running request whose table names a freed or altered block; take
+    held blocks off the free queue."""
     kv = sched.kv
     bs = sched.config.block_size
+    blocks = kv.pool.blocks
     events: list[IntegrityEvent] = []
     for req in sched.running:
-        index = kv.first_unsound_block(req.req_id)
-        if index is None:
-            continue
-        entry = kv.tables[req.req_id]
-        ref = entry.refs[index]
-        kind: TableFaultKind = "stale_ref" if entry.ids[index] == ref.block_id else "table_mismatch"
-        events.append(IntegrityEvent(kind, req.req_id, ref.block_id, index * bs))
-        roll_back(sched, req, index * bs)
+        while (index := kv.first_unsound_block(req.req_id)) is not None:
+            entry = kv.tables[req.req_id]
+            ref = entry.refs[index]
+            kind: TableFaultKind
+            if entry.ids[index] != ref.block_id:
+                kind = "table_mismatch"
+            elif blocks[ref.block_id].epoch != ref.epoch:
+                kind = "stale_ref"
+            else:
+                # Held, yet on the free queue (or counted free): nothing was handed out
+                # yet (allocation comes after this check), so the K/V is intact. Take it
+                # off the queue; the request keeps its progress.
+                kv.reconcile()
+                position = req.num_computed_tokens
+                events.append(IntegrityEvent("free_list", req.req_id, ref.block_id, position))
+                continue
+            events.append(IntegrityEvent(kind, req.req_id, ref.block_id, index * bs))
+            roll_back(sched, req, index * bs)
+            break
     return events
 
 
@@ -93,7 +110,24 @@ def recover(sched: Scheduler, faults: list[KVFault]) -> RecoveryReport:
         rolled_back[rid] = roll_back(sched, req, pos)
         recomputed += before - rolled_back[rid]
     failed = _fail_unservable(sched, rolled_back)
+    # Rollbacks free by the entries the tables hold; an entry that named another
+    # request's block freed that block, not its own. Counting the references the tables
+    # really hold frees whatever is left over, so no fault leaks a block.
+    sched.kv.reconcile()
     return RecoveryReport(tuple(sorted(bad)), rolled_back, recomputed, failed)
+
+
+def repair(sched: Scheduler) -> RecoveryReport:
+    """Recover from metadata an invariant audit found inconsistent.
+
+    Blocks more tables hold than their ref_cnt counts are quarantined and every holder
+    rolls back to before them (any of them may have overwritten the others' K/V); then
+    ref counts and the free queue are rebuilt from the references the tables really hold
+    (leaked references freed, held blocks off the free queue).
+    """
+    over = sched.kv.overshared_blocks()
+    detail = "blocks held by more tables than their reference count"
+    return recover(sched, [KVFault("refcount", tuple(over), {}, "audit", detail)])
 
 
 def roll_back(sched: Scheduler, req: Request, position: int) -> int:

@@ -382,11 +382,17 @@ class Scheduler:
         self.kv.pool.check_owner()
         return recovery.recover(self, faults)
 
+    def repair(self) -> RecoveryReport:
+        """Recover from metadata an invariant audit found inconsistent (``recovery.py``)."""
+        self.kv.pool.check_owner()
+        return recovery.repair(self)
+
     def quarantined_block_ids(self) -> list[int]:
         """Quarantined blocks nobody holds and not retired: ready to scrub and release."""
         return recovery.quarantined_block_ids(self)
 
     def release_quarantined(self, block_ids: Iterable[int]) -> None:
         """Return scrubbed and re-verified blocks to service."""
+        self.kv.pool.check_owner()
         for block_id in block_ids:
             self.kv.pool.release_quarantine(block_id)

@@ -8,26 +8,40 @@
         faults = guard.swap_in(out, ...)         # a swapped-in block is verified on arrival
         guard.copy_blocks(out.copy_blocks)       # COW copies carry tags, sums and seals
         faults += guard.check_reads(out)         # before the forward pass: contents it reads
-        model forward (writes the step's K/V)
-        faults += guard.after_write(out)         # write tags, check every read position's
-                                                 # tag, write-time sums, seal full blocks
+        meta = AttentionMetadata.build(...)
+        guard.bind(out, meta)                    # the step's tags, to scatter with the K/V
+        model forward: write_kv(cache, k, v, meta) scatters K, V and tags through
+                       meta.slot_mapping; attention gathers through meta.block_index
+        faults += guard.after_write(out, meta)   # tags read through meta.block_index,
+                                                 # slot_mapping checked against block_index,
+                                                 # write-time sums at meta.slot_mapping, seal
         drop the sampled tokens of every request a fault names
+
+One index source, by construction: the tags are written by the same call and index tensor
+as the K/V (``meta.slot_mapping``) and read through the same index tensor as attention
+(``meta.block_index``) of that forward call; no other copy of the mapping (the scheduler's
+tables, the runner's lists) takes part in a placement check. A kernel that reads and
+writes the cache only through the metadata's two indices is covered without change.
 
 What each level checks (each includes the one before):
 
 ========  ==================================================================================
 off       nothing
 audit     slot tags: after the step's writes, every position ``[0, stop)`` of every
-          scheduled request, read through its block table, must hold the tag of that
-          request's token chain at that position (catches wrong table entries and wrong
-          slot indices in the step they happen)
-standard  write-time slot checksums; block checksums at seal (from slots that still
-          verify: a block whose slots earlier steps wrote is re-read first); verification
-          of a request's context blocks the first time it reads them (prefix-cache reuse,
-          return after preemption or rollback); verification of every block swapped in
-          from the host tier (sealed blocks by block checksum, a partly filled one by its
-          used slots' write-time sums); a scrubber re-verifying ``scrub_blocks_per_step``
-          sealed blocks per step, round robin
+          scheduled request, read through ``meta.block_index``, must hold the tag of that
+          request's token chain at that position; and every new token's
+          ``meta.slot_mapping`` entry must be the slot ``meta.block_index`` reads its
+          position from (catches a wrong block-index entry, a wrong slot, a table entry
+          pointing at another request's block, in the step they happen, before its tokens
+          are released)
+standard  write-time slot checksums (from the bytes at ``meta.slot_mapping``); block
+          checksums at seal (from slots that still verify: a block whose slots earlier
+          steps wrote is re-read first); verification of a request's context blocks the
+          first time it reads them (prefix-cache reuse, return after preemption or
+          rollback); verification of every block swapped in from the host tier (sealed
+          blocks by block checksum, a partly filled one by its used slots' write-time
+          sums); a scrubber re-verifying ``scrub_blocks_per_step`` sealed blocks per step,
+          round robin
 strict    every block a step reads is verified before the forward pass (sealed blocks by
           block checksum, the open block by its slots' write-time sums)
 ========  ==================================================================================
@@ -39,9 +53,9 @@ this step, so nothing computed from bad KV is released by a check that caught it
 
 State per physical block: ``sealed[b]`` and ``block_sums[b]`` (valid while sealed);
 per slot: ``slot_sums`` (write-time checksum) and the slot tag. A write at offset 0 of a
-block starts that block's new life and unseals it. Host (swap) blocks carry the same
-state, copied along with their bytes: what a block held when it left the device is what
-it must hold when it comes back.
+block starts that block's new life: ``bind`` unseals it and clears its tags before the
+forward pass. Host (swap) blocks carry the same state, copied along with their bytes:
+what a block held when it left the device is what it must hold when it comes back.
 """
 
 from __future__ import annotations
@@ -52,6 +66,7 @@ from typing import Literal
 import torch
 
 from pagewarden.kv.swap_space import BlockSwap
+from pagewarden.models.paged_attention import AttentionMetadata
 from pagewarden.sched.output import FailureKey, KVFault, ScheduledRequest, SchedulerOutput
 from pagewarden.worker.integrity import (
     ROOT_TAG,
@@ -238,20 +253,18 @@ class KVGuard:
         self._seen.update(r.req_id for r in out.requests)
         return self._attach_readers(faults, out.requests)
 
-    def _check_tags(self, reqs: list[ScheduledRequest]) -> list[KVFault]:
-        """Every position ``[0, stop)`` of each request, read through its block table,
-        must hold the tag of that request's token chain at that position."""
+    def _check_tags(self, reqs: list[ScheduledRequest], meta: AttentionMetadata) -> list[KVFault]:
+        """Every position ``[0, stop)`` of each request, read through ``meta.block_index``
+        (the index attention gathered K/V with), must hold the tag of that request's
+        token chain at that position."""
+        assert meta.num_seqs == len(reqs), "metadata rows are the step's requests, in order"
         bs = self.block_size
         lens = [r.positions.stop for r in reqs]
         max_len = max(lens)
-        max_blocks = (max_len + bs - 1) // bs
         expected = torch.zeros(len(reqs), max_len, dtype=torch.int64)
-        tables = torch.zeros(len(reqs), max_blocks, dtype=torch.int64)
         for i, r in enumerate(reqs):
-            n = lens[i]
-            expected[i, :n] = self._chain_tensor(r, n)
-            nb = (n + bs - 1) // bs
-            tables[i, :nb] = torch.tensor(r.block_table[:nb], dtype=torch.int64)
+            expected[i, : lens[i]] = self._chain_tensor(r, lens[i])
+        tables = meta.block_index.view(meta.num_seqs, meta.max_blocks)  # (S, max_blocks)
         self.counters.tag_checks += sum(lens)
         bad = self.tags.verify(tables, lens, expected)
         if not bad:
@@ -402,51 +415,70 @@ class KVGuard:
         key = FailureKey(fault.kind, fault.found_by)
         self.counters.failures[key] = self.counters.failures.get(key, 0) + 1
 
-    # ------------------------------------------------------------ after forward
-    def after_write(
-        self, out: SchedulerOutput, slot_mapping: torch.Tensor, skip: set[str]
-    ) -> list[KVFault]:
-        """Record the step's tags and write-time sums, check every read, seal full blocks.
+    # ------------------------------------------------------------ around forward
+    def bind(self, out: SchedulerOutput, meta: AttentionMetadata) -> None:
+        """Give the forward pass this step's slot tags, to scatter with the K/V.
 
-        ``slot_mapping`` is the flat (T,) slot tensor the forward pass scattered into;
-        requests in ``skip`` (already faulted this step) are not sealed (their tags are
-        still checked).
-        Checking tags after the write covers this step's own positions too, so a wrong
-        slot index (K/V scattered elsewhere) shows up as a missing tag where the block
-        table says the token lives.
+        ``write_kv`` writes ``meta.new_tags`` through ``meta.slot_mapping`` in the same
+        call that writes K and V, so a tag lands wherever its token's K/V lands. Blocks
+        that start a new life in this step forget their old tags first, so a slot this
+        step was meant to write but did not cannot pass on an earlier owner's tag, and
+        they are unsealed (their content is about to change).
         """
         if not self.tags_on or out.is_empty:
-            return []
+            return
         bs = self.block_size
         tags: list[torch.Tensor] = []
         new_blocks: list[int] = []
-        to_seal: list[int] = []
-        fresh: list[int] = []
         for r in out.requests:
             start, stop = r.positions.start, r.positions.stop
             tags.append(self._chain_tensor(r, stop)[start:stop])
             first = (start + bs - 1) // bs  # blocks that start inside this step
             new_blocks.extend(r.block_table[first : (stop + bs - 1) // bs])
+        if new_blocks:
+            fresh_ids = torch.tensor(new_blocks, dtype=torch.int64)
+            self.sealed[fresh_ids] = False
+            self.tags.tags[fresh_ids] = 0
+        meta.slot_tags = self.tags.tags.view(-1)
+        meta.new_tags = torch.cat(tags).to(self.tags.tags.device)  # (T,)
+
+    def after_write(
+        self, out: SchedulerOutput, meta: AttentionMetadata, skip: set[str]
+    ) -> list[KVFault]:
+        """Check every read through the kernel's own indices; write-time sums; seal.
+
+        ``meta`` is the ``AttentionMetadata`` the forward pass used (``bind`` gave it the
+        tags). Requests in ``skip`` (already faulted this step) are not sealed (their
+        tags are still checked). Tags are checked after the write, through
+        ``meta.block_index``, so they cover the positions written in this step too; and
+        ``meta.slot_mapping`` must agree with ``meta.block_index`` position by position,
+        so K/V scattered anywhere but where attention will look for it is caught at once,
+        naming both the block it should have gone to and the block it went to.
+        """
+        if not self.tags_on or out.is_empty:
+            return []
+        bs = self.block_size
+        reqs = list(out.requests)
+        to_seal: list[int] = []
+        fresh: list[int] = []
+        for r in reqs:
             if r.req_id not in skip:
+                start, stop = r.positions.start, r.positions.stop
+                first = (start + bs - 1) // bs
                 # Blocks this step filled: [start // bs, first) had slots written by
                 # earlier steps and are re-read at seal; [first, stop // bs) were written
                 # whole by this step, from which the sums were just taken.
                 to_seal.extend(r.block_table[start // bs : min(first, stop // bs)])
                 fresh.extend(r.block_table[first : stop // bs])
-        if new_blocks:
-            fresh_ids = torch.tensor(new_blocks, dtype=torch.int64)
-            self.sealed[fresh_ids] = False
-            # A block's new life starts here: forget its old tags, so a slot this step
-            # was meant to write but did not (a wrong slot index) cannot pass the tag
-            # check on what an earlier owner with the same tokens left there.
-            self.tags.tags[fresh_ids] = 0
-        self.tags.write(slot_mapping, torch.cat(tags))
         # Tags of every request, faulted ones too: a bad tag in a block that a rollback
         # is about to drop would otherwise go unseen, and the block stays in the prefix
         # cache.
-        faults = self._check_tags(list(out.requests))
+        faults = self._check_tags(reqs, meta)
+        faults += self._check_slot_mapping(reqs, meta)
         if self.sums_on:
-            self.slot_sums[slot_mapping] = slot_checksums(self.caches, slot_mapping)
+            # From the bytes at the slots the model actually wrote.
+            slots = meta.slot_mapping
+            self.slot_sums[slots] = slot_checksums(self.caches, slots)
             bad_blocks = {b for f in faults for b in f.block_ids} | {0}
             to_seal = sorted(set(to_seal) - bad_blocks)
             if to_seal:
@@ -454,7 +486,43 @@ class KVGuard:
             fresh = sorted(set(fresh) - bad_blocks)
             if fresh:
                 self._seal_written(fresh)
-        return self._attach_readers(faults, out.requests)
+        return self._attach_readers(faults, reqs)
+
+    def _check_slot_mapping(
+        self, reqs: list[ScheduledRequest], meta: AttentionMetadata
+    ) -> list[KVFault]:
+        """Each new token's write slot must be where ``block_index`` reads its position::
+
+        token t of sequence i at position p:
+        slot_mapping[t] == block_index[i * max_blocks + p // bs] * bs + p % bs
+        """
+        bs = self.block_size
+        device = meta.slot_mapping.device
+        q_lens = torch.tensor([len(r.positions) for r in reqs], dtype=torch.int64)  # (S,)
+        starts = torch.tensor([r.positions.start for r in reqs], dtype=torch.int64)  # (S,)
+        seq = torch.repeat_interleave(torch.arange(len(reqs)), q_lens)  # (T,)
+        first_token = torch.cumsum(q_lens, 0) - q_lens  # (S,)
+        pos = starts[seq] + torch.arange(seq.numel()) - first_token[seq]  # (T,)
+        row = (seq * meta.max_blocks + pos // bs).to(device)  # (T,)
+        expected = meta.block_index[row] * bs + (pos % bs).to(device)  # (T,)
+        wrong = (expected != meta.slot_mapping).nonzero().view(-1)
+        if not wrong.numel():
+            return []
+        wrong_cpu = wrong.cpu()
+        meant = (expected[wrong] // bs).tolist()
+        went = (meta.slot_mapping[wrong] // bs).tolist()
+        rollback: dict[str, int] = {}
+        for t in wrong_cpu.tolist():
+            rid, p = reqs[int(seq[t])].req_id, int(pos[t])
+            rollback[rid] = min(rollback.get(rid, p), (p // bs) * bs)
+        t0 = int(wrong_cpu[0])
+        detail = (
+            f"{wrong.numel()} token(s) written to a slot attention does not read them from; "
+            f"first: request {reqs[int(seq[t0])].req_id} position {int(pos[t0])} went to "
+            f"block {went[0]} instead of block {meant[0]}"
+        )
+        blocks = tuple(sorted(set(meant) | set(went)))
+        return [KVFault("slot_mapping", blocks, rollback, "write", detail)]
 
     def _seal_written(self, block_ids: list[int]) -> None:
         """Seal blocks written whole by this step: their slot sums were just taken from

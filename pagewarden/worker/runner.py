@@ -10,6 +10,7 @@ from pagewarden.sched.output import KVFault, ModelRunnerOutput, SchedulerOutput,
 from pagewarden.worker.kv_guard import KVGuard
 from pagewarden.worker.kv_store import KVStore
 from pagewarden.worker.sampler import Sampler, SamplingRow
+from pagewarden.worker.step_hooks import StepHooks
 
 
 class ModelRunner:
@@ -38,6 +39,8 @@ class ModelRunner:
             scrub_blocks_per_step,
             num_host_blocks=kv_store.num_host_blocks,
         )
+        # Fault injection's hook into the step (``pagewarden.faults``); None in service.
+        self.step_hooks: StepHooks | None = None
         generator = torch.Generator().manual_seed(seed)
         self.sampler = Sampler(vocab_size, generator)
 
@@ -84,6 +87,9 @@ class ModelRunner:
             block_size=self.kv_store.shape.block_size,
             device=self.kv_store.caches[0].device,
         )
+        guard.bind(out, meta)  # the tags ride with the K/V through meta.slot_mapping
+        if self.step_hooks is not None:
+            self.step_hooks.on_attention_metadata(out, meta)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long),  # (T,)
             torch.tensor(positions, dtype=torch.long),  # (T,)
@@ -92,9 +98,7 @@ class ModelRunner:
         )  # (T, hidden)
         if guard.tags_on:
             faulted = _faulted(faults)
-            faults = faults + guard.after_write(
-                out, torch.tensor(slot_mapping, dtype=torch.long), faulted
-            )
+            faults = faults + guard.after_write(out, meta, faulted)
             if faults:
                 faulted = _faulted(faults)
                 keep = [i for i, r in enumerate(sampled) if r.req_id not in faulted]

@@ -1,14 +1,14 @@
 """A stand-in model for fast integrity tests: real KV writes and reads, no network.
 
 ``KVEchoModel`` writes, for each new token, K/V that are a fixed function of
-(token, position) into the cache slots of ``slot_mapping`` (the same scatter a real model
-uses), then reads every position of the request's context back through its block table
-(the same gather) and derives the next token from a digest of what it read. So a step
+(token, position) into the cache slots of ``meta.slot_mapping`` (``write_kv``, the real
+model's scatter, slot tags included), then reads every position of the request's context
+back through ``meta.block_index`` (the index attention gathers with) and derives the next token from a digest of what it read. So a step
 that reads corrupted or misplaced KV produces a different token, exactly like a real
 model, at a few microseconds a step instead of milliseconds.
 
-The runner passes the flat batch; the model learns the per-request split and block
-tables from the ``SchedulerOutput`` the harness stashes on it (``attach_echo_model``
+The runner passes the flat batch; the model learns the per-request split from the
+``SchedulerOutput`` the harness stashes on it (``attach_echo_model``
 wraps ``runner.execute``), i.e. the worker's view of the step, faults included.
 """
 
@@ -22,6 +22,7 @@ from pagewarden.engine.config import EngineConfig
 from pagewarden.engine.core import EngineCore
 from pagewarden.models.llama import LlamaConfig
 from pagewarden.models.loader import LoadedModel
+from pagewarden.models.paged_attention import write_kv
 from pagewarden.models.tokenizer import Tokenizer
 
 VOCAB = 512
@@ -44,18 +45,18 @@ class KVEchoModel:
 
     def __call__(self, input_ids, positions, caches, meta) -> torch.Tensor:
         values = kv_values(input_ids, positions)
-        slots = meta.slot_mapping
-        for cache in caches:
-            cache[0].view(-1, KV_HEADS, HEAD_DIM)[slots] = values
-            cache[1].view(-1, KV_HEADS, HEAD_DIM)[slots] = -values
+        for cache in caches:  # the real model's scatter: K/V and slot tags, one index
+            write_kv(cache, values, -values, meta)
         bs = self.block_size
+        # Read through the kernel's index, as attention does: (S, max_blocks).
+        block_index = meta.block_index.view(meta.num_seqs, meta.max_blocks)
         digests = torch.zeros(input_ids.numel(), dtype=torch.float64)
         row = 0
-        for req in self.current.requests:
+        for i, req in enumerate(self.current.requests):
             n = len(req.token_ids)
             stop = req.positions.stop
             pos = torch.arange(stop)
-            table = torch.tensor(req.block_table[: (stop + bs - 1) // bs], dtype=torch.int64)
+            table = block_index[i, : (stop + bs - 1) // bs]
             read = table[pos // bs] * bs + pos % bs
             total = torch.zeros((), dtype=torch.float64)
             for cache in caches:

@@ -19,6 +19,7 @@ from pagewarden.engine.core import RequestRejected
 from pagewarden.faults.injector import FAULT_KINDS, FaultInjector
 from pagewarden.kv.errors import KVOwnershipError
 from pagewarden.sampling_params import SamplingParams
+from pagewarden.sched.output import FailureKey
 
 
 def _workload(seed: int, num: int, max_tokens: int = 12):
@@ -156,6 +157,10 @@ def test_each_detector_fires_and_recovery_matches_fault_free(
     assert s.failed_requests == 0
     if kind == "foreign_thread":
         assert s.ownership_violations == len(applied)
+    elif kind == "free_list_push":
+        # Caught before any allocation could hand it out: K/V intact, nothing recomputed.
+        assert s.failures[FailureKey("free_list", "schedule")] == len(applied)
+        assert s.rolled_back_requests == 0
     else:
         # One recovery per step that found faults (faults found together recover together).
         assert s.recoveries >= len({f.detected_step for f in applied})

@@ -19,10 +19,10 @@ def loaded(tiny_llama_dir):
 
 def test_strict_detects_everything_releases_nothing_and_outputs_match(tiny_llama_dir, loaded):
     report = run_chaos(
-        str(tiny_llama_dir), num_faults=24, integrity="strict", num_requests=12, loaded=loaded
+        str(tiny_llama_dir), num_faults=36, integrity="strict", num_requests=12, loaded=loaded
     )
     assert {r.kind for r in report.rows if r.injected} == set(FAULT_KINDS)
-    assert report.injected >= 20
+    assert report.injected >= 30
     assert report.detected == report.injected, report.table()
     assert all(r.recovered == r.injected for r in report.rows)
     assert report.corrupted_tokens == 0
@@ -31,6 +31,9 @@ def test_strict_detects_everything_releases_nothing_and_outputs_match(tiny_llama
     assert report.preemptions > 0 and report.prefix_hit_tokens > 0
     assert report.swapped_out_blocks > 0
     assert report.invariant_violations == [] and report.crash is None
+    # The pool is whole: every block free, cached-free, quarantined or retired.
+    assert report.leaked_blocks == 0, report.table()
+    assert "used" not in report.pool_states, report.table()
     assert "corrupted tokens released: 0" in report.table()
 
 
