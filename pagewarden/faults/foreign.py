@@ -19,7 +19,7 @@ from typing import Any
 from pagewarden.kv.block import BlockHash
 from pagewarden.sampling_params import SamplingParams
 from pagewarden.sched.output import ModelRunnerOutput, SchedulerOutput
-from pagewarden.sched.request import Request
+from pagewarden.sched.request import Request, RequestStatus
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,11 @@ def foreign_calls(scheduler) -> list[ForeignCall]:
         ),
         ("Scheduler", "abort_requests", lambda: scheduler.abort_requests([rid])),
         ("Scheduler", "finish_requests", lambda: scheduler.finish_requests([rid], None)),
+        (
+            "Scheduler",
+            "finish_requests_as",
+            lambda: scheduler.finish_requests_as([rid], RequestStatus.FINISHED_ABORTED, "abort"),
+        ),
         ("Scheduler", "schedule", scheduler.schedule),
         ("Scheduler", "update", lambda: scheduler.update(empty_out, ModelRunnerOutput({}))),
         ("Scheduler", "verify_block_tables", scheduler.verify_block_tables),

@@ -29,7 +29,14 @@ from pagewarden.worker.step_hooks import StepHooks
 
 #: Public methods that only read state; every other public method is a mutator.
 QUERIES = {
-    Scheduler: {"has_unfinished_requests", "stats", "check_invariants", "quarantined_block_ids"},
+    Scheduler: {
+        "has_unfinished_requests",
+        "stats",
+        "check_invariants",
+        "quarantined_block_ids",
+        "usable_blocks",
+        "admission_limits",
+    },
     KVCacheManager: {
         "has_table",
         "block_ids",
