@@ -64,6 +64,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="default: swap when --swap-space > 0, else recompute",
     )
     parser.add_argument(
+        "--adaptive-batch",
+        action=argparse.BooleanOptionalAction,
+        default=d.adaptive_batch,
+        help="lower the batch on integrity faults, preemption storms or slow tokens and "
+        "raise it back after a clean window (default on)",
+    )
+    parser.add_argument(
+        "--target-itl-ms",
+        type=float,
+        default=None,
+        help="inter-token latency p90 above which the batch shrinks (default: 4x the median "
+        "of the first clean window)",
+    )
+    parser.add_argument(
         "--cpu-threads",
         type=int,
         default=None,

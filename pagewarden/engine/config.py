@@ -57,6 +57,10 @@ class EngineConfig:
     # list such as "0-3" (None: no binding); see worker/cpu_threads.py.
     cpu_threads: int | None = None
     cpu_bind: str | None = None
+    # Adaptive batch size (engine/batch_controller.py): lower the batch on integrity
+    # faults, preemption storms or slow tokens; raise it back after a clean window.
+    adaptive_batch: bool = True
+    target_itl_ms: float | None = None  # None: derived from the first clean window
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -116,6 +120,8 @@ class EngineConfig:
                 parse_cpu_list(self.cpu_bind)
             except CpuBindError as exc:
                 raise EngineConfigError(str(exc)) from None
+        if self.target_itl_ms is not None and not self.target_itl_ms > 0:
+            raise EngineConfigError(f"target_itl_ms must be > 0, got {self.target_itl_ms}")
         if self.max_model_len is not None and self.max_model_len < MIN_MAX_MODEL_LEN:
             raise EngineConfigError(
                 f"max_model_len must be >= {MIN_MAX_MODEL_LEN}, got {self.max_model_len}"

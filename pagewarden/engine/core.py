@@ -9,9 +9,15 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
+from pagewarden.engine.batch_controller import (
+    AdaptiveBatchController,
+    BatchControllerConfig,
+    StepSignals,
+)
 from pagewarden.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from pagewarden.engine.integrity import IntegrityMonitor, IntegrityStats
 from pagewarden.engine.output_processor import OutputProcessor
@@ -41,6 +47,8 @@ class EngineStats(SchedulerStats):
     prompt_tokens: int = metric("counter", "Prompt tokens admitted.")
     generation_tokens: int = metric("counter", "Tokens generated.")
     integrity: IntegrityStats
+    # Changes of the effective batch limits by reason (engine/batch_controller.py).
+    batch_limit_changes: dict[str, int] = field(default_factory=dict)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -113,6 +121,19 @@ class EngineCore:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.hooks: StepHooks | None = None  # fault injection only (see install_hooks)
+        self.batch = (
+            AdaptiveBatchController(
+                BatchControllerConfig(
+                    max_num_seqs=config.max_num_seqs,
+                    max_num_batched_tokens=config.max_num_batched_tokens,
+                    target_itl_s=(
+                        config.target_itl_ms / 1e3 if config.target_itl_ms is not None else None
+                    ),
+                )
+            )
+            if config.adaptive_batch
+            else None
+        )
 
     def install_hooks(self, hooks: StepHooks | None) -> None:
         """Let ``hooks`` act at fixed points of every step (fault injection; None
@@ -205,6 +226,7 @@ class EngineCore:
             return finished
         if self.hooks is not None:
             sched_out = self.hooks.before_execute(sched_out)
+        start = (time.perf_counter(), self.integrity.recoveries, self.scheduler.num_preemptions)
         result = self.runner.execute(sched_out)
         if result.faults:
             sched_out, report = self.integrity.recover(sched_out, result)
@@ -216,11 +238,39 @@ class EngineCore:
         if self.hooks is not None:
             self.hooks.after_step(sched_out, result, updates)
         self.integrity.after_step()
+        if self.batch is not None:
+            self._adapt_batch(start, sum(len(r.positions) == 1 for r in sched_out.requests))
         self.generation_tokens += len(updates)  # one entry per sampled token
         changed, stopped = self.outputs.process(updates)
         if stopped:
             self.scheduler.finish_requests(stopped, None)
         return finished + changed
+
+    def _adapt_batch(self, start: tuple[float, int, int], num_decodes: int) -> None:
+        """Feed the step to the batch controller; apply and log the change it makes."""
+        assert self.batch is not None
+        t0, recoveries, preemptions = start
+        step_s = time.perf_counter() - t0  # each decoded token waited this long
+        change = self.batch.observe(
+            StepSignals(
+                integrity_faults=self.integrity.recoveries - recoveries,
+                preemptions=self.scheduler.num_preemptions - preemptions,
+                inter_token_latencies_s=(step_s,) * num_decodes,
+            )
+        )
+        if change is None:
+            return
+        new = change.new
+        self.scheduler.set_batch_limits(new.max_num_seqs, new.max_num_batched_tokens)
+        logger.warning(
+            "batch limit %s: max_num_seqs %d -> %d, max_num_batched_tokens %d -> %d (%s)",
+            change.reason,
+            change.old.max_num_seqs,
+            new.max_num_seqs,
+            change.old.max_num_batched_tokens,
+            new.max_num_batched_tokens,
+            change.detail,
+        )
 
     def stats(self) -> EngineStats:
         scheduler = self.scheduler.stats()
@@ -229,4 +279,5 @@ class EngineCore:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             integrity=self.integrity.stats(),
+            batch_limit_changes=dict(self.batch.changes) if self.batch is not None else {},
         )

@@ -60,6 +60,7 @@ def foreign_calls(scheduler) -> list[ForeignCall]:
             lambda: scheduler.finish_requests_as([rid], RequestStatus.FINISHED_ABORTED, "abort"),
         ),
         ("Scheduler", "schedule", scheduler.schedule),
+        ("Scheduler", "set_batch_limits", lambda: scheduler.set_batch_limits(1, 1)),
         ("Scheduler", "update", lambda: scheduler.update(empty_out, ModelRunnerOutput({}))),
         ("Scheduler", "verify_block_tables", scheduler.verify_block_tables),
         ("Scheduler", "recover", lambda: scheduler.recover([])),

@@ -96,6 +96,16 @@ class PagewardenCollector:
         for reason in sorted({"stop", "length", "abort", "error", *f.request_success}):
             success.add_metric([m, reason], f.request_success.get(reason, 0))
         yield success
+        changes = CounterMetricFamily(
+            P + "batch_limit_changes",
+            "Changes of the effective batch limits by the adaptive batch controller, by reason.",
+            labels=["model_name", "reason"],
+        )
+        for reason in sorted(
+            {"integrity_fault", "latency", "preemption_storm", "recovery", *s.batch_limit_changes}
+        ):
+            changes.add_metric([m, reason], s.batch_limit_changes.get(reason, 0))
+        yield changes
         yield _histogram(
             "time_to_first_token_seconds", "Time to first token.", f.time_to_first_token, m
         )

@@ -49,7 +49,7 @@ def schedule_swapped(sched: Scheduler, plan: StepPlan) -> None:
     last, and schedule their next tokens."""
     kv = sched.kv
     bs = sched.config.block_size
-    max_seqs = sched.config.max_num_seqs
+    max_seqs = sched.max_num_seqs
     while (
         sched.swapped
         and plan.budget > 0

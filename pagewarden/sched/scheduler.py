@@ -73,6 +73,28 @@ class Scheduler:
         self.swap_in: list[BlockSwap] = []
         self.num_steps = 0
         self.num_preemptions = 0
+        # Effective per-step limits: the configured ones, or lower while the engine's
+        # batch controller holds the batch down (see ``set_batch_limits``).
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+
+    def set_batch_limits(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        """Lower (or restore) the per-step limits, between 1 and the configured ones.
+
+        Running requests are never dropped: past a lowered seat limit they wait for
+        seats, and no new request is admitted until the running batch fits under it.
+        """
+        self.kv.pool.check_owner()
+        cfg = self.config
+        if not 1 <= max_num_seqs <= cfg.max_num_seqs:
+            raise ValueError(f"max_num_seqs must be in [1, {cfg.max_num_seqs}], got {max_num_seqs}")
+        if not 1 <= max_num_batched_tokens <= cfg.max_num_batched_tokens:
+            raise ValueError(
+                f"max_num_batched_tokens must be in [1, {cfg.max_num_batched_tokens}], "
+                f"got {max_num_batched_tokens}"
+            )
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
 
     # ------------------------------------------------------------- admission
     def usable_blocks(self) -> int:
@@ -164,7 +186,7 @@ class Scheduler:
         """Pick this step's requests and token counts; allocate their slots."""
         self.kv.pool.check_owner()
         self.num_steps += 1
-        plan = StepPlan(self.config.max_num_batched_tokens)
+        plan = StepPlan(self.max_num_batched_tokens)
         self._schedule_running(plan)
         if not plan.preempted:  # a pool that just ran dry admits nobody new
             if self.swapped:
@@ -186,7 +208,7 @@ class Scheduler:
     def _schedule_running(self, plan: StepPlan) -> None:
         """Schedule running requests in order, preempting from the back when the pool
         runs dry."""
-        max_seqs = self.config.max_num_seqs
+        max_seqs = self.max_num_seqs
         # Preemption pops from the back of ``running``; the iterator stops short of it.
         for req in self.running:
             if plan.budget <= 0 or len(plan.requests) >= max_seqs:
@@ -219,7 +241,7 @@ class Scheduler:
         """Admit waiting requests in order while the budget, the seats and the free blocks
         last; each starts after its cached prefix."""
         kv = self.kv
-        max_seqs = self.config.max_num_seqs
+        max_seqs = self.max_num_seqs
         while (
             self.waiting
             and plan.budget > 0
@@ -342,6 +364,8 @@ class Scheduler:
             num_waiting=len(self.waiting),
             num_swapped=len(self.swapped),
             num_preemptions=self.num_preemptions,
+            effective_max_num_seqs=self.max_num_seqs,
+            effective_max_num_batched_tokens=self.max_num_batched_tokens,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
             total_blocks=pool.num_blocks,

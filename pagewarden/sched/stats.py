@@ -50,6 +50,12 @@ class SchedulerStats:
         "gauge", "Requests whose KV is in the host (swap) tier.", "num_requests_swapped"
     )
     num_preemptions: int = metric("counter", "Requests preempted.")
+    effective_max_num_seqs: int = metric(
+        "gauge", "Sequences per step the scheduler allows now (the batch controller's limit)."
+    )
+    effective_max_num_batched_tokens: int = metric(
+        "gauge", "Tokens per step the scheduler allows now (the batch controller's limit)."
+    )
     prefix_cache_queries: int = metric("counter", "Prompt tokens looked up in the prefix cache.")
     prefix_cache_hits: int = metric("counter", "Prompt tokens served from the prefix cache.")
     total_blocks: int = 0
