@@ -21,8 +21,9 @@ def _stats() -> EngineStats:
     integrity_ints = {f.name: 100 + k for k, f in enumerate(fields(IntegrityStats))}
     integrity_ints.update(level="standard", failures={})
     integrity = IntegrityStats(**integrity_ints)
-    ints = {f.name: k + 1 for k, f in enumerate(fields(EngineStats)) if f.name != "integrity"}
-    return EngineStats(**ints, integrity=integrity)
+    labelled = ("integrity", "batch_limit_changes")  # built by hand, with labels
+    ints = {f.name: k + 1 for k, f in enumerate(fields(EngineStats)) if f.name not in labelled}
+    return EngineStats(**ints, integrity=integrity, batch_limit_changes={"latency": 3})
 
 
 def _scrape(stats: EngineStats) -> dict[str, float]:
@@ -53,3 +54,15 @@ def test_every_exported_metric_is_documented() -> None:
     for e in [*exported_fields(stats), *exported_fields(stats.integrity)]:
         name = "pagewarden:" + e.name + ("_total" if e.kind == "counter" else "")
         assert f"`{name}`" in docs, f"{name} is exported but not in the metrics reference"
+
+
+def test_batch_limit_changes_are_exported_by_reason() -> None:
+    registry = build_registry(_stats, FrontendStatsRecorder().snapshot, "m")
+    text = render(registry)[0].decode()
+    samples = {
+        s.labels["reason"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "pagewarden:batch_limit_changes_total"
+    }
+    assert samples == {"integrity_fault": 0, "latency": 3, "preemption_storm": 0, "recovery": 0}
