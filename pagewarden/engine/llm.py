@@ -46,6 +46,8 @@ class LLM:
         preemption_mode: str | None = None,
         cpu_threads: int | None = None,
         cpu_bind: str | None = None,
+        adaptive_batch: bool = True,
+        target_itl_ms: float | None = None,
     ) -> None:
         self.config = EngineConfig(
             model=model,
@@ -66,6 +68,8 @@ class LLM:
             preemption_mode=preemption_mode,
             cpu_threads=cpu_threads,
             cpu_bind=cpu_bind,
+            adaptive_batch=adaptive_batch,
+            target_itl_ms=target_itl_ms,
         )
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()

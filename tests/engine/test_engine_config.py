@@ -34,3 +34,15 @@ def test_cpu_flags_reach_the_engine_config() -> None:
         engine_config(parser.parse_args(["--cpu-threads", "0"]))
     with pytest.raises(EngineConfigError):
         engine_config(parser.parse_args(["--cpu-bind", "3-1"]))
+
+
+def test_llm_takes_every_engine_config_field() -> None:
+    """`pagewarden generate` builds an LLM from every EngineConfig field the flags set."""
+    import inspect
+    from dataclasses import fields
+
+    from pagewarden.engine.config import EngineConfig
+    from pagewarden.engine.llm import LLM
+
+    params = set(inspect.signature(LLM.__init__).parameters) - {"self"}
+    assert {f.name for f in fields(EngineConfig)} <= params
