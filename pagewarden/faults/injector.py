@@ -487,18 +487,14 @@ class FaultInjector(StepHooks):
         fault.detail = f"{sr.req_id} table[{index}]: block {old} -> {target}"
         return True
 
-    def _apply_slot_redirect(
-        self, requests: list[ScheduledRequest], k: int, fault: InjectedFault
-    ) -> bool:
-        """Scatter one new token's K/V over a written slot of another running request."""
-        sr = requests[k]
-        if sr is not self._original[sr.req_id]:
-            return False
+    def _written_slot_elsewhere(self, sr: ScheduledRequest):
+        """A random written position of another running request, outside ``sr``'s blocks,
+        as (request, position, its block id); None when there is none. Overwriting a slot
+        with the very same (token chain, position) alters nothing, so those are skipped."""
         bs = self.engine.config.block_size
         tables = self.engine.scheduler.kv.tables
         own = set(sr.block_table)
         mine = (sr.prompt_token_ids + sr.output_token_ids)[: sr.positions.start + 1]
-        # Overwriting a slot with the very same (token chain, position) alters nothing.
         victims = [
             (r, p)
             for r in self._running()
@@ -508,9 +504,22 @@ class FaultInjector(StepHooks):
             and not (p == sr.positions.start and r.all_token_ids[: p + 1] == mine)
         ]
         if not victims:
-            return False
+            return None
         victim, pos = self.rng.choice(victims)
-        target = tables[victim.req_id].ids[pos // bs]
+        return victim, pos, tables[victim.req_id].ids[pos // bs]
+
+    def _apply_slot_redirect(
+        self, requests: list[ScheduledRequest], k: int, fault: InjectedFault
+    ) -> bool:
+        """Scatter one new token's K/V over a written slot of another running request."""
+        sr = requests[k]
+        if sr is not self._original[sr.req_id]:
+            return False
+        picked = self._written_slot_elsewhere(sr)
+        if picked is None:
+            return False
+        victim, pos, target = picked
+        bs = self.engine.config.block_size
         slots = list(sr.slot_mapping)
         old = slots[0]
         slots[0] = target * bs + pos % bs
@@ -606,22 +615,11 @@ class FaultInjector(StepHooks):
         """Point one entry of the forward call's ``slot_mapping`` (nothing else) at a
         written slot of another running request."""
         sr = reqs[k]
-        bs = self.engine.config.block_size
-        tables = self.engine.scheduler.kv.tables
-        own = set(sr.block_table)
-        mine = (sr.prompt_token_ids + sr.output_token_ids)[: sr.positions.start + 1]
-        victims = [
-            (r, p)
-            for r in self._running()
-            if r.req_id != sr.req_id
-            for p in range(r.num_computed_tokens)
-            if tables[r.req_id].ids[p // bs] not in own
-            and not (p == sr.positions.start and r.all_token_ids[: p + 1] == mine)
-        ]
-        if not victims:
+        picked = self._written_slot_elsewhere(sr)
+        if picked is None:
             return False
-        victim, pos = self.rng.choice(victims)
-        target = tables[victim.req_id].ids[pos // bs]
+        victim, pos, target = picked
+        bs = self.engine.config.block_size
         t = sum(len(r.positions) for r in reqs[:k])  # the request's first new token
         slot_mapping = meta.slot_mapping.clone()
         old = int(slot_mapping[t])
