@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -192,7 +193,7 @@ class EngineCoreClient:
             if gen.closed.wait(0.1) or not gen.proc.is_alive():
                 if self._stopping:
                     return
-                why = getattr(gen, "fatal", None) or f"exit code {gen.proc.exitcode}"
+                why = getattr(gen, "fatal", None) or _exit_reason(gen.proc)
                 self._restart(f"the engine core died ({why})")
             elif self.has_work() and time.monotonic() - self.last_message > self.stall_timeout_s:
                 self._restart(
@@ -215,3 +216,18 @@ class EngineCoreClient:
             logger.error("pagewarden: %s; retrying in %.1f s", self._start_error, backoff)
             time.sleep(backoff)
             backoff = min(backoff * 2, 30.0)
+
+
+def _exit_reason(proc) -> str:
+    """How the core process ended, e.g. "killed by SIGKILL". Its pipe closes a moment
+    before the process is reaped, so wait briefly for the exit code."""
+    proc.join(2.0)
+    code = proc.exitcode
+    if code is None:
+        return "its pipe closed but the process is still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

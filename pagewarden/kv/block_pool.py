@@ -171,6 +171,7 @@ class BlockPool:
             if state is _CACHED_FREE or state is _FREE:
                 queue.remove(block)
                 block.state = _USED
+                self.num_allocations += 1  # back in use: frees and allocations stay paired
             elif state is _QUARANTINED:
                 raise QuarantinedBlockError(f"block {block.block_id} is quarantined")
             elif state is not _USED:

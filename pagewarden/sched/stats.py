@@ -67,7 +67,9 @@ class SchedulerStats:
     quarantined_blocks: int = metric(
         "gauge", "KV blocks quarantined after a fault.", "kv_blocks_quarantined"
     )
-    block_allocations: int = metric("counter", "KV block allocations.")
+    block_allocations: int = metric(
+        "counter", "KV blocks taken into use (new, or cached-free reused by a prefix hit)."
+    )
     block_frees: int = metric("counter", "KV block frees.")
     retired_blocks: int = 0
     ownership_violations: int = 0

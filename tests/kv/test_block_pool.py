@@ -38,6 +38,23 @@ def test_get_new_blocks_pops_head_and_sets_ref_cnt() -> None:
     assert pool.num_allocations == 2
 
 
+def test_prefix_hit_on_a_cached_free_block_counts_as_an_allocation() -> None:
+    # allocations - frees is the number of blocks in use: a cached-free block taken back
+    # by a prefix hit leaves the free pool, and its later free must be paired with it.
+    pool = BlockPool(6, 4)
+    (b1,) = pool.get_new_blocks(1)
+    pool.seal(b1, _h([1, 2, 3, 4]), [1, 2, 3, 4])
+    pool.free_blocks([b1])
+    assert b1.state is BlockState.CACHED_FREE
+    pool.touch([b1])
+    (b2,) = pool.get_new_blocks(1)
+    pool.touch([b2])  # a fork of a used block is not an allocation
+    assert pool.num_allocations - pool.num_frees == 2
+    pool.free_blocks([b1, b2])
+    pool.free_blocks([b2])
+    assert pool.num_allocations == pool.num_frees == 3
+
+
 def test_exhaustion_raises_and_changes_nothing() -> None:
     pool = BlockPool(4, 4)
     with pytest.raises(BlockPoolExhausted, match="only 3 are free"):
