@@ -21,6 +21,13 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", action="append", default=None, help="repeat for several keys")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument(
+        "--vllm-metrics",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also export vLLM's metric names (vllm:num_requests_running, ...) in /metrics, "
+        "for routers and dashboards built for vLLM",
+    )
     _add_limit_args(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
@@ -122,7 +129,14 @@ def _build_app(args: argparse.Namespace, engine, name: str):
         fixed_limit=args.max_inflight_requests,
         enabled=args.admission_control,
     )
-    return build_app(engine, name, args.api_key, limits=limits, admission=admission)
+    return build_app(
+        engine,
+        name,
+        args.api_key,
+        limits=limits,
+        admission=admission,
+        vllm_metrics=args.vllm_metrics,
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
