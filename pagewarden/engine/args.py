@@ -78,6 +78,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "of the first clean window)",
     )
     parser.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        metavar="URL",
+        help="publish KV cache events in vLLM's format on a ZeroMQ PUB socket: "
+        "tcp://*:5557 binds, tcp://host:5557 connects to a subscriber that binds "
+        "(default: off; see docs/kv-events.md)",
+    )
+    parser.add_argument(
+        "--kv-events-topic", default=d.kv_events_topic, help="ZeroMQ topic of the KV events"
+    )
+    parser.add_argument(
+        "--kv-events-encoding",
+        default=d.kv_events_encoding,
+        choices=("array", "map"),
+        help="each event as a tagged array (vLLM up to 0.23, every consumer reads it) or a "
+        "tagged map (newer vLLM)",
+    )
+    parser.add_argument(
         "--cpu-threads",
         type=int,
         default=None,
