@@ -71,11 +71,13 @@ class PagewardenCollector:
         frontend_stats: Callable[[], FrontendStats],
         model_name: str,
         vllm_metrics: bool = False,
+        vllm_cache_config: dict[str, str] | None = None,
     ) -> None:
         self._engine_stats = engine_stats
         self._frontend_stats = frontend_stats
         self._model = model_name
         self._vllm_metrics = vllm_metrics
+        self._vllm_cache_config = vllm_cache_config or {}
 
     def collect(self) -> Iterator[Metric]:
         s, f, m = self._engine_stats(), self._frontend_stats(), self._model
@@ -128,9 +130,21 @@ class PagewardenCollector:
             f.request_queue_time,
             m,
         )
+        yield _histogram(
+            "request_prompt_tokens",
+            "Prompt tokens of each finished request.",
+            f.request_prompt_tokens,
+            m,
+        )
+        yield _histogram(
+            "request_generation_tokens",
+            "Tokens generated for each finished request (all n completions).",
+            f.request_generation_tokens,
+            m,
+        )
         yield from self._integrity_metrics(s)
         if self._vllm_metrics:  # from the same snapshots, so each twin pair agrees
-            yield from _vllm_twins(s, f, m)
+            yield from _vllm_twins(s, f, m, self._vllm_cache_config)
 
     def _integrity_metrics(self, s: object) -> Iterator[Metric]:
         """Integrity checks and failures by kind, recoveries, quarantine, audits."""
@@ -183,20 +197,37 @@ V = "vllm:"
 _VLLM_LABELS = ["model_name", "engine"]
 
 
-def _vllm_twins(s, f: FrontendStats, model: str) -> Iterator[Metric]:
+def _vllm_twins(s, f: FrontendStats, model: str, cache_config: dict[str, str]) -> Iterator[Metric]:
     """The series that vLLM's consumers (prefix-aware routers, autoscalers, vLLM's Grafana
     dashboards) read, under vLLM's names and labels, with the values of their
     ``pagewarden:*`` twins. Counters are exported with ``_total`` as prometheus_client
     exports vLLM's."""
     values = [model, "0"]
+    host_used = (s.host_blocks - s.free_host_blocks) / s.host_blocks if s.host_blocks else 0.0
     for name, doc, value in (
         ("num_requests_running", "Number of requests in model execution batches.", s.num_running),
         ("num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting),
+        ("num_requests_swapped", "Number of requests swapped to CPU.", s.num_swapped),
         ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage),
+        # vLLM's names before 0.10, still read by the Grafana dashboard it shipped.
+        (
+            "gpu_cache_usage_perc",
+            "GPU KV-cache usage. 1 means 100 percent usage.",
+            s.kv_cache_usage,
+        ),
+        ("cpu_cache_usage_perc", "CPU KV-cache usage. 1 means 100 percent usage.", host_used),
     ):
         g = GaugeMetricFamily(V + name, doc, labels=_VLLM_LABELS)
         g.add_metric(values, value)
         yield g
+    if cache_config:
+        info = GaugeMetricFamily(
+            V + "cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=sorted(cache_config),
+        )
+        info.add_metric([cache_config[k] for k in sorted(cache_config)], 1.0)
+        yield info
     for name, doc, value in (
         (
             "prefix_cache_queries",
@@ -250,6 +281,16 @@ def _vllm_twins(s, f: FrontendStats, model: str) -> Iterator[Metric]:
             "Histogram of time spent in WAITING phase for request.",
             f.request_queue_time,
         ),
+        (
+            "request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            f.request_prompt_tokens,
+        ),
+        (
+            "request_generation_tokens",
+            "Number of generation tokens processed.",
+            f.request_generation_tokens,
+        ),
     ):
         fam = HistogramMetricFamily(V + name, doc, labels=_VLLM_LABELS)
         fam.add_metric(values, _cumulative_buckets(h), sum_value=h.total)
@@ -261,11 +302,16 @@ def build_registry(
     frontend_stats: Callable[[], FrontendStats],
     model_name: str,
     vllm_metrics: bool = False,
+    vllm_cache_config: dict[str, str] | None = None,
 ) -> CollectorRegistry:
     """A private registry holding only pagewarden's collector; ``vllm_metrics`` adds the
-    ``vllm:*`` twins."""
+    ``vllm:*`` twins, ``vllm_cache_config`` the labels of ``vllm:cache_config_info``."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(PagewardenCollector(engine_stats, frontend_stats, model_name, vllm_metrics))
+    registry.register(
+        PagewardenCollector(
+            engine_stats, frontend_stats, model_name, vllm_metrics, vllm_cache_config
+        )
+    )
     return registry
 
 

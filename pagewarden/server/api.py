@@ -68,7 +68,14 @@ def build_app(
 
 def _add_info_routes(app: FastAPI, ctx: ServerContext, vllm_metrics: bool) -> None:
     engine = ctx.engine
-    registry = prometheus.build_registry(engine.engine_stats, engine.stats, ctx.model, vllm_metrics)
+    # The labels of vllm:cache_config_info that routers read (block size, pool size).
+    cache_config = {
+        "block_size": str(engine.info.block_size),
+        "num_gpu_blocks": str(engine.info.num_blocks),
+    }
+    registry = prometheus.build_registry(
+        engine.engine_stats, engine.stats, ctx.model, vllm_metrics, cache_config
+    )
 
     @app.get("/health")
     async def health() -> Response:
