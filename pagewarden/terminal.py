@@ -75,17 +75,18 @@ def load_progress(label: str, out: TextIO) -> Iterator[None]:
     ticker = threading.Thread(target=tick, daemon=True) if tty else None
     if ticker is not None:
         ticker.start()
+    ok = False
     try:
         yield
-    except BaseException:
+        ok = True
+    finally:
         done.set()
-        out.write(f"\r{label} failed\n" if tty else "")
-        raise
-    done.set()
-    if ticker is not None:
-        ticker.join()
-    out.write(f"\r{label} done in {time.monotonic() - start:.1f}s\n")
-    out.flush()
+        if ticker is not None:
+            ticker.join()
+        back = "\r" if tty else ""
+        status = f"done in {time.monotonic() - start:.1f}s" if ok else "failed"
+        out.write(f"{back}{label} {status}\n")
+        out.flush()
 
 
 _request_ids = itertools.count()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import shutil
+import time
 
 import pytest
 
@@ -86,3 +87,18 @@ def test_generate_cli_prints_the_completion(tiny_llama_dir, capsys) -> None:
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert captured.out.strip() and "loading" in captured.err and "done in" in captured.err
+
+
+def test_load_progress_is_one_line_updated_in_place() -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    out = Terminal()
+    with terminal.load_progress("loading m", out):
+        time.sleep(0.35)
+    text = out.getvalue()
+    assert "\n" not in text[:-1] and text.count("\r") >= 3  # redrawn, one line
+    assert text.endswith("s\n") and "\rloading m done in" in text
+    with pytest.raises(KeyError), terminal.load_progress("loading m", io.StringIO()) as _:
+        raise KeyError("x")

@@ -127,6 +127,12 @@ class EngineConfig:
                 raise EngineConfigError(str(exc)) from None
         if self.target_itl_ms is not None and not self.target_itl_ms > 0:
             raise EngineConfigError(f"target_itl_ms must be > 0, got {self.target_itl_ms}")
+        endpoint = self.kv_events_endpoint
+        if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise EngineConfigError(
+                f"kv_events_endpoint must be a ZeroMQ tcp://, ipc:// or inproc:// address "
+                f"(tcp://*:5557 binds), got {endpoint!r}"
+            )
         if self.kv_events_encoding not in ("array", "map"):
             raise EngineConfigError(
                 f"kv_events_encoding must be 'array' or 'map', got {self.kv_events_encoding!r}"

@@ -3,13 +3,20 @@ block set from them and finds exactly the engine's prefix-cache index."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import msgspec
 import pytest
 import zmq
 
-from pagewarden.engine.kv_events import KVEventPublisher, external_hash, wire_events
+from pagewarden.engine.config import EngineConfig, EngineConfigError
+from pagewarden.engine.kv_events import (
+    KVEventPublisher,
+    KVEventsUnavailable,
+    external_hash,
+    wire_events,
+)
 from pagewarden.engine.llm import LLM
 from pagewarden.kv.block import BlockHash
 from pagewarden.kv.cache_events import BlockRemoved, BlockStored
@@ -189,6 +196,11 @@ def test_subscriber_rebuilds_the_engines_cached_block_set(tiny_llama_dir) -> Non
     assert llm.stats().prefix_cache_hits > 0
 
 
-def test_publisher_refuses_a_bad_endpoint() -> None:
+def test_bad_endpoints_and_missing_packages_give_clear_errors(monkeypatch) -> None:
     with pytest.raises(ValueError, match="kv-events-endpoint"):
-        KVEventPublisher("nonsense://x", block_size=4)
+        KVEventPublisher("tcp://no-such-host-name:x", block_size=4)
+    with pytest.raises(EngineConfigError, match="tcp://"):
+        EngineConfig(kv_events_endpoint="localhost:5557")
+    monkeypatch.setitem(sys.modules, "zmq", None)  # as if pyzmq were not installed
+    with pytest.raises(KVEventsUnavailable, match=r"pagewarden\[kv-events\]"):
+        KVEventPublisher("tcp://*:5557", block_size=4)
