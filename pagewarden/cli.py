@@ -30,14 +30,27 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 def _add_chat_sampling_args(parser: argparse.ArgumentParser) -> None:
     from pagewarden.terminal import CHAT_FALLBACK
 
-    fallback = ", ".join(f"{k} {v}" for k, v in CHAT_FALLBACK.items())
-    recommended = f"(default: the model's generation config, else {fallback})"
+    def recommended(name: str, what: str) -> str:
+        fallback = CHAT_FALLBACK.get(name, "off")
+        return f"{what} (default: the model's generation config, else {fallback})"
+
     parser.add_argument("--system", default=None, help="system prompt (default: none)")
     parser.add_argument("--max-tokens", type=int, default=512, help="most tokens per reply")
-    parser.add_argument("--temperature", type=float, default=None, help=recommended)
-    parser.add_argument("--top-p", type=float, default=None, help=recommended)
-    parser.add_argument("--top-k", type=int, default=None, help=recommended + "; 0 = off")
-    parser.add_argument("--repetition-penalty", type=float, default=None, help=recommended)
+    parser.add_argument(
+        "--temperature", type=float, default=None, help=recommended("temperature", "0 is greedy")
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=None, help=recommended("top_p", "nucleus sampling mass")
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=None, help=recommended("top_k", "the k likeliest; 0 = off")
+    )
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=None,
+        help=recommended("repetition_penalty", "> 1 discourages repeats"),
+    )
     parser.add_argument(
         "--sample-seed", type=int, default=None, help="per-reply seed (default: none)"
     )
