@@ -40,6 +40,7 @@ from typing import Literal
 
 from pagewarden.kv.block import BlockHash
 from pagewarden.kv.cache_events import BlockRemoved, BlockStored, CacheEvent
+from pagewarden.kv.prefix_hash import encode_extra_keys, hash_block_chain
 
 KVEventEncoding = Literal["array", "map"]
 
@@ -56,6 +57,16 @@ class KVEventsUnavailable(ValueError):
 def external_hash(block_hash: BlockHash) -> int:
     """The block hash as routers receive it: the digest's low 64 bits, unsigned."""
     return int.from_bytes(block_hash[-8:], "big")
+
+
+def prompt_block_hashes(
+    token_ids: Sequence[int], block_size: int, model_id: str, cache_salt: str | None = None
+) -> list[int]:
+    """The hashes of a prompt's full blocks as this engine's BlockStored events carry
+    them: what a prefix-aware router looks up in a replica's cached set. ``model_id`` is
+    the engine's model name (``EngineInfo.model_name``), not a served alias."""
+    extra = encode_extra_keys(model_id, cache_salt)
+    return [external_hash(h) for h in hash_block_chain(token_ids, block_size, extra)]
 
 
 def _stored(run: list[BlockStored], block_size: int, encoding: KVEventEncoding) -> list | dict:

@@ -15,6 +15,7 @@ from pagewarden.engine.kv_events import (
     KVEventPublisher,
     KVEventsUnavailable,
     external_hash,
+    prompt_block_hashes,
     wire_events,
 )
 from pagewarden.engine.llm import LLM
@@ -183,6 +184,11 @@ def test_subscriber_rebuilds_the_engines_cached_block_set(tiny_llama_dir) -> Non
             llm.generate(prompts, params, use_tqdm=False)
             sub.drain()
             assert sub.cached == {external_hash(h) for h in pool.hash_index}, round_
+            if round_ == 0:  # a router finds each prompt's blocks from its tokens alone
+                for p in prompts:
+                    ids = p["prompt_token_ids"]
+                    hashes = prompt_block_hashes(ids, 4, llm.engine.loaded.name)
+                    assert len(hashes) == len(ids) // 4 and set(hashes) <= sub.cached
         pool.quarantine(next(iter(pool.hash_index.values())).block_id)  # a fault
         llm.generate([{"prompt_token_ids": [40] * 9}], params, use_tqdm=False)
         sub.drain()
