@@ -127,7 +127,7 @@ class EngineCore:
                 config.kv_events_endpoint,
                 config.block_size,
                 config.kv_events_topic,
-                config.kv_events_encoding,  # type: ignore[arg-type]
+                config.kv_events_encoding,
             )
             if config.kv_events_endpoint
             else None

@@ -132,7 +132,7 @@ class KVEventPublisher:
         endpoint: str,
         block_size: int,
         topic: str = "",
-        encoding: KVEventEncoding = "array",
+        encoding: str = "array",
         data_parallel_rank: int = 0,
         linger_s: float = 1.0,
     ) -> None:
@@ -148,7 +148,7 @@ class KVEventPublisher:
             raise ValueError(f"KV event encoding must be 'array' or 'map', got {encoding!r}")
         self.endpoint = endpoint
         self.block_size = block_size
-        self.encoding: KVEventEncoding = encoding
+        self.encoding: KVEventEncoding = "map" if encoding == "map" else "array"
         self._topic = topic.encode("utf-8")
         self._rank = data_parallel_rank
         self._encode = msgspec.msgpack.Encoder().encode
