@@ -46,7 +46,9 @@ def recommended_sampling(model_path: Path) -> dict[str, Any]:
     from gguf import GGUFReader
 
     fields = GGUFReader(str(model_path)).fields
-    return {name: fields[key].contents() for key, name in _GGUF_KEYS.items() if key in fields}
+    shipped = {name: fields[key].contents() for key, name in _GGUF_KEYS.items() if key in fields}
+    # GGUF stores them as float32: 0.6 reads back as 0.6000000238.
+    return {k: round(v, 6) if isinstance(v, float) else v for k, v in shipped.items()}
 
 
 def chat_sampling(model_path: Path, overrides: dict[str, Any]) -> dict[str, Any]:

@@ -81,6 +81,21 @@ def test_chat_samples_as_the_model_recommends(tiny_llama_dir, tmp_path) -> None:
     assert terminal.chat_sampling(model, {"temperature": 1.0})["temperature"] == 1.0
 
 
+def test_chat_reads_the_sampling_keys_of_a_gguf(tmp_path) -> None:
+    import gguf
+
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_float32("general.sampling.temp", 0.6)
+    w.add_float32("general.sampling.top_p", 0.95)
+    w.add_int32("general.sampling.top_k", 20)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert terminal.recommended_sampling(path) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+
+
 def test_generate_cli_prints_the_completion(tiny_llama_dir, capsys) -> None:
     argv = ["generate", "hello", "--model", str(tiny_llama_dir), "--dtype", "float32"]
     argv += ["--num-kv-blocks", "32", "--max-tokens", "6", "--max-model-len", "64"]
