@@ -134,6 +134,11 @@ class EngineCore:
         )
         if self.kv_events is not None:
             self.scheduler.kv.pool.take_cache_events()  # start recording
+            logger.info(
+                "pagewarden: KV events on %s (%s encoding)",
+                config.kv_events_endpoint,
+                config.kv_events_encoding,
+            )
         self.batch = (
             AdaptiveBatchController(
                 BatchControllerConfig(
