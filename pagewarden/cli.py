@@ -6,66 +6,105 @@ import argparse
 import sys
 from dataclasses import asdict
 
-from pagewarden.engine.args import add_engine_args, engine_config
+from pagewarden.engine.args import DefaultsHelpFormatter, add_engine_args, engine_config
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--sample-seed", type=int, default=None, help="per-request seed")
+    parser.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 samples greedily")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    parser.add_argument(
+        "--top-k", type=int, default=0, help="sample from the k likeliest (0 = off)"
+    )
+    parser.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (1 = off)"
+    )
+    parser.add_argument(
+        "--sample-seed",
+        type=int,
+        default=None,
+        help="per-request seed (default: none, the engine's generator seeded by --seed)",
+    )
 
 
-def _sampling(args: argparse.Namespace):
+def _add_chat_sampling_args(parser: argparse.ArgumentParser) -> None:
+    from pagewarden.terminal import CHAT_FALLBACK
+
+    def recommended(name: str, what: str) -> str:
+        fallback = CHAT_FALLBACK.get(name, "off")
+        return f"{what} (default: the model's generation config, else {fallback})"
+
+    parser.add_argument("--system", default=None, help="system prompt (default: none)")
+    parser.add_argument("--max-tokens", type=int, default=512, help="most tokens per reply")
+    parser.add_argument(
+        "--temperature", type=float, default=None, help=recommended("temperature", "0 is greedy")
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=None, help=recommended("top_p", "nucleus sampling mass")
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=None, help=recommended("top_k", "the k likeliest; 0 = off")
+    )
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=None,
+        help=recommended("repetition_penalty", "> 1 discourages repeats"),
+    )
+    parser.add_argument(
+        "--sample-seed", type=int, default=None, help="per-reply seed (default: none)"
+    )
+
+
+def _sampling(args: argparse.Namespace, settings: dict | None = None):
     from pagewarden.sampling_params import SamplingParams
 
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.sample_seed,
-    )
+    if settings is None:
+        names = ("temperature", "top_p", "top_k", "repetition_penalty")
+        settings = {k: getattr(args, k) for k in names}
+    return SamplingParams(max_tokens=args.max_tokens, seed=args.sample_seed, **settings)
 
 
 def _llm(args: argparse.Namespace):
     from pagewarden.engine.llm import LLM
+    from pagewarden.terminal import load_progress
 
     # LLM takes exactly EngineConfig's fields as keyword arguments.
-    return LLM(**asdict(engine_config(args)))
+    with load_progress(f"pagewarden: loading {args.model or 'the default model'}", sys.stderr):
+        return LLM(**asdict(engine_config(args)))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from pagewarden.terminal import chat_prompt, stream_completion
+
     llm = _llm(args)
     params = _sampling(args)
     if args.chat_template:
-        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+        text, ids = chat_prompt(llm, [{"role": "user", "content": args.prompt}])
     else:
-        out = llm.generate([args.prompt], params, use_tqdm=False)
-    print(out[0].outputs[0].text)
+        text, ids = args.prompt, llm.engine.tokenizer.encode(args.prompt)
+
+    def write(s: str) -> None:
+        sys.stdout.write(s)
+        sys.stdout.flush()
+
+    stream_completion(llm, text, ids, params, write)
+    print()
     return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    from pagewarden.terminal import chat_sampling, run_chat
+
     llm = _llm(args)
-    params = _sampling(args)
-    history: list[dict[str, str]] = []
-    print("pagewarden chat: type a message, Ctrl-D or /exit to quit.")
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            print()
-            return 0
-        if line.strip() in ("/exit", "/quit"):
-            return 0
-        if not line.strip():
-            continue
-        history.append({"role": "user", "content": line})
-        reply = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text
-        print(reply)
-        history.append({"role": "assistant", "content": reply})
+    overrides = {
+        k: getattr(args, k) for k in ("temperature", "top_p", "top_k", "repetition_penalty")
+    }
+    settings = chat_sampling(llm.engine.loaded.path, overrides)
+    params = _sampling(args, settings)
+    shown = ", ".join(f"{k} {v}" for k, v in settings.items())
+    print(f"sampling: {shown}", file=sys.stderr)
+    return run_chat(llm, params, args.system, input, sys.stdout)
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
@@ -122,11 +161,16 @@ def _add_chaos_parser(sub) -> None:
     chaos.set_defaults(func=cmd_chaos)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pagewarden`` parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="pagewarden")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="complete one prompt and print the text")
-    gen.add_argument("prompt")
+    gen = sub.add_parser(
+        "generate",
+        help="complete one prompt, printing tokens as they are generated",
+        formatter_class=DefaultsHelpFormatter,
+    )
+    gen.add_argument("prompt", help="the text to complete")
     gen.add_argument(
         "--chat-template",
         action="store_true",
@@ -135,9 +179,13 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
-    chat = sub.add_parser("chat", help="interactive chat in the terminal")
+    chat = sub.add_parser(
+        "chat",
+        help="interactive chat in the terminal (/reset clears it)",
+        formatter_class=DefaultsHelpFormatter,
+    )
     add_engine_args(chat)
-    add_sampling_args(chat)
+    _add_chat_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
     _add_chaos_parser(sub)
     try:
@@ -146,7 +194,11 @@ def main(argv: list[str] | None = None) -> int:
         pass
     else:
         add_serve_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:

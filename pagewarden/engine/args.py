@@ -12,6 +12,20 @@ from dataclasses import fields
 from pagewarden.engine.config import EngineConfig
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default after its help, unless the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        if (
+            "default" in help_text
+            or action.default is argparse.SUPPRESS
+            or not action.option_strings
+        ):
+            return help_text
+        return super()._get_help_string(action)
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags, named as vLLM names them."""
     d = EngineConfig()
@@ -21,18 +35,36 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)",
     )
     parser.add_argument("--dtype", default=d.dtype, help="bfloat16 | float32 | float16")
-    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     parser.add_argument("--kv-cache-memory", default=None, help="e.g. 2GiB (default 1GiB)")
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="exact KV block count (default: as many as --kv-cache-memory holds)",
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences in one step"
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d.max_num_batched_tokens,
+        help="most tokens in one step (chunked prefill splits longer prompts)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output (default: the model's context length)",
+    )
     parser.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=d.enable_prefix_caching,
+        help="reuse the KV of shared prompt prefixes",
     )
-    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--seed", type=int, default=d.seed, help="seed of the sampler")
     parser.add_argument(
         "--integrity",
         default=d.integrity,
@@ -76,6 +108,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="inter-token latency p90 above which the batch shrinks (default: 4x the median "
         "of the first clean window)",
+    )
+    parser.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        metavar="URL",
+        help="publish KV cache events in vLLM's format on a ZeroMQ PUB socket: "
+        "tcp://*:5557 binds, tcp://host:5557 connects to a subscriber that binds "
+        "(default: off; see docs/kv-events.md)",
+    )
+    parser.add_argument(
+        "--kv-events-topic",
+        default=d.kv_events_topic,
+        help="ZeroMQ topic of the KV events (default: empty, as vLLM's)",
+    )
+    parser.add_argument(
+        "--kv-events-encoding",
+        default=d.kv_events_encoding,
+        choices=("array", "map"),
+        help="each event as a tagged array (vLLM up to 0.23, every consumer reads it) or a "
+        "tagged map (newer vLLM)",
     )
     parser.add_argument(
         "--cpu-threads",

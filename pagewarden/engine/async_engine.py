@@ -288,7 +288,9 @@ class AsyncEngine:
             self._leave_waiting(tracker)
         reasons = [c.finish_reason or "abort" for c in out.outputs]
         reason = next((r for r in ("error", "abort") if r in reasons), reasons[0])
-        self.frontend_stats.finished(reason, now - tracker.arrival)
+        self.frontend_stats.finished(
+            reason, now - tracker.arrival, tracker.num_prompt_tokens, tracker.num_tokens
+        )
         if self.observer is not None:
             self.observer.finished()
 

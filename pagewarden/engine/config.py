@@ -61,6 +61,11 @@ class EngineConfig:
     # faults, preemption storms or slow tokens; raise it back after a clean window.
     adaptive_batch: bool = True
     target_itl_ms: float | None = None  # None: derived from the first clean window
+    # KV cache events in vLLM's format on a ZeroMQ PUB socket (engine/kv_events.py);
+    # None: off. "array" or "map": how each event is encoded (vLLM's old and new way).
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = ""
+    kv_events_encoding: str = "array"
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -122,6 +127,16 @@ class EngineConfig:
                 raise EngineConfigError(str(exc)) from None
         if self.target_itl_ms is not None and not self.target_itl_ms > 0:
             raise EngineConfigError(f"target_itl_ms must be > 0, got {self.target_itl_ms}")
+        endpoint = self.kv_events_endpoint
+        if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise EngineConfigError(
+                f"kv_events_endpoint must be a ZeroMQ tcp://, ipc:// or inproc:// address "
+                f"(tcp://*:5557 binds), got {endpoint!r}"
+            )
+        if self.kv_events_encoding not in ("array", "map"):
+            raise EngineConfigError(
+                f"kv_events_encoding must be 'array' or 'map', got {self.kv_events_encoding!r}"
+            )
         if self.max_model_len is not None and self.max_model_len < MIN_MAX_MODEL_LEN:
             raise EngineConfigError(
                 f"max_model_len must be >= {MIN_MAX_MODEL_LEN}, got {self.max_model_len}"

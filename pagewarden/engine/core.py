@@ -20,6 +20,7 @@ from pagewarden.engine.batch_controller import (
 )
 from pagewarden.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from pagewarden.engine.integrity import IntegrityMonitor, IntegrityStats
+from pagewarden.engine.kv_events import KVEventPublisher
 from pagewarden.engine.output_processor import OutputProcessor
 from pagewarden.engine.outputs import RequestOutput
 from pagewarden.models.loader import LoadedModel, load_model
@@ -121,6 +122,23 @@ class EngineCore:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.hooks: StepHooks | None = None  # fault injection only (see install_hooks)
+        self.kv_events = (
+            KVEventPublisher(
+                config.kv_events_endpoint,
+                config.block_size,
+                config.kv_events_topic,
+                config.kv_events_encoding,
+            )
+            if config.kv_events_endpoint
+            else None
+        )
+        if self.kv_events is not None:
+            self.scheduler.kv.pool.take_cache_events()  # start recording
+            logger.info(
+                "pagewarden: KV events on %s (%s encoding)",
+                config.kv_events_endpoint,
+                config.kv_events_encoding,
+            )
         self.batch = (
             AdaptiveBatchController(
                 BatchControllerConfig(
@@ -216,7 +234,14 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns the outputs that changed."""
+        """One engine step; returns the outputs that changed. With KV events on, the
+        prefix-cache changes of the step are published after it."""
+        outputs = self._step()
+        if self.kv_events is not None:
+            self.kv_events.publish(self.scheduler.kv.pool.take_cache_events())
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         if not self._owned:
             self.claim_ownership()
         finished = self._apply_pending()

@@ -251,6 +251,8 @@ def run_engine_core(config: EngineConfig, inbox_conn: Connection, out_conn: Conn
         # Apply the aborts that came with the stop so every block is freed.
         if core.has_unfinished():
             core.step()
+        if core.kv_events is not None:
+            core.kv_events.close()
     except BaseException as exc:  # noqa: BLE001 - reported to the supervisor, then exit
         message = f"{type(exc).__name__}: {exc}"
         logger.error("engine core failed: %s\n%s", message, traceback.format_exc())

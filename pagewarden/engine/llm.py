@@ -48,6 +48,9 @@ class LLM:
         cpu_bind: str | None = None,
         adaptive_batch: bool = True,
         target_itl_ms: float | None = None,
+        kv_events_endpoint: str | None = None,
+        kv_events_topic: str = "",
+        kv_events_encoding: str = "array",
     ) -> None:
         self.config = EngineConfig(
             model=model,
@@ -70,6 +73,9 @@ class LLM:
             cpu_bind=cpu_bind,
             adaptive_batch=adaptive_batch,
             target_itl_ms=target_itl_ms,
+            kv_events_endpoint=kv_events_endpoint,
+            kv_events_topic=kv_events_topic,
+            kv_events_encoding=kv_events_encoding,
         )
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()

@@ -97,6 +97,7 @@ def foreign_calls(scheduler) -> list[ForeignCall]:
         ("BlockPool", "quarantine", lambda: pool.quarantine(block.block_id)),
         ("BlockPool", "release_quarantine", lambda: pool.release_quarantine(block.block_id)),
         ("BlockPool", "reconcile", lambda: pool.reconcile([0] * pool.num_blocks)),
+        ("BlockPool", "take_cache_events", pool.take_cache_events),
         ("SwapSpace", "allocate", lambda: swap.allocate(1)),
         ("SwapSpace", "release", lambda: swap.release([0])),
     ]

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Iterable, Sequence
 
 from pagewarden.kv.block import RESERVED_BLOCK_ID, BlockHash, BlockId, BlockState, KVBlock
+from pagewarden.kv.cache_events import BlockRemoved, BlockStored, CacheEvent
 from pagewarden.kv.errors import (
     BlockPoolExhausted,
     BlockStateError,
@@ -52,6 +53,7 @@ class BlockPool:
         "failure_counts",
         "retired",
         "held_blocks_skipped",
+        "cache_events",
     )
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -77,6 +79,8 @@ class BlockPool:
         self.retired: set[BlockId] = set()
         # Held blocks found on the free queue at allocation and kept out of it.
         self.held_blocks_skipped = 0
+        # Hash-index changes since the last take_cache_events(); None: not recording.
+        self.cache_events: list[CacheEvent] | None = None
 
     # --------------------------------------------------------------- ownership
     def claim_ownership(self, thread_id: int | None = None) -> None:
@@ -108,6 +112,14 @@ class BlockPool:
         """The block indexed under ``block_hash``, or None."""
         return self.hash_index.get(block_hash)
 
+    def take_cache_events(self) -> list[CacheEvent]:
+        """The hash-index changes since the last call, oldest first (see
+        ``cache_events.py``). The first call starts the recording and returns []."""
+        self.check_owner()
+        events = self.cache_events or []
+        self.cache_events = []
+        return events
+
     # ------------------------------------------------------------- allocation
     def get_new_blocks(self, n: int) -> list[KVBlock]:
         """Hand out ``n`` blocks with ref_cnt 1, evicting cached-free ones LRU-first."""
@@ -122,11 +134,14 @@ class BlockPool:
         if any(block.ref_cnt for block in out):
             out = self._skip_held(out, n)
         index = self.hash_index
+        events = self.cache_events
         for block in out:
             h = block.block_hash
             if h is not None:  # evict: as _drop_hash, inlined for the allocation path
                 if index.get(h) is block:
                     del index[h]
+                    if events is not None:
+                        events.append(BlockRemoved(h))
                 block.block_hash = block.token_bytes = block.checksum = None
                 self.num_evictions += 1
             block.ref_cnt = 1
@@ -219,8 +234,15 @@ class BlockPool:
                 queue.extend(cached)
 
     # ----------------------------------------------------------------- caching
-    def seal(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
-        """Record that ``block`` is full with ``token_ids`` and index it under ``block_hash``.
+    def seal(
+        self,
+        block: KVBlock,
+        block_hash: BlockHash,
+        token_ids: Sequence[int],
+        parent_hash: BlockHash | None = None,
+    ) -> None:
+        """Record that ``block`` is full with ``token_ids`` and index it under ``block_hash``
+        (``parent_hash``: the hash of the block before it, for the cache events).
 
         The hash is set once; if another block already holds this content, the index keeps
         that one and this block stays unindexed (it is still a correct, private copy).
@@ -238,12 +260,15 @@ class BlockPool:
             return
         block.block_hash = block_hash
         block.token_bytes = pack_block_tokens(token_ids)
-        self.hash_index.setdefault(block_hash, block)
+        if self.hash_index.setdefault(block_hash, block) is block and self.cache_events is not None:
+            self.cache_events.append(BlockStored(block_hash, parent_hash, token_ids))
 
     def _drop_hash(self, block: KVBlock) -> None:
         h = block.block_hash
         if h is not None and self.hash_index.get(h) is block:
             del self.hash_index[h]
+            if self.cache_events is not None:
+                self.cache_events.append(BlockRemoved(h))
         block.block_hash = None
         block.token_bytes = None
         block.checksum = None

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pagewarden.kv import audit
 from pagewarden.kv.block import BlockHash, BlockRef, BlockState, KVBlock
 from pagewarden.kv.block_pool import BlockPool
+from pagewarden.kv.cache_events import BlockStored
 from pagewarden.kv.errors import (
     DuplicateRequestError,
     QuarantinedBlockError,
@@ -227,6 +228,7 @@ class KVCacheManager:
         pool = self.pool
         blocks = pool.blocks
         index = pool.hash_index
+        events = pool.cache_events
         ids = entry.ids
         for i in range(entry.num_sealed, num_full):
             chunk = token_ids[i * bs : (i + 1) * bs]
@@ -244,9 +246,10 @@ class KVCacheManager:
                 # pool.seal's common case, inlined: a full, unsealed block in use.
                 block.block_hash = h
                 block.token_bytes = packed
-                index.setdefault(h, block)
+                if index.setdefault(h, block) is block and events is not None:
+                    events.append(BlockStored(h, hashes[i - 1] if i else None, chunk))
             else:
-                pool.seal(block, h, chunk)
+                pool.seal(block, h, chunk, hashes[i - 1] if i else None)
         entry.num_sealed = num_full
 
     # ------------------------------------------------------------ fork & free

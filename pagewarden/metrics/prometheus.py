@@ -1,4 +1,5 @@
-"""The one module that imports ``prometheus_client``: exports ``pagewarden:*`` metrics.
+"""The one module that imports ``prometheus_client``: exports ``pagewarden:*`` metrics,
+and, when asked, their ``vllm:*`` twins under vLLM's names.
 
 Every value is read at scrape time from ``EngineStats`` (published by the engine thread)
 and ``FrontendStats``, through a custom collector on a private registry per app, so the
@@ -47,13 +48,17 @@ def _exported(stats: object, model: str) -> Iterator[Metric]:
         yield make(e.name, e.doc, e.value, model)
 
 
-def _histogram(name: str, doc: str, h: HistogramSnapshot, model: str) -> HistogramMetricFamily:
-    fam = HistogramMetricFamily(P + name, doc, labels=["model_name"])
+def _cumulative_buckets(h: HistogramSnapshot) -> list[tuple[str, float]]:
     cumulative, buckets = 0, []
     for bound, count in zip((*h.buckets, float("inf")), h.counts):
         cumulative += count
         buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
-    fam.add_metric([model], buckets, sum_value=h.total)
+    return buckets
+
+
+def _histogram(name: str, doc: str, h: HistogramSnapshot, model: str) -> HistogramMetricFamily:
+    fam = HistogramMetricFamily(P + name, doc, labels=["model_name"])
+    fam.add_metric([model], _cumulative_buckets(h), sum_value=h.total)
     return fam
 
 
@@ -65,10 +70,14 @@ class PagewardenCollector:
         engine_stats: Callable[[], object],
         frontend_stats: Callable[[], FrontendStats],
         model_name: str,
+        vllm_metrics: bool = False,
+        vllm_cache_config: dict[str, str] | None = None,
     ) -> None:
         self._engine_stats = engine_stats
         self._frontend_stats = frontend_stats
         self._model = model_name
+        self._vllm_metrics = vllm_metrics
+        self._vllm_cache_config = vllm_cache_config or {}
 
     def collect(self) -> Iterator[Metric]:
         s, f, m = self._engine_stats(), self._frontend_stats(), self._model
@@ -121,7 +130,21 @@ class PagewardenCollector:
             f.request_queue_time,
             m,
         )
+        yield _histogram(
+            "request_prompt_tokens",
+            "Prompt tokens of each finished request.",
+            f.request_prompt_tokens,
+            m,
+        )
+        yield _histogram(
+            "request_generation_tokens",
+            "Tokens generated for each finished request (all n completions).",
+            f.request_generation_tokens,
+            m,
+        )
         yield from self._integrity_metrics(s)
+        if self._vllm_metrics:  # from the same snapshots, so each twin pair agrees
+            yield from _vllm_twins(s, f, m, self._vllm_cache_config)
 
     def _integrity_metrics(self, s: object) -> Iterator[Metric]:
         """Integrity checks and failures by kind, recoveries, quarantine, audits."""
@@ -168,12 +191,127 @@ class PagewardenCollector:
         yield from _exported(i, m)
 
 
+V = "vllm:"
+#: vLLM V1 labels every series with the model and the engine index; pagewarden runs one
+#: engine per server, index 0.
+_VLLM_LABELS = ["model_name", "engine"]
+
+
+def _vllm_twins(s, f: FrontendStats, model: str, cache_config: dict[str, str]) -> Iterator[Metric]:
+    """The series that vLLM's consumers (prefix-aware routers, autoscalers, vLLM's Grafana
+    dashboards) read, under vLLM's names and labels, with the values of their
+    ``pagewarden:*`` twins. Counters are exported with ``_total`` as prometheus_client
+    exports vLLM's."""
+    values = [model, "0"]
+    host_used = (s.host_blocks - s.free_host_blocks) / s.host_blocks if s.host_blocks else 0.0
+    for name, doc, value in (
+        ("num_requests_running", "Number of requests in model execution batches.", s.num_running),
+        ("num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting),
+        ("num_requests_swapped", "Number of requests swapped to CPU.", s.num_swapped),
+        ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage),
+        # vLLM's names before 0.10, still read by the Grafana dashboard it shipped.
+        (
+            "gpu_cache_usage_perc",
+            "GPU KV-cache usage. 1 means 100 percent usage.",
+            s.kv_cache_usage,
+        ),
+        ("cpu_cache_usage_perc", "CPU KV-cache usage. 1 means 100 percent usage.", host_used),
+    ):
+        g = GaugeMetricFamily(V + name, doc, labels=_VLLM_LABELS)
+        g.add_metric(values, value)
+        yield g
+    if cache_config:
+        info = GaugeMetricFamily(
+            V + "cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=sorted(cache_config),
+        )
+        info.add_metric([cache_config[k] for k in sorted(cache_config)], 1.0)
+        yield info
+    for name, doc, value in (
+        (
+            "prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            s.prefix_cache_queries,
+        ),
+        (
+            "prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            s.prefix_cache_hits,
+        ),
+        ("num_preemptions", "Cumulative number of preemption from the engine.", s.num_preemptions),
+        ("prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens),
+        ("generation_tokens", "Number of generation tokens processed.", s.generation_tokens),
+    ):
+        c = CounterMetricFamily(V + name, doc, labels=_VLLM_LABELS)
+        c.add_metric(values, value)
+        yield c
+    success = CounterMetricFamily(
+        V + "request_success",
+        "Count of successfully processed requests.",
+        labels=[*_VLLM_LABELS, "finished_reason"],
+    )
+    for reason in sorted({"stop", "length", "abort", "error", *f.request_success}):
+        success.add_metric([*values, reason], f.request_success.get(reason, 0))
+    yield success
+    for name, doc, h in (
+        (
+            "time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            f.time_to_first_token,
+        ),
+        (
+            "inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            f.inter_token_latency,
+        ),
+        # vLLM's older name for the same series, still read by older dashboards.
+        (
+            "time_per_output_token_seconds",
+            "Histogram of time per output token in seconds.",
+            f.inter_token_latency,
+        ),
+        (
+            "e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            f.e2e_request_latency,
+        ),
+        (
+            "request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            f.request_queue_time,
+        ),
+        (
+            "request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            f.request_prompt_tokens,
+        ),
+        (
+            "request_generation_tokens",
+            "Number of generation tokens processed.",
+            f.request_generation_tokens,
+        ),
+    ):
+        fam = HistogramMetricFamily(V + name, doc, labels=_VLLM_LABELS)
+        fam.add_metric(values, _cumulative_buckets(h), sum_value=h.total)
+        yield fam
+
+
 def build_registry(
-    engine_stats: Callable[[], object], frontend_stats: Callable[[], FrontendStats], model_name: str
+    engine_stats: Callable[[], object],
+    frontend_stats: Callable[[], FrontendStats],
+    model_name: str,
+    vllm_metrics: bool = False,
+    vllm_cache_config: dict[str, str] | None = None,
 ) -> CollectorRegistry:
-    """A private registry holding only pagewarden's collector."""
+    """A private registry holding only pagewarden's collector; ``vllm_metrics`` adds the
+    ``vllm:*`` twins, ``vllm_cache_config`` the labels of ``vllm:cache_config_info``."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(PagewardenCollector(engine_stats, frontend_stats, model_name))
+    registry.register(
+        PagewardenCollector(
+            engine_stats, frontend_stats, model_name, vllm_metrics, vllm_cache_config
+        )
+    )
     return registry
 
 

@@ -36,6 +36,10 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 )
 
 
+#: Token-count buckets (1-2-5 steps, as vLLM's request token histograms).
+TOKEN_BUCKETS: tuple[float, ...] = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))
+
+
 @dataclass(frozen=True)
 class HistogramSnapshot:
     """Per-bucket (non-cumulative) counts; ``counts[-1]`` is the +Inf overflow bucket."""
@@ -79,6 +83,13 @@ class FrontendStats:
     e2e_request_latency: HistogramSnapshot
     request_queue_time: HistogramSnapshot
     engine_restarts: int = 0  # engine-core processes restarted by the supervisor
+    # Per finished request: prompt tokens, and tokens generated (all n completions).
+    request_prompt_tokens: HistogramSnapshot = field(
+        default_factory=lambda: Histogram(TOKEN_BUCKETS).snapshot()
+    )
+    request_generation_tokens: HistogramSnapshot = field(
+        default_factory=lambda: Histogram(TOKEN_BUCKETS).snapshot()
+    )
 
 
 class FrontendStatsRecorder:
@@ -92,6 +103,8 @@ class FrontendStatsRecorder:
         self._itl = Histogram()
         self._e2e = Histogram()
         self._queue = Histogram()
+        self._prompt_tokens = Histogram(TOKEN_BUCKETS)
+        self._generation_tokens = Histogram(TOKEN_BUCKETS)
 
     def admission_rejected(self) -> None:
         with self._lock:
@@ -106,10 +119,21 @@ class FrontendStatsRecorder:
         with self._lock:
             self._itl.observe(seconds)
 
-    def finished(self, reason: str, e2e: float) -> None:
+    def finished(
+        self,
+        reason: str,
+        e2e: float,
+        prompt_tokens: int | None = None,
+        generation_tokens: int | None = None,
+    ) -> None:
+        """A request finished; its token counts are recorded when given."""
         with self._lock:
             self._success[reason] = self._success.get(reason, 0) + 1
             self._e2e.observe(e2e)
+            if prompt_tokens is not None:
+                self._prompt_tokens.observe(prompt_tokens)
+            if generation_tokens is not None:
+                self._generation_tokens.observe(generation_tokens)
 
     def snapshot(self, engine_restarts: int = 0, gate_rejections: int = 0) -> FrontendStats:
         """``gate_rejections``: 429s the server's admission gate sent before parsing."""
@@ -122,4 +146,6 @@ class FrontendStatsRecorder:
                 e2e_request_latency=self._e2e.snapshot(),
                 request_queue_time=self._queue.snapshot(),
                 engine_restarts=engine_restarts,
+                request_prompt_tokens=self._prompt_tokens.snapshot(),
+                request_generation_tokens=self._generation_tokens.snapshot(),
             )

@@ -48,8 +48,10 @@ def build_app(
     *,
     limits: ServerLimits | None = None,
     admission: AdmissionController | None = None,
+    vllm_metrics: bool = True,
 ) -> AdmissionGate:
-    """The ASGI app (FastAPI behind the admission gate); the caller owns ``engine``."""
+    """The ASGI app (FastAPI behind the admission gate); the caller owns ``engine``.
+    ``vllm_metrics``: /metrics also exports the ``vllm:*`` twins of pagewarden's metrics."""
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     limits = limits or ServerLimits(max_n=max_n, max_body_bytes=max_body_bytes)
     admission = admission or default_admission(engine)
@@ -58,15 +60,22 @@ def build_app(
     app = FastAPI(title="pagewarden", version=pagewarden.__version__)
     app.state.server = ctx
     install_error_handlers(app)
-    _add_info_routes(app, ctx)
+    _add_info_routes(app, ctx, vllm_metrics)
     _add_generation_routes(app, ctx)
     _document_request_bodies(app)
     return AdmissionGate(app, admission)
 
 
-def _add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
+def _add_info_routes(app: FastAPI, ctx: ServerContext, vllm_metrics: bool) -> None:
     engine = ctx.engine
-    registry = prometheus.build_registry(engine.engine_stats, engine.stats, ctx.model)
+    # The labels of vllm:cache_config_info that routers read (block size, pool size).
+    cache_config = {
+        "block_size": str(engine.info.block_size),
+        "num_gpu_blocks": str(engine.info.num_blocks),
+    }
+    registry = prometheus.build_registry(
+        engine.engine_stats, engine.stats, ctx.model, vllm_metrics, cache_config
+    )
 
     @app.get("/health")
     async def health() -> Response:

@@ -14,13 +14,31 @@ logger = logging.getLogger("pagewarden.server")
 
 
 def add_serve_parser(subparsers) -> None:
-    from pagewarden.engine.args import add_engine_args
+    from pagewarden.engine.args import DefaultsHelpFormatter, add_engine_args
 
-    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", action="append", default=None, help="repeat for several keys")
-    p.add_argument("--served-model-name", default=None)
+    p = subparsers.add_parser(
+        "serve", help="serve the OpenAI-compatible HTTP API", formatter_class=DefaultsHelpFormatter
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="require this bearer key; repeat for several (default: no key)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send (default: the model's own name)",
+    )
+    p.add_argument(
+        "--vllm-metrics",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also export vLLM's metric names (vllm:num_requests_running, ...) in /metrics, "
+        "for routers and dashboards built for vLLM",
+    )
     _add_limit_args(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
@@ -48,11 +66,23 @@ def _add_limit_args(p) -> None:
         metavar="SECONDS",
         help="the adaptive limit shrinks when requests wait longer than this for a first token",
     )
-    p.add_argument("--max-waiting-requests", type=int, default=None)
-    p.add_argument("--max-queued-tokens", type=int, default=None)
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="429 when this many requests wait in the engine (default: no limit)",
+    )
+    p.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=None,
+        help="429 when this many prompt tokens wait in the engine (default: no limit)",
+    )
     p.add_argument("--max-logprobs", type=int, default=20, help="as vLLM's (default 20)")
     p.add_argument("--max-n", type=int, default=8, help="largest n per request")
-    p.add_argument("--max-prompts-per-request", type=int, default=32)
+    p.add_argument(
+        "--max-prompts-per-request", type=int, default=32, help="largest prompt list per request"
+    )
     p.add_argument(
         "--engine-stall-timeout",
         type=float,
@@ -122,7 +152,14 @@ def _build_app(args: argparse.Namespace, engine, name: str):
         fixed_limit=args.max_inflight_requests,
         enabled=args.admission_control,
     )
-    return build_app(engine, name, args.api_key, limits=limits, admission=admission)
+    return build_app(
+        engine,
+        name,
+        args.api_key,
+        limits=limits,
+        admission=admission,
+        vllm_metrics=args.vllm_metrics,
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
