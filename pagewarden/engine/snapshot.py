@@ -27,15 +27,6 @@ MIN_INTERVAL_S = 0.5
 #: Requests listed per queue (running, waiting, swapped); the counts cover them all.
 MAX_LISTED_REQUESTS = 256
 
-_LETTER = {
-    BlockState.RESERVED: "R",
-    BlockState.FREE: "F",
-    BlockState.CACHED_FREE: "C",
-    BlockState.USED: "U",
-    BlockState.QUARANTINED: "Q",
-}
-
-
 @dataclass(frozen=True)
 class RequestView:
     """One request as the dashboard lists it."""
@@ -89,14 +80,22 @@ def take_snapshot(core) -> EngineSnapshot:
     kv = sched.kv
     pool = kv.pool
     letters = []
+    append = letters.append
+    # Identity tests, most frequent states first: an enum lookup in a dict costs a
+    # Python-level __hash__ per block.
+    free, used, cached = BlockState.FREE, BlockState.USED, BlockState.CACHED_FREE
     for block in pool.blocks:
         state = block.state
-        if state is BlockState.USED:
-            letters.append("S" if block.ref_cnt > 1 else "U")
-        elif state is BlockState.QUARANTINED and block.block_id in pool.retired:
-            letters.append("X")
+        if state is free:
+            append("F")
+        elif state is used:
+            append("S" if block.ref_cnt > 1 else "U")
+        elif state is cached:
+            append("C")
+        elif state is BlockState.QUARANTINED:
+            append("X" if block.block_id in pool.retired else "Q")
         else:
-            letters.append(_LETTER[state])
+            append("R")
     holders: dict[int, list[str]] = {}
     for req_id, entry in kv.tables.items():
         for block_id in set(entry.ids):

@@ -105,7 +105,7 @@ function fillTable(tbody, rows, empty, columns) {
 function requestRows(snap) {
   return snap.requests.map((r) => {
     const tr = el("tr", { class: r.status });
-    tr.append(el("td", {}, r.id), el("td", {}, r.status));
+    tr.append(el("td", { class: "id", title: r.id }, r.id), el("td", {}, r.status));
     for (const v of [r.prompt_tokens, r.output_tokens, r.computed_tokens, r.blocks, r.preemptions]) {
       tr.append(el("td", { class: "num" }, String(v)));
     }
@@ -205,14 +205,17 @@ function render(state) {
   engine.textContent = state.engine.alive ? "engine up" : "engine down";
   engine.className = "badge " + (state.engine.alive ? "ok" : "bad");
   const snap = state.snapshot;
-  if (state.kv) {
-    const k = state.kv;
-    $("kv-summary").textContent =
-      `${k.used} used · ${k.cached} cached · ${k.free} free · ${k.quarantined} quarantined · ` +
-      `${k.retired} retired of ${k.total} (${(k.usage * 100).toFixed(1)}% used)`;
-    $("host-summary").textContent = k.host_total ? `${k.host_total - k.host_free} of ${k.host_total} used` : "none";
-  }
   if (snap) {
+    // Counted from the snapshot, so that the summary and the map show one moment.
+    const n = {};
+    for (const letter of snap.blocks) n[letter] = (n[letter] || 0) + 1;
+    const c = (letter) => n[letter] || 0;
+    $("kv-summary").textContent =
+      `${c("U") + c("S")} used (${c("S")} shared) · ${c("C")} cached · ${c("F")} free · ` +
+      `${c("Q")} quarantined · ${c("X")} retired of ${snap.blocks.length}`;
+    const host = snap.host_blocks;
+    const swapped = host.split("").filter((l) => l === "U").length;
+    $("host-summary").textContent = host.length ? `${swapped} of ${host.length} hold swapped KV` : "none";
     snapshot = snap;
     $("meta").textContent =
       `step ${snap.step} · snapshot ${snap.age_s.toFixed(1)} s old, took ` +
