@@ -27,6 +27,7 @@ MIN_INTERVAL_S = 0.5
 #: Requests listed per queue (running, waiting, swapped); the counts cover them all.
 MAX_LISTED_REQUESTS = 256
 
+
 @dataclass(frozen=True)
 class RequestView:
     """One request as the dashboard lists it."""

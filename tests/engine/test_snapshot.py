@@ -13,9 +13,7 @@ from pagewarden.sampling_params import SamplingParams
 
 
 def _core(model_dir, **kw) -> EngineCore:
-    cfg = EngineConfig(
-        model=str(model_dir), dtype="float32", block_size=4, num_kv_blocks=40, **kw
-    )
+    cfg = EngineConfig(model=str(model_dir), dtype="float32", block_size=4, num_kv_blocks=40, **kw)
     return EngineCore(cfg)
 
 

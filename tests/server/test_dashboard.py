@@ -231,6 +231,9 @@ def test_dashboard_in_chromium(srv):
         browser.quit()
 
 
+_PAGE_STEP = "return document.getElementById('blockmap').dataset.step"
+
+
 def _used_cells_match_metrics(srv: _Server, browser) -> None:
     """While requests run, hold the step loop still and compare the page's used cells
     (used + shared) with ``pagewarden:kv_blocks_used``: one unchanging state for both."""
@@ -239,13 +242,7 @@ def _used_cells_match_metrics(srv: _Server, browser) -> None:
         time.sleep(0.3)  # the pause starts between two steps
         step = srv.state()["kv"]["step"]
         used = srv.metric("kv_blocks_used")
-        seen = _poll(
-            lambda: browser.execute_script(
-                "return document.getElementById('blockmap').dataset.step"
-            )
-            == str(step),
-            timeout=2.0,
-        )
+        seen = _poll(lambda s=str(step): browser.execute_script(_PAGE_STEP) == s, timeout=2.0)
         cells = _cells(browser, ".used") + _cells(browser, ".shared")
         if seen and srv.state()["kv"]["step"] == step and srv.metric("kv_blocks_used") == used:
             assert used > 0 and cells == used, (cells, used)
