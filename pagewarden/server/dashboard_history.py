@@ -3,8 +3,9 @@
 A sampler thread in the HTTP process reads the ``EngineStats`` the engine core sent with
 its latest step or heartbeat and the front end's ``FrontendStats`` (both already in this
 process: sampling costs the engine nothing) and keeps the last ``HISTORY_S`` seconds.
-Counters become per-interval rates; latency percentiles come from the histogram counts
-added over the last ``PERCENTILE_WINDOW`` samples.
+Counters become rates averaged over ``RATE_WINDOW`` seconds (events such as recoveries
+stay counts per interval); latency percentiles come from the histogram counts added over
+the last ``PERCENTILE_WINDOW`` samples.
 """
 
 from __future__ import annotations
@@ -22,11 +23,14 @@ HISTORY_S = 300
 SAMPLE_INTERVAL_S = 1.0
 #: Latency percentiles are taken over this many seconds of observations.
 PERCENTILE_WINDOW = 10
+#: Rates (tokens/s, checks/s, 429s/s) are averaged over this many seconds.
+RATE_WINDOW = 5
 
 
 @dataclass(frozen=True)
 class Sample:
-    """One point of every series; rates are per second over the interval before ``t``."""
+    """One point of every series; rates (``*_tps``, ``*_ps``) are per second over the
+    ``RATE_WINDOW`` seconds before ``t``, counts are for the interval before ``t``."""
 
     t: float  # wall clock
     kv_usage: float  # used / usable blocks
@@ -93,45 +97,48 @@ class DashboardHistory:
         if engine_stats is None:
             return
         mono = time.monotonic() if now is None else now
-        prev = self._raw[-1] if self._raw else None
-        oldest = self._raw[0] if self._raw else None
-        self._raw.append((mono, engine_stats, frontend))
+        raw = self._raw
         s, f = engine_stats, frontend
-        if prev is None:
-            dt, ps, pf = 0.0, s, f
-        else:
-            dt, ps, pf = mono - prev[0], prev[1], prev[2]
+        # Counts per interval against the previous sample; rates over the last
+        # RATE_WINDOW samples (a step can take longer than one interval); percentiles
+        # over all PERCENTILE_WINDOW kept.
+        _, ps, _ = raw[-1] if raw else (mono, s, f)
+        t0, rs, rf = raw[-min(len(raw), RATE_WINDOW)] if raw else (mono, s, f)
+        old_f = raw[0][2] if raw else None
+        raw.append((mono, s, f))
+        dt = mono - t0
         # max(0, ...): a restarted engine core counts from zero again.
         rate = (lambda a, b: max(a - b, 0) / dt) if dt > 0 else (lambda a, b: 0.0)
-        o_ttft = oldest[2].time_to_first_token if oldest else None
-        o_itl = oldest[2].inter_token_latency if oldest else None
-        ms = lambda v: None if v is None else v * 1e3  # noqa: E731
-        failures = {
-            f"{k.kind}/{k.found_by}": max(n - ps.integrity.failures.get(k, 0), 0)
-            for k, n in s.integrity.failures.items()
-        }
+
+        def ms(h: str, q: float) -> float | None:
+            v = percentile(getattr(f, h), getattr(old_f, h) if old_f else None, q)
+            return None if v is None else v * 1e3
+
         tags, verifies = _checks(s)
-        ptags, pverifies = _checks(ps)
+        rtags, rverifies = _checks(rs)
         point = Sample(
             t=time.time(),
             kv_usage=s.kv_cache_usage,
             running=s.num_running,
             waiting=s.num_waiting,
             swapped=s.num_swapped,
-            generation_tps=rate(s.generation_tokens, ps.generation_tokens),
-            prompt_tps=rate(s.prompt_tokens, ps.prompt_tokens),
-            ttft_p50_ms=ms(percentile(f.time_to_first_token, o_ttft, 0.5)),
-            ttft_p99_ms=ms(percentile(f.time_to_first_token, o_ttft, 0.99)),
-            itl_p50_ms=ms(percentile(f.inter_token_latency, o_itl, 0.5)),
-            itl_p99_ms=ms(percentile(f.inter_token_latency, o_itl, 0.99)),
-            admission_rejections_ps=rate(f.admission_rejections, pf.admission_rejections),
-            tag_checks_ps=rate(tags, ptags),
-            block_verifies_ps=rate(verifies, pverifies),
+            generation_tps=rate(s.generation_tokens, rs.generation_tokens),
+            prompt_tps=rate(s.prompt_tokens, rs.prompt_tokens),
+            ttft_p50_ms=ms("time_to_first_token", 0.5),
+            ttft_p99_ms=ms("time_to_first_token", 0.99),
+            itl_p50_ms=ms("inter_token_latency", 0.5),
+            itl_p99_ms=ms("inter_token_latency", 0.99),
+            admission_rejections_ps=rate(f.admission_rejections, rf.admission_rejections),
+            tag_checks_ps=rate(tags, rtags),
+            block_verifies_ps=rate(verifies, rverifies),
             recoveries=max(s.integrity.recoveries - ps.integrity.recoveries, 0),
             preemptions=max(s.num_preemptions - ps.num_preemptions, 0),
             max_num_seqs=s.effective_max_num_seqs,
             profile=profile_name(s),
-            failures=failures,
+            failures={
+                f"{k.kind}/{k.found_by}": max(n - ps.integrity.failures.get(k, 0), 0)
+                for k, n in s.integrity.failures.items()
+            },
         )
         with self._lock:
             self.samples.append(point)

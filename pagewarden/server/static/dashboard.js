@@ -139,9 +139,9 @@ const CHARTS = [
   ["Inter-token latency (ms)", (s) => [["p50", s.itl_p50_ms], ["p99", s.itl_p99_ms]]],
   ["Admission rejections / s", (s) => [["429s", s.admission_rejections_ps]]],
   ["Integrity checks / s", (s) => [["tag checks", s.tag_checks_ps], ["block verifies", s.block_verifies_ps]]],
-  ["Integrity failures (by kind/found by)", (s) => Object.entries(s.failures)],
+  ["Integrity failures (kind/found by)", (s) => Object.entries(s.failures)],
   ["Recoveries and preemptions", (s) => [["recoveries", s.recoveries], ["preemptions", s.preemptions]]],
-  ["Effective batch limit (max_num_seqs)", (s) => [["max_num_seqs", s.max_num_seqs]]],
+  ["Batch limit (max_num_seqs)", (s) => [["max_num_seqs", s.max_num_seqs]]],
 ];
 
 function fmt(v) {
