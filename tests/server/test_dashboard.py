@@ -27,6 +27,7 @@ from pagewarden.server.api import build_app
 KEY = "dashboard-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 NUM_BLOCKS = 96
+PAUSE_S = 4.0  # how long the test holds the step loop still
 ARTIFACTS = Path(os.environ.get("PAGEWARDEN_TEST_ARTIFACTS", "test-artifacts"))
 
 
@@ -202,6 +203,8 @@ def test_dashboard_in_chromium(srv):
         _used_cells_match_metrics(srv, browser)
 
         # A fault: it appears in the events list and its block is marked quarantined.
+        # Sent while the loop is paused with requests running, so the first step after
+        # the pause has a written slot to corrupt.
         srv.post("/debug/faults", {"kind": "tag_corruption"})
         row = _wait(
             "the integrity event",
@@ -236,17 +239,19 @@ _PAGE_STEP = "return document.getElementById('blockmap').dataset.step"
 
 def _used_cells_match_metrics(srv: _Server, browser) -> None:
     """While requests run, hold the step loop still and compare the page's used cells
-    (used + shared) with ``pagewarden:kv_blocks_used``: one unchanging state for both."""
+    (used + shared) with ``pagewarden:kv_blocks_used``: one unchanging state for both.
+    Returns with the step loop still paused (for at least a second)."""
     for _ in range(3):
-        srv.post("/debug/pause", {"seconds": 2.5})
+        end = time.monotonic() + PAUSE_S
+        srv.post("/debug/pause", {"seconds": PAUSE_S})
         time.sleep(0.3)  # the pause starts between two steps
         step = srv.state()["kv"]["step"]
         used = srv.metric("kv_blocks_used")
-        seen = _poll(lambda s=str(step): browser.execute_script(_PAGE_STEP) == s, timeout=2.0)
+        seen = _poll(lambda s=str(step): browser.execute_script(_PAGE_STEP) == s, timeout=3.0)
         cells = _cells(browser, ".used") + _cells(browser, ".shared")
-        if seen and srv.state()["kv"]["step"] == step and srv.metric("kv_blocks_used") == used:
+        still = srv.state()["kv"]["step"] == step and srv.metric("kv_blocks_used") == used
+        if seen and still and end - time.monotonic() > 1.0:
             assert used > 0 and cells == used, (cells, used)
-            time.sleep(2.5)  # let the pause run out
             return
-        time.sleep(2.5)
+        time.sleep(max(end - time.monotonic(), 0.0))
     raise AssertionError("the step loop never held still long enough to compare")
