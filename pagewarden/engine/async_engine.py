@@ -129,6 +129,8 @@ class AsyncEngine:
         self._num_waiting = 0  # admitted requests without a first token
         self._queued_tokens = 0
         self._engine_stats = None
+        # The latest engine/snapshot.EngineSnapshot (None until the dashboard asks).
+        self.snapshot = None
         self.client = EngineCoreClient(
             config if config is not None else EngineConfig(),
             self._on_message,
@@ -226,6 +228,15 @@ class AsyncEngine:
         """The ``EngineStats`` the engine core sent with its latest step or heartbeat."""
         return self._engine_stats
 
+    def request_snapshot(self) -> None:
+        """Ask the core for a dashboard snapshot; it lands in ``snapshot`` (never blocks)."""
+        self.client.send(("dashboard",))
+
+    def send_debug(self, msg: tuple) -> None:
+        """Send the core ``("inject", kind)`` or ``("pause", seconds)`` (tests only; the
+        core refuses them unless ``faults/remote.py`` enables them)."""
+        self.client.send(msg)
+
     def stats(self) -> FrontendStats:
         return self.frontend_stats.snapshot(
             engine_restarts=self.client.restarts,
@@ -249,6 +260,9 @@ class AsyncEngine:
     # ---- reader / supervisor threads -----------------------------------------------
     def _on_message(self, msg: tuple) -> None:
         now = time.monotonic()
+        if msg[0] == "dashboard":
+            self.snapshot = msg[1]
+            return
         if msg[0] == "step":
             _, outputs, stats, failed = msg
             self._engine_stats = stats

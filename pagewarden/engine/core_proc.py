@@ -17,10 +17,15 @@ Messages (tuples, first item the kind)::
     client -> core   ("add", request_id, prompt_token_ids, params, prompt, cache_salt)
                      ("abort", request_id)
                      ("stop",)
+                     ("dashboard",)                     take a snapshot (engine/snapshot.py)
+                     ("inject", kind)                   test only (faults/remote.py)
+                     ("pause", seconds)                 test only: no steps for that long
     core -> client   ("ready", EngineInfo)              once, after the model loaded
                      ("step", outputs, stats, failed)   after every step (failed:
                                                         [(request_id, message)])
                      ("beat", stats, failed)            while idle, every HEARTBEAT_S
+                     ("dashboard", EngineSnapshot)      between steps, once asked, at most
+                                                        every snapshot.MIN_INTERVAL_S
                      ("fatal", message)                 before exiting on an error
 
 Failure isolation: a request whose parameters would make a step raise is failed alone
@@ -44,6 +49,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from pagewarden.engine.config import EngineConfig
+from pagewarden.engine.snapshot import MIN_INTERVAL_S, take_snapshot
 from pagewarden.sampling_params import SamplingParams
 from pagewarden.sched.admission import AdmissionLimits
 
@@ -82,6 +88,8 @@ class _Inbox:
         self._lock = threading.Lock()
         self._failed: list[tuple[str, str]] = []
         self.params: dict[str, tuple[list[int], SamplingParams]] = {}
+        self.snapshot_wanted = False
+        self.debug: list[tuple] = []  # "inject" and "pause" messages, applied between steps
 
     def run(self) -> None:
         try:
@@ -101,6 +109,11 @@ class _Inbox:
             self.stop = True
         elif msg[0] == "abort":
             self.core.abort_request(msg[1])
+        elif msg[0] == "dashboard":
+            self.snapshot_wanted = True
+        elif msg[0] in ("inject", "pause"):
+            with self._lock:
+                self.debug.append(msg)
         elif msg[0] == "add":
             _, rid, ids, params, prompt, salt = msg
             error = self.probe(ids, params)
@@ -123,6 +136,11 @@ class _Inbox:
         with self._lock:
             failed, self._failed = self._failed, []
         return failed
+
+    def take_debug(self) -> list[tuple]:
+        with self._lock:
+            msgs, self.debug = self.debug, []
+        return msgs
 
     def forget(self, rid: str) -> None:
         with self._lock:
@@ -198,12 +216,42 @@ def _isolate(core, inbox: _Inbox, exc: BaseException) -> list[tuple[str, str]]:
     return culprits
 
 
+class _Dashboard:
+    """Snapshots and test-only fault injection, served between steps."""
+
+    def __init__(self) -> None:
+        self.faults = None  # faults.remote.RemoteFaults, made at the first debug message
+        self.last_snapshot = 0.0
+        self.paused_until = 0.0
+
+    def paused(self) -> bool:
+        return time.monotonic() < self.paused_until
+
+    def serve(self, core, inbox: _Inbox, out: Connection) -> None:
+        for msg in inbox.take_debug():
+            if self.faults is None:  # fault machinery is loaded only when a test asks
+                from pagewarden.faults.remote import RemoteFaults
+
+                self.faults = RemoteFaults(core)
+            if msg[0] == "inject":
+                self.faults.apply(msg[1])
+            elif self.faults.may_pause(msg[1]):
+                self.paused_until = time.monotonic() + msg[1]
+        now = time.monotonic()
+        if inbox.snapshot_wanted and now - self.last_snapshot >= MIN_INTERVAL_S:
+            inbox.snapshot_wanted = False
+            self.last_snapshot = now
+            out.send(("dashboard", take_snapshot(core)))
+
+
 def _loop(core, inbox: _Inbox, out: Connection) -> None:
     last_send = 0.0
     failed_steps = 0
+    dashboard = _Dashboard()
     while not inbox.stop:
+        dashboard.serve(core, inbox, out)
         failed = _fail_outputs(core, inbox, inbox.take_failed())
-        if not core.has_unfinished():
+        if not core.has_unfinished() or dashboard.paused():
             now = time.monotonic()
             if failed or now - last_send >= HEARTBEAT_S:
                 out.send(("beat", core.stats(), failed))

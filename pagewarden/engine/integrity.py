@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from pagewarden.sched.output import FailureKey, KVFault, ModelRunnerOutput, SchedulerOutput
@@ -35,6 +37,22 @@ from pagewarden.worker.kv_guard import KVGuard
 from pagewarden.worker.step_hooks import StepHooks
 
 logger = logging.getLogger("pagewarden.integrity")
+
+#: Detections the monitor remembers for the dashboard (``events``), newest last.
+MAX_RECENT_EVENTS = 32
+
+
+@dataclass(frozen=True)
+class IntegrityRecord:
+    """One detection and what recovery did about it, as the dashboard lists it."""
+
+    time: float  # wall clock (time.time()) when recovery ran
+    step: int  # scheduler steps completed
+    kind: str
+    found_by: str
+    block_ids: tuple[int, ...]
+    rolled_back: dict[str, int]  # request -> token position it recomputes from
+    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -105,6 +123,7 @@ class IntegrityMonitor:
         self.failures: dict[FailureKey, int] = {}  # scheduler-found kinds (worker's in guard)
         self._steps = 0
         self.hooks: StepHooks | None = None  # told of every detection made here
+        self.events: deque[IntegrityRecord] = deque(maxlen=MAX_RECENT_EVENTS)
 
     def before_schedule(self) -> None:
         """Catch stale or altered block-table entries before a step can read them."""
@@ -124,6 +143,8 @@ class IntegrityMonitor:
                 "taken off the free queue, keeping" if event.kind == "free_list" else "recomputing",
                 event.position,
             )
+            rolled_back = {} if event.kind == "free_list" else {event.req_id: event.position}
+            self._record(key, (event.block_id,), rolled_back)
             if self.hooks is not None:
                 self.hooks.on_detection({event.block_id}, key, event.req_id)
 
@@ -157,6 +178,11 @@ class IntegrityMonitor:
                 f.detail,
                 dict(sorted(report.rolled_back.items())),
             )
+            # One fault owns the whole report; of several, each owns the readers it names.
+            rolled_back = report.rolled_back
+            if len(faults) > 1:
+                rolled_back = {r: p for r, p in rolled_back.items() if r in f.rollback}
+            self._record(FailureKey(f.kind, f.found_by), f.block_ids, rolled_back, f.detail)
         self.quarantined_blocks += len(report.quarantined)
         self.rolled_back_requests += len(report.rolled_back)
         self.recomputed_tokens += report.recomputed_tokens
@@ -223,8 +249,31 @@ class IntegrityMonitor:
             len(left),
             "" if not left else ": " + "; ".join(left[:5]),
         )
+        self._record(
+            FailureKey("refcount", "audit"), tuple(sorted(over | changed)), report.rolled_back
+        )
         if self.hooks is not None:
             self.hooks.on_detection(over | changed, FailureKey("refcount", "audit"), None)
+
+    def _record(
+        self,
+        key: FailureKey,
+        block_ids: tuple[int, ...],
+        rolled_back: dict[str, int],
+        detail: str = "",
+    ) -> None:
+        """Remember a detection for the dashboard (the last ``MAX_RECENT_EVENTS``)."""
+        self.events.append(
+            IntegrityRecord(
+                time.time(),
+                self.scheduler.num_steps,
+                key.kind,
+                key.found_by,
+                tuple(block_ids),
+                dict(rolled_back),
+                detail,
+            )
+        )
 
     def stats(self) -> IntegrityStats:
         c = self.guard.counters

@@ -6,6 +6,7 @@ results back as server-sent events. ``build_app`` wires the pieces:
 
     AdmissionGate (admission.py: 429 before parsing)
       -> FastAPI: /health /version /metrics /v1/models      (this file)
+                  /dashboard /dashboard/state               (dashboard.py)
                   /v1/completions                           (completions.py)
                   /v1/chat/completions                      (chat.py)
 """
@@ -24,6 +25,7 @@ from pagewarden.server.admission import AdmissionController, AdmissionGate, engi
 from pagewarden.server.chat import create_chat_completion
 from pagewarden.server.completions import create_completion
 from pagewarden.server.context import DEFAULT_MAX_BODY_BYTES, ServerContext, ServerLimits
+from pagewarden.server.dashboard import add_dashboard_routes
 from pagewarden.server.errors import APIError, error_body, install_error_handlers
 from pagewarden.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -62,6 +64,7 @@ def build_app(
     install_error_handlers(app)
     _add_info_routes(app, ctx, vllm_metrics)
     _add_generation_routes(app, ctx)
+    add_dashboard_routes(app, ctx)
     _document_request_bodies(app)
     return AdmissionGate(app, admission)
 

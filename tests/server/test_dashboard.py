@@ -1,0 +1,257 @@
+"""The dashboard: /dashboard/state over HTTP, and the page itself in headless Chromium.
+
+The browser test drives Debian's ``chromium`` + ``chromium-driver`` with selenium. Where
+they are missing it skips with the reason, except when ``PAGEWARDEN_BROWSER_TESTS=required``
+(set by .ci/run, which installs them): then it fails.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from pagewarden.engine.async_engine import AsyncEngine
+from pagewarden.engine.config import EngineConfig
+from pagewarden.faults import remote
+from pagewarden.server.admission import AdmissionController
+from pagewarden.server.api import build_app
+
+KEY = "dashboard-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+NUM_BLOCKS = 96
+PAUSE_S = 4.0  # how long the test holds the step loop still
+ARTIFACTS = Path(os.environ.get("PAGEWARDEN_TEST_ARTIFACTS", "test-artifacts"))
+
+
+class _Server:
+    """The app on loopback (uvicorn in a thread), API key set, fault injection enabled."""
+
+    def __init__(self, model_dir: Path) -> None:
+        # The engine-core process is spawned with this environment.
+        self._old_env = os.environ.get(remote.ENV_VAR)
+        os.environ[remote.ENV_VAR] = "1"
+        cfg = EngineConfig(
+            model=str(model_dir),
+            dtype="float32",
+            num_kv_blocks=NUM_BLOCKS,
+            block_size=16,
+            max_model_len=256,
+        )
+        self.engine = AsyncEngine(cfg)
+        app = build_app(
+            self.engine, "tiny", KEY, admission=AdmissionController(1, fixed_limit=1000)
+        )
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.engine.shutdown()
+        if self._old_env is None:
+            os.environ.pop(remote.ENV_VAR, None)
+        else:
+            os.environ[remote.ENV_VAR] = self._old_env
+
+    def state(self) -> dict:
+        r = httpx.get(self.url + "/dashboard/state", headers=AUTH, timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        match = re.search(rf"^pagewarden:{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+        assert match, f"pagewarden:{name} not in /metrics"
+        return float(match.group(1))
+
+    def post(self, path: str, body: dict) -> None:
+        r = httpx.post(self.url + path, json=body, headers=AUTH, timeout=10)
+        assert r.status_code == 202, r.text
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_llama_dir):
+    s = _Server(tiny_llama_dir)
+    yield s
+    s.stop()
+
+
+def test_state_needs_the_key_and_matches_the_pool(srv):
+    assert httpx.get(srv.url + "/dashboard/state").status_code == 401
+    assert httpx.get(srv.url + "/dashboard").status_code == 401
+    assert httpx.get(srv.url + "/dashboard?key=wrong").status_code == 401
+    page = httpx.get(srv.url + f"/dashboard?key={KEY}")
+    assert page.status_code == 200 and "blockmap" in page.text
+    cookie = page.cookies.get("pagewarden_dashboard_key")
+    assert cookie == KEY  # the page's own polls carry it
+    by_cookie = httpx.get(srv.url + "/dashboard/state", cookies={"pagewarden_dashboard_key": KEY})
+    assert by_cookie.status_code == 200
+    assert httpx.get(srv.url + "/dashboard/static/dashboard.js").status_code == 200
+    assert httpx.get(srv.url + "/dashboard/static/..%2Fapi.py").status_code == 404
+
+    state = srv.state()
+    assert state["version"] == 1 and state["profile"] == "normal"
+    snap = state["snapshot"]
+    assert len(snap["blocks"]) == NUM_BLOCKS == state["engine"]["num_blocks"]
+    assert snap["blocks"][0] == "R" and set(snap["blocks"][1:]) <= set("FCUSQX")
+    assert snap["cost_s"] < 0.05
+    for column in ("t", "kv_usage", "running", "ttft_p99_ms", "max_num_seqs", "profile"):
+        assert column in state["series"]
+
+
+def _start_load(srv: _Server, n: int, max_tokens: int) -> list[threading.Thread]:
+    """``n`` streaming requests that run ``max_tokens`` tokens each (ignore_eos)."""
+
+    def run(i: int) -> None:
+        body = {
+            "model": "tiny",
+            "prompt": "Paged attention stores keys and values in blocks. " * (i + 1),
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.stream(
+            "POST", srv.url + "/v1/completions", json=body, headers=AUTH, timeout=120
+        ) as r:
+            for _ in r.iter_lines():
+                pass
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _poll(cond, timeout: float, every: float = 0.1):
+    """The first truthy ``cond()`` within ``timeout`` seconds, else None."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(every)
+    return None
+
+
+def _wait(what: str, cond, timeout: float = 15.0, every: float = 0.1):
+    value = _poll(cond, timeout, every)
+    if value is None:
+        raise AssertionError(f"timed out waiting for {what}")
+    return value
+
+
+def _browser():
+    """A headless Chromium driven by selenium, or a skip (a failure where required)."""
+    required = os.environ.get("PAGEWARDEN_BROWSER_TESTS") == "required"
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        webdriver = None
+    if webdriver is None or not chromium or not driver:
+        why = (
+            "needs selenium (pip, the test extra) and Debian's chromium + chromium-driver "
+            "(apt-get install -y chromium chromium-driver; .ci/run installs them)"
+        )
+        if required:
+            pytest.fail(why)
+        pytest.skip(why)
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage"):
+        options.add_argument(arg)
+    options.add_argument("--window-size=1400,1000")
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(service=Service(driver), options=options)
+
+
+def _cells(browser, selector: str = "") -> int:
+    return browser.execute_script(
+        "return document.querySelectorAll(arguments[0]).length", f"#blockmap .cell{selector}"
+    )
+
+
+def test_dashboard_in_chromium(srv):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    browser = _browser()
+    try:
+        browser.get(srv.url + f"/dashboard?key={KEY}")  # sets the cookie the polls carry
+        # The block map: one cell per block of the pool.
+        _wait("the block map", lambda: _cells(browser) == srv.engine.info.num_blocks)
+        assert _cells(browser) == NUM_BLOCKS
+
+        threads = _start_load(srv, n=4, max_tokens=180)
+        _wait("blocks in use", lambda: srv.metric("kv_blocks_used") > 0, every=0.02)
+        _used_cells_match_metrics(srv, browser)
+
+        # A fault: it appears in the events list and its block is marked quarantined.
+        # Sent while the loop is paused with requests running, so the first step after
+        # the pause has a written slot to corrupt.
+        srv.post("/debug/faults", {"kind": "tag_corruption"})
+        row = _wait(
+            "the integrity event",
+            lambda: browser.find_elements(By.CSS_SELECTOR, "#events tr.event"),
+        )[0]
+        cols = [td.text for td in row.find_elements(By.TAG_NAME, "td")]
+        assert cols[2] == "slot_tag" and cols[3] == "read", cols
+        block = int(cols[4].split(",")[0])
+        assert srv.state()["snapshot"]["quarantines"][str(block)] >= 1
+        cell = _wait(
+            f"block {block} marked quarantined",
+            lambda: browser.find_elements(
+                By.CSS_SELECTOR, f'#blockmap .cell.faulted[data-i="{block}"]'
+            ),
+        )[0]
+        ActionChains(browser).move_to_element(cell).perform()
+        tip = browser.find_element(By.ID, "tooltip").text
+        assert f"block {block}" in tip and "quarantined" in tip, tip
+
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        assert browser.save_screenshot(str(ARTIFACTS / "dashboard.png"))
+        for t in threads:
+            t.join(60)
+        errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+        assert not errors, errors
+    finally:
+        browser.quit()
+
+
+_PAGE_STEP = "return document.getElementById('blockmap').dataset.step"
+
+
+def _used_cells_match_metrics(srv: _Server, browser) -> None:
+    """While requests run, hold the step loop still and compare the page's used cells
+    (used + shared) with ``pagewarden:kv_blocks_used``: one unchanging state for both.
+    Returns with the step loop still paused (for at least a second)."""
+    for _ in range(3):
+        end = time.monotonic() + PAUSE_S
+        srv.post("/debug/pause", {"seconds": PAUSE_S})
+        time.sleep(0.3)  # the pause starts between two steps
+        step = srv.state()["kv"]["step"]
+        used = srv.metric("kv_blocks_used")
+        seen = _poll(lambda s=str(step): browser.execute_script(_PAGE_STEP) == s, timeout=3.0)
+        cells = _cells(browser, ".used") + _cells(browser, ".shared")
+        still = srv.state()["kv"]["step"] == step and srv.metric("kv_blocks_used") == used
+        if seen and still and end - time.monotonic() > 1.0:
+            assert used > 0 and cells == used, (cells, used)
+            return
+        time.sleep(max(end - time.monotonic(), 0.0))
+    raise AssertionError("the step loop never held still long enough to compare")
