@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagewarden.engine.profiles import ProfileError, SafeModePolicy
 from pagewarden.sched.config import MIN_MAX_MODEL_LEN
 from pagewarden.worker.cpu_threads import CpuBindError, parse_cpu_list
 from pagewarden.worker.kv_guard import INTEGRITY_LEVELS
@@ -61,6 +62,16 @@ class EngineConfig:
     # faults, preemption storms or slow tokens; raise it back after a clean window.
     adaptive_batch: bool = True
     target_itl_ms: float | None = None  # None: derived from the first clean window
+    # Engine profiles (engine/profiles.py): the one to start in, user-defined ones, and
+    # automatic rollback to "safe" after safe_mode_faults faults within safe_mode_window
+    # seconds (or an unrecoverable fault, or a failed audit), back after
+    # safe_mode_clean_period seconds without a fault.
+    profile: str = "normal"
+    profiles_file: str | None = None
+    auto_safe_mode: bool = True
+    safe_mode_faults: int = 3
+    safe_mode_window: float = 10.0
+    safe_mode_clean_period: float = 30.0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -122,6 +133,10 @@ class EngineConfig:
                 raise EngineConfigError(str(exc)) from None
         if self.target_itl_ms is not None and not self.target_itl_ms > 0:
             raise EngineConfigError(f"target_itl_ms must be > 0, got {self.target_itl_ms}")
+        try:
+            self.safe_mode_policy  # noqa: B018 - validates the thresholds
+        except ProfileError as exc:
+            raise EngineConfigError(str(exc)) from None
         if self.max_model_len is not None and self.max_model_len < MIN_MAX_MODEL_LEN:
             raise EngineConfigError(
                 f"max_model_len must be >= {MIN_MAX_MODEL_LEN}, got {self.max_model_len}"
@@ -133,6 +148,15 @@ class EngineConfig:
         if self.preemption_mode is not None:
             return self.preemption_mode
         return "swap" if (self.swap_space or self.num_swap_blocks) else "recompute"
+
+    @property
+    def safe_mode_policy(self) -> SafeModePolicy:
+        return SafeModePolicy(
+            faults=self.safe_mode_faults,
+            window_s=self.safe_mode_window,
+            clean_period_s=self.safe_mode_clean_period,
+            auto=self.auto_safe_mode,
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:

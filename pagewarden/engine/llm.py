@@ -48,6 +48,12 @@ class LLM:
         cpu_bind: str | None = None,
         adaptive_batch: bool = True,
         target_itl_ms: float | None = None,
+        profile: str = "normal",
+        profiles_file: str | None = None,
+        auto_safe_mode: bool = True,
+        safe_mode_faults: int = 3,
+        safe_mode_window: float = 10.0,
+        safe_mode_clean_period: float = 30.0,
     ) -> None:
         self.config = EngineConfig(
             model=model,
@@ -70,6 +76,12 @@ class LLM:
             cpu_bind=cpu_bind,
             adaptive_batch=adaptive_batch,
             target_itl_ms=target_itl_ms,
+            profile=profile,
+            profiles_file=profiles_file,
+            auto_safe_mode=auto_safe_mode,
+            safe_mode_faults=safe_mode_faults,
+            safe_mode_window=safe_mode_window,
+            safe_mode_clean_period=safe_mode_clean_period,
         )
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()

@@ -239,6 +239,18 @@ class BlockPool:
         block.token_bytes = pack_block_tokens(token_ids)
         self.hash_index.setdefault(block_hash, block)
 
+    def drop_cached(self) -> int:
+        """Forget the prefix-cache entries of every block nobody holds (CACHED_FREE ->
+        FREE, in place in the queue); returns how many. Held blocks keep theirs."""
+        self.check_owner()
+        dropped = 0
+        for block in self.blocks:
+            if block.state is _CACHED_FREE:
+                self._drop_hash(block)
+                block.state = _FREE
+                dropped += 1
+        return dropped
+
     def _drop_hash(self, block: KVBlock) -> None:
         h = block.block_hash
         if h is not None and self.hash_index.get(h) is block:
