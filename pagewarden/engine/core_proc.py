@@ -16,6 +16,7 @@ Messages (tuples, first item the kind)::
 
     client -> core   ("add", request_id, prompt_token_ids, params, prompt, cache_salt)
                      ("abort", request_id)
+                     ("profile", name)                  switch the engine profile
                      ("stop",)
     core -> client   ("ready", EngineInfo)              once, after the model loaded
                      ("step", outputs, stats, failed)   after every step (failed:
@@ -101,6 +102,11 @@ class _Inbox:
             self.stop = True
         elif msg[0] == "abort":
             self.core.abort_request(msg[1])
+        elif msg[0] == "profile":
+            try:
+                self.core.request_profile(msg[1])
+            except ValueError as exc:  # ProfileError: the front end checks names first
+                logger.error("profile switch refused: %s", exc)
         elif msg[0] == "add":
             _, rid, ids, params, prompt, salt = msg
             error = self.probe(ids, params)

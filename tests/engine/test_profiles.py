@@ -60,7 +60,10 @@ def test_k_faults_within_the_window_switch_to_safe() -> None:
 
 @pytest.mark.parametrize(
     "kw,reason",
-    [(dict(unrecoverable=1), "unrecoverable_fault"), (dict(audit_failures=2), "invariant_violation")],
+    [
+        (dict(unrecoverable=1), "unrecoverable_fault"),
+        (dict(audit_failures=2), "invariant_violation"),
+    ],
 )
 def test_one_unrecoverable_fault_or_failed_audit_is_enough(kw, reason) -> None:
     ctl, _ = _controller()
