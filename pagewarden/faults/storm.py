@@ -69,7 +69,7 @@ class StormReport:
     model: str
     config: EngineConfig
     floor: int
-    burst: tuple[float, float]  # start and end of the burst, seconds
+    burst: tuple[float, float]  # first and last injection, seconds
     samples: list[StormSample]
     events: list[StormEvent]
     injected: int
@@ -105,11 +105,9 @@ class StormReport:
 
     @property
     def all_recovered(self) -> bool:
-        return (
-            self.detected + self.harmless == self.injected
-            and self.failed_requests == 0
-            and self.recoveries >= self.detected
-        )
+        """Every fault found (or unreadable before anyone read it) and no request failed:
+        each detection was followed by a recovery that cost the user nothing."""
+        return self.detected + self.harmless == self.injected and self.failed_requests == 0
 
     def table(self) -> str:
         c = self.config
@@ -120,12 +118,13 @@ class StormReport:
             f"{c.safe_mode_faults} faults within {c.safe_mode_window:g} s, back after "
             f"{c.safe_mode_clean_period:g} s clean",
             f"{self.num_requests} requests over {self.elapsed_s:.1f} s, "
-            f"{len(self.samples)} steps; burst of {self.injected} faults from "
-            f"{self.burst[0]:.1f} s to {self.burst[1]:.1f} s",
+            f"{len(self.samples)} steps; {self.injected} faults injected from "
+            f"{self.burst[0]:.1f} s to {self.burst[1]:.1f} s (at most one per step)",
             "timeline:",
             *(f"  {e.t:7.2f} s  {e.text}" for e in self.events),
             f"faults: {self.injected} injected, {self.detected} detected, {self.harmless} "
-            f"harmless (unreadable before any read), {self.recoveries} recoveries, "
+            f"harmless (unreadable before any read), {self.recoveries} recoveries (one "
+            f"recovery covers the faults one check found together), "
             f"{self.failed_requests} requests failed; by kind: "
             + ", ".join(f"{k} {n}" for k, n in self.kinds.items()),
             f"batch limit fell: {yes[self.limit_fell]} (min "
@@ -217,7 +216,7 @@ def run_storm(
         model=loaded.name,
         config=config,
         floor=run.engine.safe_mode.settings["safe"].max_num_seqs,
-        burst=(warmup_s, warmup_s + burst_s),
+        burst=run.burst,
         samples=run.samples,
         events=run.events,
         injected=len(injector.faults),
@@ -248,25 +247,30 @@ class _StormRun:
         self.failed = 0
         self.samples: list[StormSample] = []
         self.events: list[StormEvent] = []
+        self.burst = (0.0, 0.0)
 
     def drive(self, num_faults: int, warmup_s: float, burst_s: float, max_s: float) -> None:
         engine, cfg = self.engine, self.config
         times = [warmup_s + burst_s * i / max(1, num_faults - 1) for i in range(num_faults)]
         kinds = [STORM_KINDS[i % len(STORM_KINDS)] for i in range(num_faults)]
-        t0 = time.monotonic()
+        t0: float | None = None  # the clock starts once the first step (prefill) is done
         adding, settled_at = True, None
         last = (cfg.max_num_seqs, cfg.profile)
         while adding or engine.has_unfinished():
-            t = time.monotonic() - t0
+            t = 0.0 if t0 is None else time.monotonic() - t0
             in_flight = len(self.submitted) - len(self.outputs)
             while adding and in_flight < 2 * cfg.max_num_seqs:
                 ids, params = self.workload[len(self.submitted)]
                 engine.add_request(str(len(self.submitted)), ids, params)
                 self.submitted.append((ids, params))
                 in_flight += 1
-            while times and times[0] <= t and self.injector.inject(kinds[0]) is not None:
+            # At most one fault per step: on a slow model the burst stretches over steps.
+            due = t0 is not None and bool(times) and times[0] <= t
+            if due and self.injector.inject(kinds[0]) is not None:
                 if len(times) == num_faults:
                     self._event(t, f"fault burst starts ({num_faults} faults over {burst_s:g} s)")
+                    self.burst = (t, t)
+                self.burst = (self.burst[0], t)
                 times.pop(0)
                 kinds.pop(0)
             recoveries = engine.integrity.recoveries
@@ -274,6 +278,7 @@ class _StormRun:
                 if out.finished:
                     self.outputs[out.request_id] = [list(c.token_ids) for c in out.outputs]
                     self.failed += any(c.finish_reason == "error" for c in out.outputs)
+            t0 = time.monotonic() if t0 is None else t0
             t = time.monotonic() - t0
             now = (engine.scheduler.max_num_seqs, engine.safe_mode.controller.active)
             self._sample(t, now, engine.integrity.recoveries - recoveries, num_faults - len(times))

@@ -41,7 +41,7 @@ def write_storm_plot(report: StormReport, path: str | Path) -> str:
     ax_batch.legend(loc="lower right", fontsize=8)
     ax_batch.set_title(
         f"pagewarden chaos --scenario storm ({report.model}): {report.injected} faults in "
-        f"{report.burst[1] - report.burst[0]:g} s (shaded)",
+        f"{report.burst[1] - report.burst[0]:.1f} s (shaded)",
         fontsize=10,
     )
     names = list(dict.fromkeys([report.config.profile, "safe", *(x.profile for x in s)]))
