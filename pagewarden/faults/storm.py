@@ -123,8 +123,8 @@ class StormReport:
             "timeline:",
             *(f"  {e.t:7.2f} s  {e.text}" for e in self.events),
             f"faults: {self.injected} injected, {self.detected} detected, {self.harmless} "
-            f"harmless (unreadable before any read), {self.recoveries} recoveries (one "
-            f"recovery covers the faults one check found together), "
+            f"harmless (unreadable before any read), {self.recoveries} recoveries (a fault "
+            f"can take more than one; faults one check found together share one), "
             f"{self.failed_requests} requests failed; by kind: "
             + ", ".join(f"{k} {n}" for k, n in self.kinds.items()),
             f"batch limit fell: {yes[self.limit_fell]} (min "
