@@ -102,7 +102,14 @@ class PagewardenCollector:
             labels=["model_name", "reason"],
         )
         for reason in sorted(
-            {"integrity_fault", "latency", "preemption_storm", "recovery", *s.batch_limit_changes}
+            {
+                "integrity_fault",
+                "latency",
+                "preemption_storm",
+                "recovery",
+                "profile",
+                *s.batch_limit_changes,
+            }
         ):
             changes.add_metric([m, reason], s.batch_limit_changes.get(reason, 0))
         yield changes

@@ -69,7 +69,13 @@ def test_batch_limit_changes_are_exported_by_reason() -> None:
         for s in family.samples
         if s.name == "pagewarden:batch_limit_changes_total"
     }
-    assert samples == {"integrity_fault": 0, "latency": 3, "preemption_storm": 0, "recovery": 0}
+    assert samples == {
+        "integrity_fault": 0,
+        "latency": 3,
+        "preemption_storm": 0,
+        "recovery": 0,
+        "profile": 0,
+    }
 
 
 def test_the_engine_profile_and_its_switches_are_exported() -> None:
