@@ -128,3 +128,23 @@ def test_start_in_a_user_profile_from_a_file(loaded, tmp_path) -> None:
     assert engine.scheduler.max_num_seqs == 4 and engine.integrity.audit_interval == 16
     with pytest.raises(ProfileError, match="unknown profile"):
         EngineCore(_config(profile="turbo"), loaded)
+
+
+def test_a_failed_audit_switches_to_safe_at_once(loaded) -> None:
+    engine = EngineCore(_config(audit_interval=1), loaded)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(str(i), [5 + i] * 9, params)
+    engine.step()
+    held = engine.scheduler.kv.tables["0"].ids[0]
+    engine.scheduler.kv.pool.blocks[held].ref_cnt += 1  # a reference nobody holds
+    engine.step()  # the audit after this step finds it, repairs it, and rolls back
+    state = engine.stats().profile
+    assert (state.active, state.reason) == ("safe", "invariant_violation")
+    finished = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].finish_reason
+    assert finished == {"0": "length", "1": "length", "2": "length"}
+    assert engine.scheduler.check_invariants() == []
