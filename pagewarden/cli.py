@@ -108,12 +108,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
+    if args.scenario == "storm":
+        from pagewarden.faults.storm import cmd_storm
+
+        return cmd_storm(args)
     from pagewarden.faults.chaos import run_chaos
 
     report = run_chaos(
         model=args.model,
-        num_faults=args.faults,
-        integrity=args.integrity,
+        num_faults=args.faults or 20,
+        integrity=args.integrity or "strict",
         num_requests=args.requests,
         max_tokens=args.max_tokens,
         seed=args.seed,
@@ -133,9 +137,21 @@ def _add_chaos_parser(sub) -> None:
         "detection, recovery and output equality",
     )
     chaos.add_argument("--model", default=None, help="HF model directory or .gguf file")
-    chaos.add_argument("--faults", type=int, default=20, help="faults to inject")
     chaos.add_argument(
-        "--integrity", default="strict", choices=("off", "audit", "standard", "strict")
+        "--scenario",
+        default="mixed",
+        choices=("mixed", "storm"),
+        help="mixed: faults at random steps of a mixed workload; storm: a burst of faults "
+        "on a busy engine, then calm (batch limit, safe mode and recovery over time)",
+    )
+    chaos.add_argument(
+        "--faults", type=int, default=None, help="faults to inject (default 20; storm 12)"
+    )
+    chaos.add_argument(
+        "--integrity",
+        default=None,
+        choices=("off", "audit", "standard", "strict"),
+        help="default strict; storm: standard (safe mode makes it strict)",
     )
     chaos.add_argument("--requests", type=int, default=16)
     chaos.add_argument("--max-tokens", type=int, default=24)
@@ -158,6 +174,16 @@ def _add_chaos_parser(sub) -> None:
         "0: recompute only",
     )
     chaos.add_argument("--seed", type=int, default=0)
+    storm = chaos.add_argument_group("storm scenario")
+    storm.add_argument("--burst-seconds", type=float, default=3.0)
+    storm.add_argument("--max-num-seqs", type=int, default=16)
+    storm.add_argument(
+        "--clean-period", type=float, default=2.0, help="seconds clean before safe mode ends"
+    )
+    storm.add_argument("--plot", default="pagewarden-storm.png", help="PNG to write ('' for none)")
+    storm.add_argument(
+        "--flight-recorder-dir", default=None, help="default: a new temporary directory"
+    )
     chaos.set_defaults(func=cmd_chaos)
 
 

@@ -130,6 +130,48 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "tagged map (newer vLLM)",
     )
     parser.add_argument(
+        "--profile",
+        default=d.profile,
+        help="engine profile to start in: normal (as configured), safe, or one of "
+        "--profiles-file (default normal)",
+    )
+    parser.add_argument(
+        "--profiles-file",
+        default=None,
+        metavar="PATH",
+        help="YAML, JSON or TOML file defining engine profiles (see docs/integrity.md)",
+    )
+    parser.add_argument(
+        "--auto-safe-mode",
+        action=argparse.BooleanOptionalAction,
+        default=d.auto_safe_mode,
+        help="switch to the safe profile on repeated or unrecoverable faults or a failed "
+        "audit, and back after a clean period (default on)",
+    )
+    parser.add_argument(
+        "--safe-mode-faults",
+        type=int,
+        default=d.safe_mode_faults,
+        metavar="K",
+        help=f"detected faults within --safe-mode-window that trigger safe mode "
+        f"(default {d.safe_mode_faults})",
+    )
+    parser.add_argument(
+        "--safe-mode-window",
+        type=float,
+        default=d.safe_mode_window,
+        metavar="S",
+        help=f"seconds over which faults are counted (default {d.safe_mode_window:g})",
+    )
+    parser.add_argument(
+        "--safe-mode-clean-period",
+        type=float,
+        default=d.safe_mode_clean_period,
+        metavar="S",
+        help=f"seconds without a fault before safe mode ends (default "
+        f"{d.safe_mode_clean_period:g})",
+    )
+    parser.add_argument(
         "--cpu-threads",
         type=int,
         default=None,

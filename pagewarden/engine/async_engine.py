@@ -220,6 +220,10 @@ class AsyncEngine:
         """Abort a request from any thread; a finished or unknown id is a no-op."""
         self.client.send(("abort", request_id))
 
+    def request_profile(self, name: str) -> None:
+        """Ask the engine core to switch to profile ``name`` at its next step."""
+        self.client.send(("profile", name))
+
     def is_alive(self) -> bool:
         """True while the engine core is up and making progress (from its heartbeat)."""
         return self.client.is_ready()

@@ -29,7 +29,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
-ChangeReason = Literal["integrity_fault", "latency", "preemption_storm", "recovery", "operator"]
+ChangeReason = Literal[
+    "integrity_fault", "latency", "preemption_storm", "recovery", "operator", "profile"
+]
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,8 @@ class AdaptiveBatchController:
     def __init__(self, config: BatchControllerConfig) -> None:
         self.config = config
         self.limits = config.ceiling
+        # Below the configured maximum while a profile caps the batch (engine/profiles.py).
+        self.ceiling_seqs = config.max_num_seqs
         self.target_itl_s = config.target_itl_s
         self._latencies: deque[float] = deque()
         self._preemptions = 0
@@ -143,16 +147,28 @@ class AdaptiveBatchController:
         if self.target_itl_s is None and p90 is not None:
             median = _quantile(sorted(self._latencies), 0.5)
             self.target_itl_s = self.config.baseline_factor * median
-        if self.limits == self.config.ceiling:
+        if self.limits.max_num_seqs >= self.ceiling_seqs:
             self._reset_window()
             return None
-        seqs = min(self.config.max_num_seqs, self.limits.max_num_seqs + self.config.step_up)
+        seqs = min(self.ceiling_seqs, self.limits.max_num_seqs + self.config.step_up)
         return self._set(seqs, "recovery", f"clean for {self._clean_steps} steps")
 
     def force(self, max_num_seqs: int) -> BatchLimitChange | None:
         """Set the sequence limit by hand (an operator, or a profile switch)."""
-        seqs = min(max(max_num_seqs, self.config.floor.max_num_seqs), self.config.max_num_seqs)
+        seqs = min(max(max_num_seqs, self.config.floor.max_num_seqs), self.ceiling_seqs)
         return self._set(seqs, "operator", f"set to {seqs}")
+
+    def set_ceiling(self, max_num_seqs: int) -> BatchLimitChange | None:
+        """Cap the sequence limit (a profile's cap; the configured maximum lifts it).
+
+        Lowering the cap lowers the limit at once; raising it changes nothing now: the
+        limit climbs to it by additive increase, one clean window at a time.
+        """
+        cfg = self.config
+        self.ceiling_seqs = min(max(max_num_seqs, cfg.floor.max_num_seqs), cfg.max_num_seqs)
+        if self.limits.max_num_seqs <= self.ceiling_seqs:
+            return None
+        return self._set(self.ceiling_seqs, "profile", f"capped at {self.ceiling_seqs}")
 
     def _window_p90(self) -> float | None:
         if len(self._latencies) < self.config.min_latency_samples:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagewarden.engine.profiles import ProfileError, SafeModePolicy
 from pagewarden.sched.config import MIN_MAX_MODEL_LEN
 from pagewarden.worker.cpu_threads import CpuBindError, parse_cpu_list
 from pagewarden.worker.kv_guard import INTEGRITY_LEVELS
@@ -66,6 +67,16 @@ class EngineConfig:
     kv_events_endpoint: str | None = None
     kv_events_topic: str = ""
     kv_events_encoding: str = "array"
+    # Engine profiles (engine/profiles.py): the one to start in, user-defined ones, and
+    # automatic rollback to "safe" after safe_mode_faults faults within safe_mode_window
+    # seconds (or an unrecoverable fault, or a failed audit), back after
+    # safe_mode_clean_period seconds without a fault.
+    profile: str = "normal"
+    profiles_file: str | None = None
+    auto_safe_mode: bool = True
+    safe_mode_faults: int = 3
+    safe_mode_window: float = 10.0
+    safe_mode_clean_period: float = 30.0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -137,6 +148,10 @@ class EngineConfig:
             raise EngineConfigError(
                 f"kv_events_encoding must be 'array' or 'map', got {self.kv_events_encoding!r}"
             )
+        try:
+            self.safe_mode_policy  # noqa: B018 - validates the thresholds
+        except ProfileError as exc:
+            raise EngineConfigError(str(exc)) from None
         if self.max_model_len is not None and self.max_model_len < MIN_MAX_MODEL_LEN:
             raise EngineConfigError(
                 f"max_model_len must be >= {MIN_MAX_MODEL_LEN}, got {self.max_model_len}"
@@ -148,6 +163,15 @@ class EngineConfig:
         if self.preemption_mode is not None:
             return self.preemption_mode
         return "swap" if (self.swap_space or self.num_swap_blocks) else "recompute"
+
+    @property
+    def safe_mode_policy(self) -> SafeModePolicy:
+        return SafeModePolicy(
+            faults=self.safe_mode_faults,
+            window_s=self.safe_mode_window,
+            clean_period_s=self.safe_mode_clean_period,
+            auto=self.auto_safe_mode,
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:

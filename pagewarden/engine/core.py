@@ -23,6 +23,8 @@ from pagewarden.engine.integrity import IntegrityMonitor, IntegrityStats
 from pagewarden.engine.kv_events import KVEventPublisher
 from pagewarden.engine.output_processor import OutputProcessor
 from pagewarden.engine.outputs import RequestOutput
+from pagewarden.engine.profiles import ProfileState
+from pagewarden.engine.safe_mode import SafeMode
 from pagewarden.models.loader import LoadedModel, load_model
 from pagewarden.sampling_params import SamplingParams
 from pagewarden.sched.admission import RequestRejected, check_request
@@ -50,6 +52,8 @@ class EngineStats(SchedulerStats):
     integrity: IntegrityStats
     # Changes of the effective batch limits by reason (engine/batch_controller.py).
     batch_limit_changes: dict[str, int] = field(default_factory=dict)
+    # The active engine profile and the switches so far (engine/profiles.py).
+    profile: ProfileState = field(default_factory=ProfileState)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -152,6 +156,9 @@ class EngineCore:
             if config.adaptive_batch
             else None
         )
+        self.safe_mode = SafeMode(
+            config, self.scheduler, self.runner.guard, self.integrity, self.batch
+        )
 
     def install_hooks(self, hooks: StepHooks | None) -> None:
         """Let ``hooks`` act at fixed points of every step (fault injection; None
@@ -190,6 +197,11 @@ class EngineCore:
         """Enqueue an abort; applied at the start of the next step."""
         with self._lock:
             self._pending_aborts.append(request_id)
+
+    def request_profile(self, name: str) -> None:
+        """Switch to profile ``name`` at the start of the next step (an operator's
+        choice; ``ProfileError`` if unknown). Safe from any thread."""
+        self.safe_mode.request(name)
 
     def claim_ownership(self) -> None:
         """Make the calling thread the engine-core thread: from now on a mutation of
@@ -231,7 +243,7 @@ class EngineCore:
         with self._lock:
             if self._pending_adds or self._pending_aborts:
                 return True
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.safe_mode.has_pending()
 
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the outputs that changed. With KV events on, the
@@ -245,6 +257,7 @@ class EngineCore:
         if not self._owned:
             self.claim_ownership()
         finished = self._apply_pending()
+        self.safe_mode.before_step()
         self.integrity.before_schedule()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty and not sched_out.copy_blocks:
@@ -265,6 +278,7 @@ class EngineCore:
         self.integrity.after_step()
         if self.batch is not None:
             self._adapt_batch(start, sum(len(r.positions) == 1 for r in sched_out.requests))
+        self.safe_mode.after_step()
         self.generation_tokens += len(updates)  # one entry per sampled token
         changed, stopped = self.outputs.process(updates)
         if stopped:
@@ -305,4 +319,5 @@ class EngineCore:
             generation_tokens=self.generation_tokens,
             integrity=self.integrity.stats(),
             batch_limit_changes=dict(self.batch.changes) if self.batch is not None else {},
+            profile=self.safe_mode.state(),
         )

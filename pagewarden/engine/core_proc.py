@@ -16,6 +16,7 @@ Messages (tuples, first item the kind)::
 
     client -> core   ("add", request_id, prompt_token_ids, params, prompt, cache_salt)
                      ("abort", request_id)
+                     ("profile", name)                  switch the engine profile
                      ("stop",)
                      ("dashboard",)                     take a snapshot (engine/snapshot.py)
                      ("inject", kind)                   test only (faults/remote.py)
@@ -114,6 +115,11 @@ class _Inbox:
         elif msg[0] in ("inject", "pause"):
             with self._lock:
                 self.debug.append(msg)
+        elif msg[0] == "profile":
+            try:
+                self.core.request_profile(msg[1])
+            except ValueError as exc:  # ProfileError: the front end checks names first
+                logger.error("profile switch refused: %s", exc)
         elif msg[0] == "add":
             _, rid, ids, params, prompt, salt = msg
             error = self.probe(ids, params)

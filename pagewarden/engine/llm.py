@@ -51,6 +51,12 @@ class LLM:
         kv_events_endpoint: str | None = None,
         kv_events_topic: str = "",
         kv_events_encoding: str = "array",
+        profile: str = "normal",
+        profiles_file: str | None = None,
+        auto_safe_mode: bool = True,
+        safe_mode_faults: int = 3,
+        safe_mode_window: float = 10.0,
+        safe_mode_clean_period: float = 30.0,
     ) -> None:
         self.config = EngineConfig(
             model=model,
@@ -76,6 +82,12 @@ class LLM:
             kv_events_endpoint=kv_events_endpoint,
             kv_events_topic=kv_events_topic,
             kv_events_encoding=kv_events_encoding,
+            profile=profile,
+            profiles_file=profiles_file,
+            auto_safe_mode=auto_safe_mode,
+            safe_mode_faults=safe_mode_faults,
+            safe_mode_window=safe_mode_window,
+            safe_mode_clean_period=safe_mode_clean_period,
         )
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()

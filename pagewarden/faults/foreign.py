@@ -61,6 +61,13 @@ def foreign_calls(scheduler) -> list[ForeignCall]:
         ),
         ("Scheduler", "schedule", scheduler.schedule),
         ("Scheduler", "set_batch_limits", lambda: scheduler.set_batch_limits(1, 1)),
+        (
+            "Scheduler",
+            "set_preemption_mode",
+            lambda: scheduler.set_preemption_mode(
+                "recompute" if scheduler.preemption_mode == "swap" else "swap"
+            ),
+        ),
         ("Scheduler", "update", lambda: scheduler.update(empty_out, ModelRunnerOutput({}))),
         ("Scheduler", "verify_block_tables", scheduler.verify_block_tables),
         ("Scheduler", "recover", lambda: scheduler.recover([])),
@@ -94,6 +101,7 @@ def foreign_calls(scheduler) -> list[ForeignCall]:
             "seal",
             lambda: pool.seal(block, BlockHash(b"foreign"), [0] * pool.block_size),
         ),
+        ("BlockPool", "drop_cached", pool.drop_cached),
         ("BlockPool", "quarantine", lambda: pool.quarantine(block.block_id)),
         ("BlockPool", "release_quarantine", lambda: pool.release_quarantine(block.block_id)),
         ("BlockPool", "reconcile", lambda: pool.reconcile([0] * pool.num_blocks)),
@@ -147,4 +155,5 @@ def state_fingerprint(scheduler) -> tuple:
         swapped,
         queues,
         tuple(sorted(scheduler.requests)),
+        scheduler.preemption_mode,
     )

@@ -263,6 +263,18 @@ class BlockPool:
         if self.hash_index.setdefault(block_hash, block) is block and self.cache_events is not None:
             self.cache_events.append(BlockStored(block_hash, parent_hash, token_ids))
 
+    def drop_cached(self) -> int:
+        """Forget the prefix-cache entries of every block nobody holds (CACHED_FREE ->
+        FREE, in place in the queue); returns how many. Held blocks keep theirs."""
+        self.check_owner()
+        dropped = 0
+        for block in self.blocks:
+            if block.state is _CACHED_FREE:
+                self._drop_hash(block)
+                block.state = _FREE
+                dropped += 1
+        return dropped
+
     def _drop_hash(self, block: KVBlock) -> None:
         h = block.block_hash
         if h is not None and self.hash_index.get(h) is block:

@@ -111,10 +111,18 @@ class PagewardenCollector:
             labels=["model_name", "reason"],
         )
         for reason in sorted(
-            {"integrity_fault", "latency", "preemption_storm", "recovery", *s.batch_limit_changes}
+            {
+                "integrity_fault",
+                "latency",
+                "preemption_storm",
+                "recovery",
+                "profile",
+                *s.batch_limit_changes,
+            }
         ):
             changes.add_metric([m, reason], s.batch_limit_changes.get(reason, 0))
         yield changes
+        yield from self._profile_metrics(s)
         yield _histogram(
             "time_to_first_token_seconds", "Time to first token.", f.time_to_first_token, m
         )
@@ -145,6 +153,26 @@ class PagewardenCollector:
         yield from self._integrity_metrics(s)
         if self._vllm_metrics:  # from the same snapshots, so each twin pair agrees
             yield from _vllm_twins(s, f, m, self._vllm_cache_config)
+
+    def _profile_metrics(self, s: object) -> Iterator[Metric]:
+        """The active engine profile and the switches between profiles (safe mode)."""
+        p, m = s.profile, self._model
+        active = GaugeMetricFamily(
+            P + "engine_profile",
+            "Engine profile in force (1 = this).",
+            labels=["model_name", "profile"],
+        )
+        for name in p.profiles:
+            active.add_metric([m, name], 1.0 if name == p.active else 0.0)
+        yield active
+        switches = CounterMetricFamily(
+            P + "profile_switches",
+            "Engine profile switches, by old and new profile and reason.",
+            labels=["model_name", "from", "to", "reason"],
+        )
+        for (old, new, reason), n in sorted(p.switches.items()):
+            switches.add_metric([m, old, new, reason], n)
+        yield switches
 
     def _integrity_metrics(self, s: object) -> Iterator[Metric]:
         """Integrity checks and failures by kind, recoveries, quarantine, audits."""

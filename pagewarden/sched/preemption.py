@@ -31,7 +31,7 @@ def preempt(sched: Scheduler, req: Request) -> None:
     sched.num_preemptions += 1
     sched.preempted_ids.append(req.req_id)
     sched.departed_ids.append(req.req_id)
-    if sched.config.preemption_mode == "swap" and req.num_computed_tokens:
+    if sched.preemption_mode == "swap" and req.num_computed_tokens:
         swaps = sched.kv.swap_out(req.req_id, req.num_computed_tokens)
         if swaps is not None:
             sched.swap_out.extend(swaps)

@@ -77,6 +77,18 @@ class Scheduler:
         # batch controller holds the batch down (see ``set_batch_limits``).
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        # The configured preemption mode, or "recompute" while a profile turns swapping off.
+        self.preemption_mode = config.preemption_mode
+
+    def set_preemption_mode(self, mode: str) -> None:
+        """Preempt by ``"recompute"`` or ``"swap"`` from now on; requests already in the
+        host tier come back either way."""
+        self.kv.pool.check_owner()
+        if mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption mode must be 'recompute' or 'swap', got {mode!r}")
+        if mode == "swap" and not self.config.num_host_blocks:
+            raise ValueError("preemption mode 'swap' needs host blocks (num_host_blocks)")
+        self.preemption_mode = mode
 
     def set_batch_limits(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         """Lower (or restore) the per-step limits, between 1 and the configured ones.

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 import pagewarden
 from pagewarden.engine.async_engine import AsyncEngine
 from pagewarden.metrics import prometheus
+from pagewarden.server.admin import add_admin_routes
 from pagewarden.server.admission import AdmissionController, AdmissionGate, engine_capacity
 from pagewarden.server.chat import create_chat_completion
 from pagewarden.server.completions import create_completion
@@ -65,6 +66,7 @@ def build_app(
     _add_info_routes(app, ctx, vllm_metrics)
     _add_generation_routes(app, ctx)
     add_dashboard_routes(app, ctx)
+    add_admin_routes(app, ctx)
     _document_request_bodies(app)
     return AdmissionGate(app, admission)
 
@@ -84,7 +86,7 @@ def _add_info_routes(app: FastAPI, ctx: ServerContext, vllm_metrics: bool) -> No
     async def health() -> Response:
         # From the supervisor's heartbeat: never a call into the engine core.
         if engine.is_alive():
-            return Response(status_code=200)
+            return JSONResponse(_health_body(engine.engine_stats()))
         return JSONResponse(error_body(503, "the engine is down or stalled; restarting it"), 503)
 
     @app.get("/version")
@@ -108,6 +110,20 @@ def _add_info_routes(app: FastAPI, ctx: ServerContext, vllm_metrics: bool) -> No
             "max_model_len": engine.max_model_len,
         }
         return {"object": "list", "data": [card]}
+
+
+def _health_body(stats) -> dict:
+    """What /health says besides its status: the engine profile in force and why."""
+    if stats is None:  # before the engine's first status message
+        return {"status": "ok", "profile": None}
+    p = stats.profile
+    return {
+        "status": "ok",
+        "profile": p.active,
+        "profile_reason": p.reason,
+        "profile_detail": p.detail,
+        "profile_since_s": round(p.since_s, 3),
+    }
 
 
 def _add_generation_routes(app: FastAPI, ctx: ServerContext) -> None:

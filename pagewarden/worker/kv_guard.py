@@ -140,6 +140,24 @@ class KVGuard:
             block_checksums(caches, reserved)
             slot_checksums(caches, reserved)
 
+    def set_level(self, level: str) -> None:
+        """Switch between ``standard`` and ``strict`` between two steps (a profile switch).
+
+        Both keep the same tags, write-time sums and seals; ``strict`` only verifies more
+        reads. Any other switch would start checking state that was not kept, or stop
+        keeping state a later switch back would check, so it raises ``ValueError``.
+        """
+        if level == self.level:
+            return
+        runtime = ("standard", "strict")
+        if level not in runtime or self.level not in runtime:
+            raise ValueError(
+                f"integrity cannot switch from {self.level!r} to {level!r} at runtime; "
+                f"only between {' and '.join(runtime)}"
+            )
+        self.level = level
+        self.strict = level == "strict"
+
     # ------------------------------------------------------------ request state
     def forget(self, req_ids) -> None:
         """Drop per-request state (finished, preempted or rolled back requests)."""

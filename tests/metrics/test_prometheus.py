@@ -9,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagewarden.engine.core import EngineStats
 from pagewarden.engine.integrity import IntegrityStats
+from pagewarden.engine.profiles import ProfileState
 from pagewarden.metrics.prometheus import build_registry, render
 from pagewarden.metrics.stats import FrontendStatsRecorder
 from pagewarden.sched.stats import exported_fields
@@ -21,9 +22,12 @@ def _stats() -> EngineStats:
     integrity_ints = {f.name: 100 + k for k, f in enumerate(fields(IntegrityStats))}
     integrity_ints.update(level="standard", failures={})
     integrity = IntegrityStats(**integrity_ints)
-    labelled = ("integrity", "batch_limit_changes")  # built by hand, with labels
+    labelled = ("integrity", "batch_limit_changes", "profile")  # built by hand, with labels
     ints = {f.name: k + 1 for k, f in enumerate(fields(EngineStats)) if f.name not in labelled}
-    return EngineStats(**ints, integrity=integrity, batch_limit_changes={"latency": 3})
+    profile = ProfileState("safe", switches={("normal", "safe", "fault_burst"): 2})
+    return EngineStats(
+        **ints, integrity=integrity, batch_limit_changes={"latency": 3}, profile=profile
+    )
 
 
 def _scrape(stats: EngineStats) -> dict[str, float]:
@@ -65,4 +69,29 @@ def test_batch_limit_changes_are_exported_by_reason() -> None:
         for s in family.samples
         if s.name == "pagewarden:batch_limit_changes_total"
     }
-    assert samples == {"integrity_fault": 0, "latency": 3, "preemption_storm": 0, "recovery": 0}
+    assert samples == {
+        "integrity_fault": 0,
+        "latency": 3,
+        "preemption_storm": 0,
+        "recovery": 0,
+        "profile": 0,
+    }
+
+
+def test_the_engine_profile_and_its_switches_are_exported() -> None:
+    registry = build_registry(_stats, FrontendStatsRecorder().snapshot, "m")
+    text = render(registry)[0].decode()
+    samples = {
+        (s.name, tuple(v for k, v in sorted(s.labels.items()) if k != "model_name")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if "profile" in s.name
+    }
+    assert samples == {
+        ("pagewarden:engine_profile", ("normal",)): 0.0,
+        ("pagewarden:engine_profile", ("safe",)): 1.0,
+        ("pagewarden:profile_switches_total", ("normal", "fault_burst", "safe")): 2.0,
+    }
+    docs = (_ROOT / "docs" / "metrics.md").read_text()
+    assert "`pagewarden:engine_profile{profile}`" in docs
+    assert "`pagewarden:profile_switches_total{from,to,reason}`" in docs
