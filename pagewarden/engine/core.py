@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 
 from pagewarden.engine.batch_controller import (
     AdaptiveBatchController,
@@ -19,6 +19,7 @@ from pagewarden.engine.batch_controller import (
     StepSignals,
 )
 from pagewarden.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from pagewarden.engine.flight_recorder import FlightRecorder, integrity_counts
 from pagewarden.engine.integrity import IntegrityMonitor, IntegrityStats
 from pagewarden.engine.output_processor import OutputProcessor
 from pagewarden.engine.outputs import RequestOutput
@@ -134,6 +135,17 @@ class EngineCore:
             if config.adaptive_batch
             else None
         )
+        self.recorder = (
+            FlightRecorder(
+                self.scheduler,
+                config.flight_recorder_steps,
+                config.flight_recorder_dir,
+                lambda: integrity_counts(self.integrity),
+                {"model_name": self.loaded.name, **asdict(config)},
+            )
+            if config.flight_recorder_steps
+            else None
+        )
 
     def install_hooks(self, hooks: StepHooks | None) -> None:
         """Let ``hooks`` act at fixed points of every step (fault injection; None
@@ -219,6 +231,8 @@ class EngineCore:
         """One engine step; returns the outputs that changed."""
         if not self._owned:
             self.claim_ownership()
+        if self.recorder is not None:
+            self.recorder.begin_step()
         finished = self._apply_pending()
         self.integrity.before_schedule()
         sched_out = self.scheduler.schedule()
@@ -244,6 +258,8 @@ class EngineCore:
         changed, stopped = self.outputs.process(updates)
         if stopped:
             self.scheduler.finish_requests(stopped, None)
+        if self.recorder is not None:
+            self.recorder.end_step()
         return finished + changed
 
     def _adapt_batch(self, start: tuple[float, int, int], num_decodes: int) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pagewarden.engine.config import EngineConfig
+from pagewarden.engine.config import DEFAULT_FLIGHT_RECORDER_DIR, EngineConfig
 from pagewarden.engine.core import EngineCore, EngineStats
 from pagewarden.engine.outputs import RequestOutput
 from pagewarden.sampling_params import SamplingParams
@@ -48,6 +48,8 @@ class LLM:
         cpu_bind: str | None = None,
         adaptive_batch: bool = True,
         target_itl_ms: float | None = None,
+        flight_recorder_steps: int = 256,
+        flight_recorder_dir: str = DEFAULT_FLIGHT_RECORDER_DIR,
     ) -> None:
         self.config = EngineConfig(
             model=model,
@@ -70,6 +72,8 @@ class LLM:
             cpu_bind=cpu_bind,
             adaptive_batch=adaptive_batch,
             target_itl_ms=target_itl_ms,
+            flight_recorder_steps=flight_recorder_steps,
+            flight_recorder_dir=flight_recorder_dir,
         )
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()
