@@ -31,6 +31,7 @@ import datetime
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -98,6 +99,16 @@ class _Step:
         self.profile: str | None = None
         self.counts: tuple[int, ...] | None = None
 
+    def copy(self) -> _Step:
+        """A copy that later journal appends and block frees do not reach."""
+        other = _Step(self.step)
+        for name in ("time", "t0", "duration_s", "limits", "profile", "counts"):
+            setattr(other, name, getattr(self, name))
+        other.ops = list(self.ops)
+        other.trace.allocated = list(self.trace.allocated)
+        other.trace.freed = list(self.trace.freed)
+        return other
+
     def to_json(self) -> dict[str, Any]:
         return {
             "type": "step",
@@ -137,7 +148,9 @@ class FlightRecorder:
         self.info = info or {}
         self.profile: str | None = None
         self.cooldown = max(1, num_steps // 2)
-        self.dumps: list[Path] = []  # files written, oldest first
+        self.dumps: list[Path] = []  # files written, in the order they were finished
+        self._writers: list[threading.Thread] = []
+        self._num_dumps = 0
         self._counts = counts
         self._last_counts = counts()
         self._pending: dict[str, list[int]] = {}  # trigger -> steps, waiting to be written
@@ -169,15 +182,17 @@ class FlightRecorder:
         self._since_dump += 1
         entry.counts = self._check_counts()
         if self._pending and self._since_dump >= self.cooldown:
-            self.dump(self._pending_reason())
+            self.dump(self._pending_reason(), background=True)
 
     def close(self) -> Path | None:
         """Write what is pending (a trigger inside the cooldown, or a detection made
-        outside a step); call when the engine stops."""
+        outside a step) and wait for background writes; call when the engine stops."""
         self._check_counts()
-        if self._pending:
-            return self.dump(self._pending_reason())
-        return None
+        path = self.dump(self._pending_reason()) if self._pending else None
+        for writer in self._writers:
+            writer.join()
+        self._writers = []
+        return path
 
     def _check_counts(self) -> tuple[int, ...]:
         counts = self._counts()
@@ -197,13 +212,19 @@ class FlightRecorder:
             parts.append(f"{what} in step{'s' if len(steps) > 1 else ''} {shown}{more}")
         return "; ".join(parts)
 
-    def dump(self, reason: str) -> Path | None:
-        """Write the window to a new file in ``directory`` now; returns its path (None if
-        it could not be written: logged, never raised, the engine goes on)."""
-        t0 = time.perf_counter()
+    def dump(self, reason: str, background: bool = False) -> Path | None:
+        """Write the window to a new file in ``directory``; returns its path, or None if
+        it could not be written (logged, never raised: the engine goes on).
+
+        With ``background`` the JSON is built and written by a thread, so the step loop
+        does not wait for it (``close`` waits); the returned path then exists once that
+        thread is done. A crash dump must not use it: the process is about to exit.
+        """
         checkpoint, entries = self._older if self._older is not None else self._newer
         if self._older is not None:
             entries = entries + self._newer[1]
+        # The open entry still grows: write a copy of it. Closed entries never change.
+        entries = [e.copy() if e is self._current else e for e in entries]
         first, last = entries[0].step, entries[-1].step
         now = datetime.datetime.now(datetime.timezone.utc)
         header = {
@@ -218,17 +239,41 @@ class FlightRecorder:
             "window_steps": self.num_steps,
             "engine": self.info,
         }
-        name = f"flight-{now:%Y%m%dT%H%M%S}-pid{os.getpid()}-step{last}-{len(self.dumps)}.jsonl"
+        self._num_dumps += 1
+        name = f"flight-{now:%Y%m%dT%H%M%S}-pid{os.getpid()}-step{last}-{self._num_dumps}.jsonl"
         path = self.directory / name
         self._pending = {}
         self._since_dump = 0
+        if background:
+            writer = threading.Thread(
+                target=self._write,
+                args=(path, header, checkpoint, entries),
+                name="pagewarden-flight-recorder",
+                daemon=True,
+            )
+            self._writers.append(writer)
+            writer.start()
+            return path
+        return self._write(path, header, checkpoint, entries)
+
+    def _write(
+        self,
+        path: Path,
+        header: dict[str, Any],
+        checkpoint: dict[str, Any],
+        entries: list[_Step],
+    ) -> Path | None:
+        t0 = time.perf_counter()
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
             with open(tmp, "w", encoding="utf-8") as f:
                 f.write(json.dumps(header) + "\n")
                 f.write(
-                    json.dumps({"type": "checkpoint", "step": first, "state": checkpoint}) + "\n"
+                    json.dumps(
+                        {"type": "checkpoint", "step": header["first_step"], "state": checkpoint}
+                    )
+                    + "\n"
                 )
                 for entry in entries:
                     f.write(json.dumps(entry.to_json()) + "\n")
@@ -240,10 +285,10 @@ class FlightRecorder:
         logger.warning(
             "flight recorder: steps %d..%d written to %s (%s; %.0f ms); replay with "
             "`pagewarden replay %s`",
-            first,
-            last,
+            header["first_step"],
+            header["last_step"],
             path.resolve(),
-            reason,
+            header["reason"],
             (time.perf_counter() - t0) * 1e3,
             path,
         )

@@ -10,7 +10,7 @@ one into the JSON object of a flight record (``docs/flight-recorder.md``)::
     ("finish", ids, status, reason, stop)      finish     finish_requests_as(...)
     ("limits", max_num_seqs, max_tokens)       limits     set_batch_limits(...)
     ("verify", events)                         verify     verify_block_tables(); compare
-    ("schedule", out, refs)                    schedule   schedule(); compare the step
+    schedule_entry(out, tables)                schedule   schedule(); compare the step
     ("update", req_ids, sampled)               update     update(those requests, tokens)
     ("recover", faults, report)                recover    recover(faults); compare report
     ("repair", report)                         repair     repair(); compare report
@@ -18,13 +18,15 @@ one into the JSON object of a flight record (``docs/flight-recorder.md``)::
     ("external", name, args)                   external   a metadata change made outside
                                                           the scheduler (fault injection)
 
-``refs`` is the (block_id, epoch) list of each scheduled request's table at schedule
-time: the table as the worker was told to read it.
+A scheduled step records each request's table as (block_id, epoch) pairs at schedule
+time: the table the worker was told to read.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, fields
+from itertools import chain
 from typing import Any
 
 from pagewarden.sampling_params import SamplingParams
@@ -70,7 +72,20 @@ def encode(op: tuple) -> dict[str, Any]:
             "events": [[e.kind, e.req_id, e.block_id, e.position] for e in op[1]],
         }
     if kind == "schedule":
-        return {"op": "schedule", **encode_schedule(op[1], op[2])}
+        _, step, (rids, starts, counts, tables), copies, swap_out, swap_in, preempted, departed = op
+        return {
+            "op": "schedule",
+            "step": step,
+            "requests": [
+                [rid, start, n, list(refs[0::2]), list(refs[1::2])]
+                for rid, start, n, refs in zip(rids, starts, counts, tables)
+            ],
+            "copy_blocks": copies,
+            "swap_out": swap_out,
+            "swap_in": swap_in,
+            "preempted": preempted,
+            "departed": departed,
+        }
     if kind == "update":
         return {"op": "update", "req_ids": op[1], "sampled": op[2]}
     if kind == "recover":
@@ -88,21 +103,46 @@ def encode(op: tuple) -> dict[str, Any]:
     raise ValueError(f"unknown journal entry {kind!r}")
 
 
-def encode_schedule(out: SchedulerOutput, refs: list[tuple]) -> dict[str, Any]:
-    """What a step scheduled: per request ``[req_id, first position, num_tokens,
-    [[block_id, epoch], ...]]``, plus the copies, swaps and departures."""
-    return {
-        "step": out.step_id,
-        "requests": [
-            [r.req_id, r.positions.start, len(r.positions), [list(ref) for ref in table]]
-            for r, table in zip(out.requests, refs)
-        ],
-        "copy_blocks": [list(c) for c in out.copy_blocks],
-        "swap_out": [[w.src, w.dst, w.num_slots] for w in out.swap_out],
-        "swap_in": [[w.src, w.dst, w.num_slots] for w in out.swap_in],
-        "preempted": list(out.preempted_req_ids),
-        "departed": list(out.finished_req_ids),
-    }
+def schedule_entry(
+    out: SchedulerOutput, tables: Mapping[str, Any], cache: dict[str, tuple[list[int], tuple]]
+) -> tuple:
+    """The journal entry of a scheduled step: four columns, one row per request (req_id,
+    first position, num_tokens, table as ``(block_id, epoch, block_id, epoch, ...)``),
+    then the copies, swaps and departures (encoded per request as ``[req_id, first
+    position, num_tokens, block_ids, epochs]``).
+
+    Flat tuples of ints and strings only, not the step's objects nor ``BlockRef``s (a
+    tuple subclass the garbage collector never untracks): hundreds of steps of them add
+    nothing for the collector to walk. A table's refs list grows in place, so it is
+    copied to keep this step's epochs; but a table's ``ids`` list is replaced whenever
+    the table changes, so ``cache`` (req_id -> (ids, copy), kept by the caller, pruned
+    here to this step's requests) reuses the copy of a table that did not change.
+    """
+    rids, starts, counts, copies = [], [], [], []
+    seen: dict[str, tuple[list[int], tuple]] = {}
+    for r in out.requests:
+        rid = r.req_id
+        entry = tables[rid]
+        hit = cache.get(rid)
+        if hit is None or hit[0] is not entry.ids:
+            hit = (entry.ids, tuple(chain.from_iterable(entry.refs)))
+        seen[rid] = hit
+        rids.append(rid)
+        starts.append(r.positions.start)
+        counts.append(len(r.positions))
+        copies.append(hit[1])
+    cache.clear()
+    cache.update(seen)
+    return (
+        "schedule",
+        out.step_id,
+        (tuple(rids), tuple(starts), tuple(counts), tuple(copies)),
+        tuple(out.copy_blocks),
+        tuple((w.src, w.dst, w.num_slots) for w in out.swap_out),
+        tuple((w.src, w.dst, w.num_slots) for w in out.swap_in),
+        tuple(out.preempted_req_ids),
+        tuple(out.finished_req_ids),
+    )
 
 
 def encode_params(params: SamplingParams) -> dict[str, Any]:

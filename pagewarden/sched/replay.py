@@ -37,8 +37,9 @@ from pagewarden.sched.journal import (
     RECORD_VERSION,
     decode_fault,
     decode_params,
+    encode,
     encode_report,
-    encode_schedule,
+    schedule_entry,
 )
 from pagewarden.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagewarden.sched.request import Request, RequestStatus
@@ -173,8 +174,7 @@ class _Player:
     def _schedule(self, op: dict[str, Any]) -> tuple[str, Any, Any] | None:
         out = self.sched.schedule()
         self.last_out = out
-        tables = self.sched.kv.tables
-        got = _json(encode_schedule(out, [tables[r.req_id].refs for r in out.requests]))
+        got = _json(encode(schedule_entry(out, self.sched.kv.tables, {})))
         for key, expected in op.items():
             if key == "op":
                 continue
@@ -229,7 +229,7 @@ def _compare(name: str, expected: Any, got: Any) -> tuple[str, Any, Any] | None:
 
 def _compare_requests(expected: list, got: list) -> tuple[str, Any, Any] | None:
     """Scheduled requests, one field at a time, so a divergence names what differs."""
-    names = ("req_id", "first position", "num_tokens", "block_table [block_id, epoch]")
+    names = ("req_id", "first position", "num_tokens", "block_table ids", "block_table epochs")
     for i, (e, g) in enumerate(zip(expected, got)):
         for name, ev, gv in zip(names, e, g):
             if ev != gv:

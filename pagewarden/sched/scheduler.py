@@ -24,6 +24,7 @@ from pagewarden.kv.swap_space import BlockSwap
 from pagewarden.sched import invariants, preemption, recovery
 from pagewarden.sched.admission import AdmissionLimits, RequestRejected, check_request
 from pagewarden.sched.config import SchedulerConfig
+from pagewarden.sched.journal import schedule_entry
 from pagewarden.sched.output import (
     KVFault,
     ModelRunnerOutput,
@@ -80,6 +81,7 @@ class Scheduler:
         # The flight recorder's journal (``sched/journal.py``): each state-changing call
         # appends its inputs, and the result replay compares; None when not recording.
         self.journal: list[tuple] | None = None
+        self._journal_tables: dict[str, tuple[list[int], tuple]] = {}
 
     def set_batch_limits(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         """Lower (or restore) the per-step limits, between 1 and the configured ones.
@@ -225,10 +227,7 @@ class Scheduler:
         )
         self.departed_ids, self.preempted_ids, self.swap_out, self.swap_in = [], [], [], []
         if self.journal is not None:
-            # The refs list grows in place: copy it to keep this step's epochs.
-            tables = self.kv.tables
-            refs = [tuple(tables[r.req_id].refs) for r in out.requests]
-            self.journal.append(("schedule", out, refs))
+            self.journal.append(schedule_entry(out, self.kv.tables, self._journal_tables))
         return out
 
     def _schedule_running(self, plan: StepPlan) -> None:
@@ -300,7 +299,8 @@ class Scheduler:
         """
         self.kv.pool.check_owner()
         if self.journal is not None:
-            self.journal.append(("update", [r.req_id for r in out.requests], res.sampled_token_ids))
+            req_ids = tuple([r.req_id for r in out.requests])
+            self.journal.append(("update", req_ids, res.sampled_token_ids))
         updates: list[RequestUpdate] = []
         forked: dict[str, list[Request]] = {}
         for sr in out.requests:
