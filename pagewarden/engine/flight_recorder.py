@@ -249,7 +249,7 @@ class FlightRecorder:
                 target=self._write,
                 args=(path, header, checkpoint, entries),
                 name="pagewarden-flight-recorder",
-                daemon=True,
+                daemon=False,  # the interpreter waits for it at exit: no half-written record
             )
             self._writers.append(writer)
             writer.start()
