@@ -7,6 +7,7 @@ import sys
 from dataclasses import asdict
 
 from pagewarden.engine.args import DefaultsHelpFormatter, add_engine_args, engine_config
+from pagewarden.engine.config import EngineConfig
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -125,6 +126,8 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         num_kv_blocks=args.num_kv_blocks,
         block_size=args.block_size,
         num_swap_blocks=args.num_swap_blocks,
+        flight_recorder_steps=args.flight_recorder_steps,
+        flight_recorder_dir=args.flight_recorder_dir or EngineConfig.flight_recorder_dir,
     )
     print(report.table())
     return 0
@@ -181,10 +184,45 @@ def _add_chaos_parser(sub) -> None:
         "--clean-period", type=float, default=2.0, help="seconds clean before safe mode ends"
     )
     storm.add_argument("--plot", default="pagewarden-storm.png", help="PNG to write ('' for none)")
-    storm.add_argument(
-        "--flight-recorder-dir", default=None, help="default: a new temporary directory"
+    chaos.add_argument(
+        "--flight-recorder-steps",
+        type=int,
+        default=EngineConfig.flight_recorder_steps,
+        help="steps the faulty run's flight recorder keeps (0: off)",
+    )
+    chaos.add_argument(
+        "--flight-recorder-dir",
+        default=None,
+        help=f"where the faulty run writes its flight records (default: "
+        f"{EngineConfig.flight_recorder_dir}; storm: a new temporary directory)",
     )
     chaos.set_defaults(func=cmd_chaos)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from pagewarden.faults.metadata_faults import METADATA_FAULTS
+    from pagewarden.sched.replay import load_record, replay
+
+    record = load_record(args.file)
+    h = record.header
+    print(f"flight record {args.file}: {h['reason']} ({h['created']}, pid {h['pid']})")
+    result = replay(record, METADATA_FAULTS)
+    ops = f"{result.num_steps} step entries, {result.num_ops} scheduler calls"
+    if result.divergence is None:
+        print(f"replayed steps {result.first_step}..{result.last_step} ({ops}): no divergence")
+        return 0
+    print(f"DIVERGENCE at {result.divergence}")
+    return 1
+
+
+def _add_replay_parser(sub) -> None:
+    replay = sub.add_parser(
+        "replay",
+        help="re-run the scheduler and KV-metadata operations of a flight record and "
+        "report the first divergence from what was recorded (exit 1)",
+    )
+    replay.add_argument("file", help="a flight record (.jsonl) the engine wrote")
+    replay.set_defaults(func=cmd_replay)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -214,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_chat_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
     _add_chaos_parser(sub)
+    _add_replay_parser(sub)
     try:
         from pagewarden.server.cli import add_serve_parser
     except ImportError:  # the server's dependencies (fastapi, uvicorn) are optional

@@ -172,6 +172,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         f"{d.safe_mode_clean_period:g})",
     )
     parser.add_argument(
+        "--flight-recorder-steps",
+        type=int,
+        default=d.flight_recorder_steps,
+        metavar="N",
+        help="keep the last N..2N engine steps for `pagewarden replay` and write them out on "
+        f"a fault, a failed audit or a crash (default {d.flight_recorder_steps}; 0: off)",
+    )
+    parser.add_argument(
+        "--flight-recorder-dir",
+        default=d.flight_recorder_dir,
+        metavar="DIR",
+        help=f"where flight records are written (default {d.flight_recorder_dir}, created on "
+        "the first write)",
+    )
+    parser.add_argument(
         "--cpu-threads",
         type=int,
         default=None,

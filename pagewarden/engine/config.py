@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +24,9 @@ _DTYPES = {
     "fp16": torch.float16,
     "auto": torch.bfloat16,
 }
+
+#: Where flight records go unless told (logged with every write).
+DEFAULT_FLIGHT_RECORDER_DIR = os.path.join(tempfile.gettempdir(), "pagewarden-flight-records")
 
 #: KV budget when neither ``kv_cache_memory`` nor ``num_kv_blocks`` is given.
 DEFAULT_KV_CACHE_MEMORY = "1GiB"
@@ -77,6 +82,12 @@ class EngineConfig:
     safe_mode_faults: int = 3
     safe_mode_window: float = 10.0
     safe_mode_clean_period: float = 30.0
+    # Flight recorder (engine/flight_recorder.py): keep the last N steps (0: off) and
+    # write them to this directory on a fault, a failed audit or a crash. The temp dir:
+    # writable where the working directory is not (read-only container root); point it
+    # at a persistent volume in production.
+    flight_recorder_steps: int = 256
+    flight_recorder_dir: str = DEFAULT_FLIGHT_RECORDER_DIR
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -136,6 +147,15 @@ class EngineConfig:
                 parse_cpu_list(self.cpu_bind)
             except CpuBindError as exc:
                 raise EngineConfigError(str(exc)) from None
+        if (
+            not isinstance(self.flight_recorder_steps, int)
+            or isinstance(self.flight_recorder_steps, bool)
+            or self.flight_recorder_steps < 0
+        ):
+            raise EngineConfigError(
+                f"flight_recorder_steps must be an integer >= 0 (0: off), "
+                f"got {self.flight_recorder_steps!r}"
+            )
         if self.target_itl_ms is not None and not self.target_itl_ms > 0:
             raise EngineConfigError(f"target_itl_ms must be > 0, got {self.target_itl_ms}")
         endpoint = self.kv_events_endpoint

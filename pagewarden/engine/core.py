@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 
 from pagewarden.engine.batch_controller import (
     AdaptiveBatchController,
@@ -19,6 +19,7 @@ from pagewarden.engine.batch_controller import (
     StepSignals,
 )
 from pagewarden.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from pagewarden.engine.flight_recorder import FlightRecorder, integrity_counts
 from pagewarden.engine.integrity import IntegrityMonitor, IntegrityStats
 from pagewarden.engine.kv_events import KVEventPublisher
 from pagewarden.engine.output_processor import OutputProcessor
@@ -159,6 +160,17 @@ class EngineCore:
         self.safe_mode = SafeMode(
             config, self.scheduler, self.runner.guard, self.integrity, self.batch
         )
+        self.recorder = (
+            FlightRecorder(
+                self.scheduler,
+                config.flight_recorder_steps,
+                config.flight_recorder_dir,
+                lambda: integrity_counts(self.integrity),
+                {"model_name": self.loaded.name, **asdict(config)},
+            )
+            if config.flight_recorder_steps
+            else None
+        )
 
     def install_hooks(self, hooks: StepHooks | None) -> None:
         """Let ``hooks`` act at fixed points of every step (fault injection; None
@@ -256,6 +268,8 @@ class EngineCore:
     def _step(self) -> list[RequestOutput]:
         if not self._owned:
             self.claim_ownership()
+        if self.recorder is not None:
+            self.recorder.begin_step()
         finished = self._apply_pending()
         self.safe_mode.before_step()
         self.integrity.before_schedule()
@@ -283,6 +297,8 @@ class EngineCore:
         changed, stopped = self.outputs.process(updates)
         if stopped:
             self.scheduler.finish_requests(stopped, None)
+        if self.recorder is not None:
+            self.recorder.end_step()
         return finished + changed
 
     def _adapt_batch(self, start: tuple[float, int, int], num_decodes: int) -> None:

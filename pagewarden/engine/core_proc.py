@@ -269,6 +269,8 @@ def _loop(core, inbox: _Inbox, out: Connection) -> None:
             outputs = core.step()
             failed_steps = 0
         except Exception as exc:  # noqa: BLE001 - isolated below, or re-raised
+            if core.recorder is not None:
+                core.recorder.dump(f"engine step raised {exc!r}")
             failed_steps += 1
             if failed_steps > 1:
                 raise
@@ -307,6 +309,8 @@ def run_engine_core(config: EngineConfig, inbox_conn: Connection, out_conn: Conn
             core.step()
         if core.kv_events is not None:
             core.kv_events.close()
+        if core.recorder is not None:
+            core.recorder.close()
     except BaseException as exc:  # noqa: BLE001 - reported to the supervisor, then exit
         message = f"{type(exc).__name__}: {exc}"
         logger.error("engine core failed: %s\n%s", message, traceback.format_exc())

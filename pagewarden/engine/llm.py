@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pagewarden.engine.config import EngineConfig
+from pagewarden.engine.config import DEFAULT_FLIGHT_RECORDER_DIR, EngineConfig
 from pagewarden.engine.core import EngineCore, EngineStats
 from pagewarden.engine.outputs import RequestOutput
 from pagewarden.sampling_params import SamplingParams
@@ -57,6 +57,8 @@ class LLM:
         safe_mode_faults: int = 3,
         safe_mode_window: float = 10.0,
         safe_mode_clean_period: float = 30.0,
+        flight_recorder_steps: int = 256,
+        flight_recorder_dir: str = DEFAULT_FLIGHT_RECORDER_DIR,
     ) -> None:
         self.config = EngineConfig(
             model=model,
@@ -88,6 +90,8 @@ class LLM:
             safe_mode_faults=safe_mode_faults,
             safe_mode_window=safe_mode_window,
             safe_mode_clean_period=safe_mode_clean_period,
+            flight_recorder_steps=flight_recorder_steps,
+            flight_recorder_dir=flight_recorder_dir,
         )
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()

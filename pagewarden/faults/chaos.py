@@ -20,7 +20,7 @@ import dataclasses
 import random
 from dataclasses import dataclass, field
 
-from pagewarden.engine.config import EngineConfig
+from pagewarden.engine.config import DEFAULT_FLIGHT_RECORDER_DIR, EngineConfig
 from pagewarden.engine.core import EngineCore
 from pagewarden.faults.injector import FAULT_KINDS, FaultInjector, InjectedFault
 from pagewarden.kv.block import BlockState
@@ -64,6 +64,7 @@ class ChaosReport:
     # wrong block leaks one (the pool is whole when this is 0).
     leaked_blocks: int = 0
     pool_states: dict[str, int] = field(default_factory=dict)  # block state -> count
+    flight_records: list[str] = field(default_factory=list)  # files the faulty run wrote
 
     @property
     def injected(self) -> int:
@@ -110,6 +111,12 @@ class ChaosReport:
         lines.append(f"leaked blocks at the end: {self.leaked_blocks} (pool: {states})")
         if self.crash is not None:
             lines.append(f"ENGINE CRASHED during the faulty run: {self.crash}")
+        if self.flight_records:
+            lines.append(
+                f"flight records written ({len(self.flight_records)}; check each with "
+                "`pagewarden replay FILE`):"
+            )
+            lines.extend(f"  {path}" for path in self.flight_records)
         return "\n".join(lines)
 
 
@@ -172,6 +179,10 @@ def _run(
         if injector is None:
             raise
         crash = f"{type(exc).__name__}: {exc}"
+        if engine.recorder is not None:
+            engine.recorder.dump(f"engine crash: {crash}")
+    if engine.recorder is not None:
+        engine.recorder.close()
     return engine, injector, outputs, failed, steps, crash
 
 
@@ -200,6 +211,8 @@ def run_chaos(
     block_size: int = 8,
     loaded: LoadedModel | None = None,
     num_swap_blocks: int | None = None,
+    flight_recorder_steps: int = 256,
+    flight_recorder_dir: str = DEFAULT_FLIGHT_RECORDER_DIR,
 ) -> ChaosReport:
     """Run the workload fault-free and with ``num_faults`` faults; compare and report."""
     if loaded is None:
@@ -223,8 +236,10 @@ def run_chaos(
         integrity=integrity,
         seed=seed,
         num_swap_blocks=num_swap_blocks,
+        flight_recorder_steps=flight_recorder_steps,
+        flight_recorder_dir=flight_recorder_dir,
     )
-    clean_cfg = dataclasses.replace(config, integrity="off")
+    clean_cfg = dataclasses.replace(config, integrity="off", flight_recorder_steps=0)
     _, _, clean, _, steps_clean, _ = _run(clean_cfg, loaded, workload, None, 0, [], [])
     rng = random.Random(seed + 1)
     fault_steps = sorted(
@@ -277,4 +292,5 @@ def run_chaos(
         prefix_hit_tokens=stats.prefix_cache_hits,
         invariant_violations=engine.scheduler.check_invariants(),
         crash=crash,
+        flight_records=[str(p) for p in engine.recorder.dumps] if engine.recorder else [],
     )

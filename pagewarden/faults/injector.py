@@ -61,7 +61,8 @@ import torch
 
 from pagewarden.faults.foreign import call_from_thread, foreign_calls, state_fingerprint
 from pagewarden.faults.kv_faults import corrupt_tag, flip_bit, flip_slot_bit
-from pagewarden.kv.block import BlockRef, BlockState
+from pagewarden.faults.metadata_faults import inject_metadata_fault
+from pagewarden.kv.block import BlockState
 from pagewarden.kv.errors import KVOwnershipError
 from pagewarden.models.paged_attention import AttentionMetadata
 from pagewarden.sched.output import (
@@ -545,13 +546,9 @@ class FaultInjector(StepHooks):
         req, index, block_id = self.rng.choice(candidates)
         block = pool.blocks[block_id]
         epoch = block.epoch
-        pool.free_blocks([block])  # the bug: freed while the table still lists it
-        # ... and handed out again: first in line for the next allocation, content gone.
-        if block.block_hash is not None:
-            pool.free_queue.remove(block)
-            pool._drop_hash(block)
-            block.state = BlockState.FREE
-            pool.free_queue.appendleft(block)
+        # The bug: freed while the table still lists it, and handed out again: first in
+        # line for the next allocation, content gone.
+        inject_metadata_fault(self.engine.scheduler, "use_after_free", block_id)
         for cache in self.engine.kv_store.caches:
             cache[:, block_id] = torch.randn_like(cache[:, block_id])
         fault = self._new(
@@ -651,12 +648,10 @@ class FaultInjector(StepHooks):
         if not candidates:
             return None
         req, index, target = self.rng.choice(candidates)
-        entry = kv.tables[req.req_id]
-        old = entry.ids[index]
-        entry.refs[index] = BlockRef(target, blocks[target].epoch)
-        ids = list(entry.ids)
-        ids[index] = target
-        entry.ids = ids
+        old = kv.tables[req.req_id].ids[index]
+        inject_metadata_fault(
+            self.engine.scheduler, "coherent_wrong_ref", req.req_id, index, target
+        )
         fault = self._new(
             "coherent_wrong_ref",
             {old, target},
@@ -686,7 +681,7 @@ class FaultInjector(StepHooks):
         if not candidates:
             return None
         block_id = self.rng.choice(candidates)
-        pool.free_queue.appendleft(pool.blocks[block_id])
+        inject_metadata_fault(self.engine.scheduler, "free_list_push", block_id)
         holders = tuple(sorted(kv.holders({block_id})))
         return self._new(
             "free_list_push", {block_id}, holders, f"held block {block_id} pushed on the free queue"

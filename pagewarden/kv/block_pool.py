@@ -35,6 +35,18 @@ _QUARANTINED = BlockState.QUARANTINED
 MAX_BLOCK_FAILURES = 3
 
 
+class BlockTrace:
+    """The blocks a pool handed out (``allocated``) and returned to the free state
+    (``freed``: the last reference dropped, epoch bumped), in order, while attached as
+    ``BlockPool.trace``; the flight recorder keeps one per engine step."""
+
+    __slots__ = ("allocated", "freed")
+
+    def __init__(self) -> None:
+        self.allocated: list[int] = []
+        self.freed: list[int] = []
+
+
 class BlockPool:
     """``num_blocks`` blocks of ``block_size`` slots; block 0 reserved, never handed out."""
 
@@ -54,6 +66,7 @@ class BlockPool:
         "retired",
         "held_blocks_skipped",
         "cache_events",
+        "trace",
     )
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -81,6 +94,8 @@ class BlockPool:
         self.held_blocks_skipped = 0
         # Hash-index changes since the last take_cache_events(); None: not recording.
         self.cache_events: list[CacheEvent] | None = None
+        # Set by the flight recorder: every block handed out or freed is listed there.
+        self.trace: BlockTrace | None = None
 
     # --------------------------------------------------------------- ownership
     def claim_ownership(self, thread_id: int | None = None) -> None:
@@ -147,6 +162,8 @@ class BlockPool:
             block.ref_cnt = 1
             block.state = _USED
         self.num_allocations += n
+        if self.trace is not None:
+            self.trace.allocated.extend([block.block_id for block in out])
         return out
 
     def _skip_held(self, popped: list[KVBlock], n: int) -> list[KVBlock]:
@@ -206,6 +223,7 @@ class BlockPool:
         queue = self.free_queue
         cached: list[KVBlock] = []  # linked at the tail together, in order
         num_frees = self.num_frees
+        trace = self.trace
         try:
             for block in blocks:
                 bid = block.block_id
@@ -220,6 +238,8 @@ class BlockPool:
                     continue
                 block.epoch += 1
                 num_frees += 1
+                if trace is not None:
+                    trace.freed.append(bid)
                 if block.state is _QUARANTINED:
                     continue
                 if block.block_hash is not None:
@@ -364,6 +384,8 @@ class BlockPool:
                     block.epoch += 1  # every reference taken before is stale now
                     block.state = _CACHED_FREE if block.block_hash is not None else _FREE
                     self.num_frees += 1
+                    if self.trace is not None:
+                        self.trace.freed.append(bid)
                     changed.append(bid)
                 queued.add(bid)
             block.ref_cnt = n

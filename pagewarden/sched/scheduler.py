@@ -24,6 +24,7 @@ from pagewarden.kv.swap_space import BlockSwap
 from pagewarden.sched import invariants, preemption, recovery
 from pagewarden.sched.admission import AdmissionLimits, RequestRejected, check_request
 from pagewarden.sched.config import SchedulerConfig
+from pagewarden.sched.journal import schedule_entry
 from pagewarden.sched.output import (
     KVFault,
     ModelRunnerOutput,
@@ -77,6 +78,10 @@ class Scheduler:
         # batch controller holds the batch down (see ``set_batch_limits``).
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        # The flight recorder's journal (``sched/journal.py``): each state-changing call
+        # appends its inputs, and the result replay compares; None when not recording.
+        self.journal: list[tuple] | None = None
+        self._journal_tables: dict[str, tuple[list[int], tuple]] = {}
         # The configured preemption mode, or "recompute" while a profile turns swapping off.
         self.preemption_mode = config.preemption_mode
 
@@ -107,6 +112,8 @@ class Scheduler:
             )
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        if self.journal is not None:
+            self.journal.append(("limits", max_num_seqs, max_num_batched_tokens))
 
     # ------------------------------------------------------------- admission
     def usable_blocks(self) -> int:
@@ -134,6 +141,8 @@ class Scheduler:
         request.extra_keys = encode_extra_keys(self.config.model_id, request.cache_salt)
         request.seed = params.seed
         request.status = _WAITING
+        if self.journal is not None:
+            self.journal.append(("add", request))
         if request.is_fork_parent and request.num_prompt_tokens == 1:
             # prompt[:-1] is empty: nothing to share, the children start on their own.
             children = request.make_children()
@@ -163,7 +172,21 @@ class Scheduler:
     ) -> None:
         """Finish live requests (and a fork parent's children) wherever they are queued."""
         self.kv.pool.check_owner()
-        for rid in list(req_ids):
+        req_ids = list(req_ids)
+        if self.journal is not None:
+            self.journal.append(("finish", req_ids, status, reason, stop_reason))
+        self._finish_unjournaled(req_ids, status, reason, stop_reason)
+
+    def _finish_unjournaled(
+        self,
+        req_ids: list[str],
+        status: RequestStatus,
+        reason: str,
+        stop_reason: int | str | None = None,
+    ) -> None:
+        """``finish_requests_as`` for a call that another journaled one makes (recovery
+        failing the requests it cannot serve): replaying that call finishes them again."""
+        for rid in req_ids:
             for tid in [rid, *sorted(self.children.get(rid, ()))]:
                 req = self.requests.get(tid)
                 if req is None:
@@ -215,6 +238,8 @@ class Scheduler:
             self.swap_in,
         )
         self.departed_ids, self.preempted_ids, self.swap_out, self.swap_in = [], [], [], []
+        if self.journal is not None:
+            self.journal.append(schedule_entry(out, self.kv.tables, self._journal_tables))
         return out
 
     def _schedule_running(self, plan: StepPlan) -> None:
@@ -285,6 +310,9 @@ class Scheduler:
         request that finished, was aborted or was preempted since ``schedule`` is skipped.
         """
         self.kv.pool.check_owner()
+        if self.journal is not None:
+            req_ids = tuple([r.req_id for r in out.requests])
+            self.journal.append(("update", req_ids, res.sampled_token_ids))
         updates: list[RequestUpdate] = []
         forked: dict[str, list[Request]] = {}
         for sr in out.requests:
@@ -411,17 +439,26 @@ class Scheduler:
         into) a block that now belongs to someone else (see ``recovery.py``).
         """
         self.kv.pool.check_owner()
-        return recovery.verify_block_tables(self)
+        events = recovery.verify_block_tables(self)
+        if self.journal is not None:
+            self.journal.append(("verify", events))
+        return events
 
     def recover(self, faults: list[KVFault]) -> RecoveryReport:
         """Quarantine the failed blocks and roll back every request that holds one."""
         self.kv.pool.check_owner()
-        return recovery.recover(self, faults)
+        report = recovery.recover(self, faults)
+        if self.journal is not None:
+            self.journal.append(("recover", list(faults), report))
+        return report
 
     def repair(self) -> RecoveryReport:
         """Recover from metadata an invariant audit found inconsistent (``recovery.py``)."""
         self.kv.pool.check_owner()
-        return recovery.repair(self)
+        report = recovery.repair(self)
+        if self.journal is not None:
+            self.journal.append(("repair", report))
+        return report
 
     def quarantined_block_ids(self) -> list[int]:
         """Quarantined blocks nobody holds and not retired: ready to scrub and release."""
@@ -430,5 +467,8 @@ class Scheduler:
     def release_quarantined(self, block_ids: Iterable[int]) -> None:
         """Return scrubbed and re-verified blocks to service."""
         self.kv.pool.check_owner()
+        block_ids = list(block_ids)
+        if self.journal is not None:
+            self.journal.append(("release", block_ids))
         for block_id in block_ids:
             self.kv.pool.release_quarantine(block_id)

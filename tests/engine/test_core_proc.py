@@ -24,6 +24,14 @@ class _Outputs:
         self.aborted.append((rid, reason))
 
 
+class _Recorder:
+    def __init__(self) -> None:
+        self.reasons: list[str] = []
+
+    def dump(self, reason: str) -> None:
+        self.reasons.append(reason)
+
+
 class _FakeCore:
     """Steps ``steps`` times; the steps listed in ``fail_at`` raise."""
 
@@ -31,6 +39,7 @@ class _FakeCore:
         self.left, self.fail_at, self.n, self.inbox_ref = steps, fail_at, 0, inbox_ref
         self.outputs = _Outputs()
         self.aborts: list[str] = []
+        self.recorder: _Recorder | None = None
 
     def has_unfinished(self) -> bool:
         if self.left == 0:
@@ -82,3 +91,12 @@ def test_two_failed_steps_in_a_row_end_the_loop():
     core, inbox = _setup(steps=4, fail_at={2, 3}, culprits={"bad", "worse"})
     with pytest.raises(RuntimeError, match="boom"):
         _loop(core, inbox, _Conn())
+
+
+def test_a_failed_step_writes_the_flight_record_before_anything_else():
+    core, inbox = _setup(steps=4, fail_at={2, 3}, culprits={"bad", "worse"})
+    core.recorder = _Recorder()
+    with pytest.raises(RuntimeError, match="boom"):
+        _loop(core, inbox, _Conn())
+    # The isolated failure and the one that ends the loop each leave a record.
+    assert core.recorder.reasons == ["engine step raised RuntimeError('boom')"] * 2
