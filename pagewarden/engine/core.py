@@ -24,7 +24,7 @@ from pagewarden.engine.integrity import IntegrityMonitor, IntegrityStats
 from pagewarden.engine.kv_events import KVEventPublisher
 from pagewarden.engine.output_processor import OutputProcessor
 from pagewarden.engine.outputs import RequestOutput
-from pagewarden.engine.profiles import ProfileState
+from pagewarden.engine.profiles import ProfileState, ProfileSwitch
 from pagewarden.engine.safe_mode import SafeMode
 from pagewarden.models.loader import LoadedModel, load_model
 from pagewarden.sampling_params import SamplingParams
@@ -171,6 +171,14 @@ class EngineCore:
             if config.flight_recorder_steps
             else None
         )
+        if self.recorder is not None:
+            self.recorder.profile = config.profile
+            self.safe_mode.on_switch = self._record_profile_switch
+
+    def _record_profile_switch(self, switch: ProfileSwitch) -> None:
+        assert self.recorder is not None
+        self.recorder.profile = switch.new
+        self.recorder.trigger(f"profile {switch.old} -> {switch.new} ({switch.reason})")
 
     def install_hooks(self, hooks: StepHooks | None) -> None:
         """Let ``hooks`` act at fixed points of every step (fault injection; None

@@ -184,6 +184,11 @@ class FlightRecorder:
         if self._pending and self._since_dump >= self.cooldown:
             self.dump(self._pending_reason(), background=True)
 
+    def trigger(self, what: str) -> None:
+        """Write a record for ``what`` (e.g. a profile switch) at the end of this step,
+        or after the cooldown, with any fault found meanwhile."""
+        self._pending.setdefault(what, []).append(self._current.step)
+
     def close(self) -> Path | None:
         """Write what is pending (a trigger inside the cooldown, or a detection made
         outside a step) and wait for background writes; call when the engine stops."""

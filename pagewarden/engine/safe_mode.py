@@ -16,7 +16,7 @@ preemption_mode        ``Scheduler.set_preemption_mode`` (requests already in th
                        tier still come back)
 scrub_blocks_per_step  the guard's scrubber budget per step
 audit_interval         the integrity monitor's steps between audits
-prefix_cache=verified  ``BlockPool.drop_cached`` on entry: the entries of blocks nobody
+prefix_cache=verified  ``Scheduler.drop_cached_prefixes`` on entry: the entries of blocks nobody
                        holds go; later hits are blocks sealed (and verified at seal)
                        since, or held blocks that every read under ``strict`` verifies
 =====================  ===============================================================
@@ -69,6 +69,8 @@ class SafeMode:
     ) -> None:
         self.config = config
         self.scheduler, self.guard, self.monitor, self.batch = scheduler, guard, monitor, batch
+        # Told of every switch after it is applied (the flight recorder writes a record).
+        self.on_switch: Callable[[ProfileSwitch], None] | None = None
         base = ProfileSettings(
             integrity=config.integrity,
             max_num_seqs=config.max_num_seqs,
@@ -149,6 +151,8 @@ class SafeMode:
             new.audit_interval,
         )
         self._apply(new)
+        if self.on_switch is not None:
+            self.on_switch(switch)
 
     def _apply(self, new: ProfileSettings) -> None:
         old, self.current = self.current, new
@@ -162,7 +166,7 @@ class SafeMode:
         self.guard.scrub_blocks_per_step = new.scrub_blocks_per_step
         self.monitor.audit_interval = new.audit_interval
         if new.prefix_cache == "verified" and old.prefix_cache != "verified":
-            dropped = self.scheduler.kv.pool.drop_cached()
+            dropped = self.scheduler.drop_cached_prefixes()
             logger.info("profile: dropped the prefix-cache entries of %d free blocks", dropped)
 
     def _cap_batch(self, cap: int) -> None:

@@ -68,6 +68,7 @@ def foreign_calls(scheduler) -> list[ForeignCall]:
                 "recompute" if scheduler.preemption_mode == "swap" else "swap"
             ),
         ),
+        ("Scheduler", "drop_cached_prefixes", scheduler.drop_cached_prefixes),
         ("Scheduler", "update", lambda: scheduler.update(empty_out, ModelRunnerOutput({}))),
         ("Scheduler", "verify_block_tables", scheduler.verify_block_tables),
         ("Scheduler", "recover", lambda: scheduler.recover([])),

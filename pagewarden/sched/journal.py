@@ -15,6 +15,8 @@ one into the JSON object of a flight record (``docs/flight-recorder.md``)::
     ("recover", faults, report)                recover    recover(faults); compare report
     ("repair", report)                         repair     repair(); compare report
     ("release", block_ids)                     release    release_quarantined(block_ids)
+    ("mode", mode)                             mode       set_preemption_mode(mode)
+    ("drop_cached", count)                     drop_cached drop_cached_prefixes(); compare
     ("external", name, args)                   external   a metadata change made outside
                                                           the scheduler (fault injection)
 
@@ -98,6 +100,10 @@ def encode(op: tuple) -> dict[str, Any]:
         return {"op": "repair", "report": encode_report(op[1])}
     if kind == "release":
         return {"op": "release", "block_ids": op[1]}
+    if kind == "mode":
+        return {"op": "mode", "mode": op[1]}
+    if kind == "drop_cached":
+        return {"op": "drop_cached", "dropped": op[1]}
     if kind == "external":
         return {"op": "external", "name": op[1], "args": list(op[2])}
     raise ValueError(f"unknown journal entry {kind!r}")

@@ -208,6 +208,12 @@ class _Player:
     def _release(self, op: dict[str, Any]) -> None:
         self.sched.release_quarantined(op["block_ids"])
 
+    def _mode(self, op: dict[str, Any]) -> None:
+        self.sched.set_preemption_mode(op["mode"])
+
+    def _drop_cached(self, op: dict[str, Any]) -> tuple[str, Any, Any] | None:
+        return _compare("dropped", op["dropped"], self.sched.drop_cached_prefixes())
+
     def _external(self, op: dict[str, Any]) -> None:
         fn = self.external.get(op["name"])
         if fn is None:

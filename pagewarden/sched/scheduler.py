@@ -94,6 +94,16 @@ class Scheduler:
         if mode == "swap" and not self.config.num_host_blocks:
             raise ValueError("preemption mode 'swap' needs host blocks (num_host_blocks)")
         self.preemption_mode = mode
+        if self.journal is not None:
+            self.journal.append(("mode", mode))
+
+    def drop_cached_prefixes(self) -> int:
+        """Forget the prefix-cache entries of every block nobody holds (safe mode's
+        "reuse only what was verified since"); returns how many were dropped."""
+        dropped = self.kv.pool.drop_cached()
+        if self.journal is not None:
+            self.journal.append(("drop_cached", dropped))
+        return dropped
 
     def set_batch_limits(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         """Lower (or restore) the per-step limits, between 1 and the configured ones.

@@ -44,6 +44,7 @@ def capture(sched: Scheduler) -> dict[str, Any]:
         "num_steps": sched.num_steps,
         "num_preemptions": sched.num_preemptions,
         "max_num_seqs": sched.max_num_seqs,
+        "preemption_mode": sched.preemption_mode,
         "max_num_batched_tokens": sched.max_num_batched_tokens,
         "requests": [_capture_request(r) for r in sched.requests.values()],
         "waiting": [r.req_id for r in sched.waiting],
@@ -64,6 +65,7 @@ def restore(state: dict[str, Any]) -> Scheduler:
     sched.num_steps = state["num_steps"]
     sched.num_preemptions = state["num_preemptions"]
     sched.max_num_seqs = state["max_num_seqs"]
+    sched.preemption_mode = state["preemption_mode"]
     sched.max_num_batched_tokens = state["max_num_batched_tokens"]
     for d in state["requests"]:
         req = _restore_request(d)

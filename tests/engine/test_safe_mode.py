@@ -5,6 +5,8 @@ to the fault-free run; operators switch profiles by hand; ``--profile`` starts i
 from __future__ import annotations
 
 import random
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,13 +15,18 @@ from pagewarden.engine.config import EngineConfig
 from pagewarden.engine.core import EngineCore
 from pagewarden.engine.profiles import ProfileError
 from pagewarden.faults.injector import FaultInjector
+from pagewarden.faults.metadata_faults import METADATA_FAULTS
 from pagewarden.models.loader import load_model
 from pagewarden.sampling_params import SamplingParams
+from pagewarden.sched.replay import load_record, replay
 
 
 @pytest.fixture(scope="module")
 def loaded(tiny_llama_dir):
     return load_model(tiny_llama_dir, torch.float32)
+
+
+RECORDS = Path(tempfile.mkdtemp(prefix="pagewarden-test-safe-mode-"))
 
 
 def _config(**kw) -> EngineConfig:
@@ -35,6 +42,8 @@ def _config(**kw) -> EngineConfig:
         safe_mode_faults=2,
         safe_mode_window=10.0,
         safe_mode_clean_period=2.0,
+        flight_recorder_steps=64,
+        flight_recorder_dir=str(RECORDS),
     )
     base.update(kw)
     return EngineConfig(**base)
@@ -104,6 +113,17 @@ def test_a_fault_burst_switches_to_safe_and_back_with_identical_outputs(loaded) 
         ("safe", "normal", "clean_period"): 1,
     }
     assert stats.integrity.level == "standard" and stats.integrity.failed_requests == 0
+    # Each switch wrote a flight record, and the records replay through the switches'
+    # own scheduler calls (batch limits, preemption mode, dropped prefix entries).
+    recorder = engine.recorder
+    assert recorder is not None
+    recorder.close()
+    reasons = [load_record(p).header["reason"] for p in recorder.dumps]
+    assert any("profile normal -> safe (fault_burst)" in r for r in reasons), reasons
+    assert any("profile safe -> normal (clean_period)" in r for r in reasons), reasons
+    for path in recorder.dumps:
+        result = replay(load_record(path), METADATA_FAULTS)
+        assert result.divergence is None, (path, result.divergence)
 
 
 def test_an_operator_switch_applies_at_the_next_step_even_when_idle(loaded) -> None:
