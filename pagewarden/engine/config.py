@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from pagewarden.kernels.backend import AttentionBackendError, check_backend, default_backend
 from pagewarden.sched.config import MIN_MAX_MODEL_LEN
 from pagewarden.worker.cpu_threads import CpuBindError, parse_cpu_list
+from pagewarden.worker.device import DeviceError, resolve_device
 from pagewarden.worker.kv_guard import INTEGRITY_LEVELS
 
 _DTYPES = {
@@ -61,6 +63,11 @@ class EngineConfig:
     # faults, preemption storms or slow tokens; raise it back after a clean window.
     adaptive_batch: bool = True
     target_itl_ms: float | None = None  # None: derived from the first clean window
+    # Device and attention kernels (docs/gpu.md). None: cuda when present, else cpu;
+    # triton on cuda, torch on cpu.
+    device: str | None = None
+    attention_backend: str | None = None
+    gpu_memory_utilization: float = 0.9  # on CUDA, share of the GPU the engine may fill
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -122,6 +129,14 @@ class EngineConfig:
                 raise EngineConfigError(str(exc)) from None
         if self.target_itl_ms is not None and not self.target_itl_ms > 0:
             raise EngineConfigError(f"target_itl_ms must be > 0, got {self.target_itl_ms}")
+        try:
+            check_backend(self.resolved_attention_backend, self.resolved_device.type)
+        except (DeviceError, AttentionBackendError) as exc:
+            raise EngineConfigError(str(exc)) from None
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise EngineConfigError(
+                f"gpu_memory_utilization is a fraction in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if self.max_model_len is not None and self.max_model_len < MIN_MAX_MODEL_LEN:
             raise EngineConfigError(
                 f"max_model_len must be >= {MIN_MAX_MODEL_LEN}, got {self.max_model_len}"
@@ -133,6 +148,16 @@ class EngineConfig:
         if self.preemption_mode is not None:
             return self.preemption_mode
         return "swap" if (self.swap_space or self.num_swap_blocks) else "recompute"
+
+    @property
+    def resolved_device(self) -> torch.device:
+        """The device the engine runs on (cuda when present unless told)."""
+        return resolve_device(self.device)
+
+    @property
+    def resolved_attention_backend(self) -> str:
+        """The attention backend in force (triton on cuda, torch on cpu, unless told)."""
+        return self.attention_backend or default_backend(self.resolved_device.type)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -48,6 +48,9 @@ class LLM:
         cpu_bind: str | None = None,
         adaptive_batch: bool = True,
         target_itl_ms: float | None = None,
+        device: str | None = None,
+        attention_backend: str | None = None,
+        gpu_memory_utilization: float = 0.9,
     ) -> None:
         self.config = EngineConfig(
             model=model,
@@ -70,6 +73,9 @@ class LLM:
             cpu_bind=cpu_bind,
             adaptive_batch=adaptive_batch,
             target_itl_ms=target_itl_ms,
+            device=device,
+            attention_backend=attention_backend,
+            gpu_memory_utilization=gpu_memory_utilization,
         )
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()

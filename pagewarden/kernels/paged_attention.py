@@ -43,6 +43,7 @@ Checks, through the same block id the K/V were read with, never raised here:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -67,11 +68,10 @@ def _limb_weights(x, d, ELEM_BITS: tl.constexpr):
 @triton.jit
 def _scores(q, k, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
     """q (M, D) @ k (N, D)^T in float32."""
-    if USE_DOT:
-        if IEEE:
-            return tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            return tl.dot(q, tl.trans(k))
+    if USE_DOT and IEEE:
+        return tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    elif USE_DOT:
+        return tl.dot(q, tl.trans(k))
     else:
         return tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
 
@@ -79,11 +79,10 @@ def _scores(q, k, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
 @triton.jit
 def _weighted(p, v, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
     """p (M, N) @ v (N, D) in float32."""
-    if USE_DOT:
-        if IEEE:
-            return tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            return tl.dot(p.to(v.dtype), v)
+    if USE_DOT and IEEE:
+        return tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    elif USE_DOT:
+        return tl.dot(p.to(v.dtype), v)
     else:
         return tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
 
@@ -244,6 +243,10 @@ class ReadCheckBuffers:
     offset_keys: torch.Tensor | None  # (bs,) int64
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, q_tiles: int, max_blocks: int) -> int:
     """Split the key range only when the other grid axes leave the GPU idle."""
     programs = num_seqs * num_kv_heads * q_tiles
@@ -321,7 +324,9 @@ def paged_attention(
         CHECKSUM=sums_on,
         ELEM_BITS=elem_bits,
         USE_DOT=min(bs, head_dim, block_m) >= 16,
-        IEEE=cache.dtype == torch.float32,
+        # float32 caches must not round through tf32; the interpreter's tl.dot mishandles
+        # 16-bit floats, so there the products (exact in float32) are formed in float32.
+        IEEE=cache.dtype == torch.float32 or _interpreting(),
     )
     if num_splits > 1:
         _combine_kernel[(t, n_heads)](

@@ -7,8 +7,8 @@ into the guard's terms:
 
 * ``element_keys``: the checksum keys of ``worker/integrity.py`` spread over elements
   (each element takes the key of the 32-bit limb it sits in), one row per layer and K/V;
-* ``StepReadChecks``: one step's expected tags (S, kv_len) and output tensors, shared by
-  every layer's kernel call;
+* ``allocate_read_checks``: one step's expected tags (S, kv_len) and output tensors
+  (``models/paged_attention.ReadChecks``), shared by every layer's kernel call;
 * ``tag_fault_blocks`` / ``checksum_fault_blocks``: which (sequence, logical block) reads
   failed, for the guard to turn into ``KVFault``s.
 
@@ -18,10 +18,9 @@ The checksum a kernel accumulates is the same function as ``integrity.block_chec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from pagewarden.models.paged_attention import ReadChecks
 from pagewarden.worker.integrity import _limb_keys, _offset_keys
 
 
@@ -41,36 +40,17 @@ def offset_keys(block_size: int, device: torch.device) -> torch.Tensor:
     return _offset_keys(block_size, device)
 
 
-@dataclass
-class StepReadChecks:
-    """One step's fused-check tensors, shared by every layer's attention call.
-
-    Invariant: ``tag_faults[i, lb]`` is nonzero iff some layer read a slot of sequence
-    i's logical block lb whose tag differed from ``expected_tags[i, pos]``;
-    ``read_sums[i, h, lb]`` is the sum over layers of kv head h's share of that block's
-    checksum (only blocks inside the cached context are complete).
-    """
-
-    expected_tags: torch.Tensor  # (S, kv_len) int64
-    tag_faults: torch.Tensor  # (S, max_blocks) int32
-    read_sums: torch.Tensor | None  # (S, n_kv, max_blocks) int64; None unless strict
-
-    @classmethod
-    def allocate(
-        cls, expected_tags: torch.Tensor, max_blocks: int, n_kv: int, checksums: bool
-    ) -> StepReadChecks:
-        s, device = expected_tags.shape[0], expected_tags.device
-        return cls(
-            expected_tags=expected_tags.contiguous(),
-            tag_faults=torch.zeros(s, max_blocks, dtype=torch.int32, device=device),
-            read_sums=(
-                torch.zeros(s, n_kv, max_blocks, dtype=torch.int64, device=device)
-                if checksums
-                else None
-            ),
-        )
-
-    def block_sums(self) -> torch.Tensor:
-        """(S, max_blocks) int64: each read block's checksum (sum over kv heads, mod 2^64)."""
-        assert self.read_sums is not None
-        return self.read_sums.sum(dim=1)
+def allocate_read_checks(
+    expected_tags: torch.Tensor, max_blocks: int, num_kv_heads: int, checksums: bool
+) -> ReadChecks:
+    """Zeroed outputs for one step's fused checks; ``expected_tags`` is (S, kv_len) int64."""
+    s, device = expected_tags.shape[0], expected_tags.device
+    return ReadChecks(
+        expected_tags=expected_tags.contiguous(),
+        tag_faults=torch.zeros(s, max_blocks, dtype=torch.int32, device=device),
+        read_sums=(
+            torch.zeros(s, num_kv_heads, max_blocks, dtype=torch.int64, device=device)
+            if checksums
+            else None
+        ),
+    )

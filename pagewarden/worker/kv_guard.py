@@ -68,6 +68,7 @@ import torch
 from pagewarden.kv.swap_space import BlockSwap
 from pagewarden.models.paged_attention import AttentionMetadata
 from pagewarden.sched.output import FailureKey, KVFault, ScheduledRequest, SchedulerOutput
+from pagewarden.worker.fused_checks import allocate_read_checks
 from pagewarden.worker.integrity import (
     ROOT_TAG,
     SlotTags,
@@ -119,6 +120,9 @@ class KVGuard:
         self.tags_on = _RANK[level] >= _RANK["audit"]
         self.sums_on = _RANK[level] >= _RANK["standard"]
         self.strict = level == "strict"
+        # True when the attention backend checks tags (and, strict, checksums) as it
+        # reads: bind() hands it the expected tags, after_write() reads its verdicts.
+        self.fused_reads = False
         self.counters = GuardCounters()
         device = caches[0].device
         self.tags = SlotTags(self.num_blocks, block_size, device)
@@ -260,10 +264,7 @@ class KVGuard:
         assert meta.num_seqs == len(reqs), "metadata rows are the step's requests, in order"
         bs = self.block_size
         lens = [r.positions.stop for r in reqs]
-        max_len = max(lens)
-        expected = torch.zeros(len(reqs), max_len, dtype=torch.int64)
-        for i, r in enumerate(reqs):
-            expected[i, : lens[i]] = self._chain_tensor(r, lens[i])
+        expected = self._expected_tags(reqs)
         tables = meta.block_index.view(meta.num_seqs, meta.max_blocks)  # (S, max_blocks)
         self.counters.tag_checks += sum(lens)
         bad = self.tags.verify(tables, lens, expected)
@@ -284,6 +285,64 @@ class KVGuard:
         )
         return [KVFault("slot_tag", tuple(sorted(blocks)), rollback, "read", detail)]
 
+    def _fused_tag_faults(
+        self, reqs: list[ScheduledRequest], meta: AttentionMetadata
+    ) -> list[KVFault]:
+        """The attention kernel's tag verdicts: a nonzero ``tag_faults[i, lb]`` means a
+        slot of sequence i's logical block lb, read through ``meta.block_index``, held
+        another token's tag."""
+        checks = meta.read_checks
+        assert checks is not None and meta.num_seqs == len(reqs)
+        self.counters.tag_checks += sum(r.positions.stop for r in reqs)
+        bad = checks.tag_faults.nonzero().cpu()  # (n, 2): sequence, logical block
+        if not bad.numel():
+            return []
+        bs = self.block_size
+        tables = meta.block_index.view(meta.num_seqs, meta.max_blocks).cpu()
+        rollback: dict[str, int] = {}
+        blocks: set[int] = set()
+        for i, lb in bad.tolist():
+            rid = reqs[i].req_id
+            rollback[rid] = min(rollback.get(rid, lb * bs), lb * bs)
+            blocks.add(int(tables[i, lb]))
+        i0, lb0 = bad[0].tolist()
+        detail = (
+            f"{bad.shape[0]} block read(s) found a slot holding another token's K/V; first: "
+            f"request {reqs[i0].req_id} positions {lb0 * bs}..{lb0 * bs + bs - 1} in block "
+            f"{int(tables[i0, lb0])} (checked by the attention kernel)"
+        )
+        return [KVFault("slot_tag", tuple(sorted(blocks)), rollback, "read", detail)]
+
+    def _fused_sum_faults(
+        self, reqs: list[ScheduledRequest], meta: AttentionMetadata
+    ) -> list[KVFault]:
+        """Strict: every sealed context block the kernel read must checksum to its seal
+        (``check_reads`` left these to the kernel)."""
+        checks = meta.read_checks
+        assert checks is not None
+        if checks.read_sums is None:
+            return []
+        bs = self.block_size
+        sums = checks.block_sums().cpu()  # (S, max_blocks)
+        tables = meta.block_index.view(meta.num_seqs, meta.max_blocks).cpu()
+        rows, cols = [], []
+        for i, r in enumerate(reqs):
+            for lb in range(r.positions.start // bs):
+                block = int(tables[i, lb])
+                if block != 0 and block not in self._swapped_in and bool(self.sealed[block]):
+                    rows.append(i)
+                    cols.append(lb)
+        if not rows:
+            return []
+        ids = tables[rows, cols]
+        self.counters.block_verifies += len(rows)
+        wrong = sums[rows, cols] != self.block_sums[ids].cpu()
+        if not bool(wrong.any()):
+            return []
+        bad = sorted(set(ids[wrong].tolist()))
+        detail = "context block content changed since it was sealed (checked by the attention kernel)"
+        return [KVFault("checksum", tuple(bad), {}, "read", detail)]
+
     def _check_contents(self, reqs: list[ScheduledRequest]) -> list[KVFault]:
         """Reuse verification (standard) or every read (strict) of context blocks."""
         bs = self.block_size
@@ -303,8 +362,11 @@ class KVGuard:
         full -= self._swapped_in  # verified on arrival in this very step
         if full:
             ids = torch.tensor(sorted(full), dtype=torch.int64)
-            sealed = self.sealed[ids]
+            sealed = self.sealed[ids].cpu()
             sealed_ids, unsealed_ids = ids[sealed], ids[~sealed]
+            if self.strict and self.fused_reads:
+                # The attention kernel checksums these as it reads them (_fused_sum_faults).
+                sealed_ids = sealed_ids[:0]
             bad = self._verify_sealed(sealed_ids)
             # A full block the guard never sealed (sealing failed or was skipped): check
             # its slots against their write-time sums instead.
@@ -441,6 +503,20 @@ class KVGuard:
             self.tags.tags[fresh_ids] = 0
         meta.slot_tags = self.tags.tags.view(-1)
         meta.new_tags = torch.cat(tags).to(self.tags.tags.device)  # (T,)
+        if self.fused_reads:
+            expected = self._expected_tags(list(out.requests))
+            n_kv = self.caches[0].shape[3]
+            meta.read_checks = allocate_read_checks(
+                expected.to(self.tags.tags.device), meta.max_blocks, n_kv, self.strict
+            )
+
+    def _expected_tags(self, reqs: list[ScheduledRequest]) -> torch.Tensor:
+        """(S, max stop) int64: the tag of each request's token chain at each position."""
+        lens = [r.positions.stop for r in reqs]
+        expected = torch.zeros(len(reqs), max(lens), dtype=torch.int64)
+        for i, r in enumerate(reqs):
+            expected[i, : lens[i]] = self._chain_tensor(r, lens[i])
+        return expected
 
     def after_write(
         self, out: SchedulerOutput, meta: AttentionMetadata, skip: set[str]
@@ -473,7 +549,11 @@ class KVGuard:
         # Tags of every request, faulted ones too: a bad tag in a block that a rollback
         # is about to drop would otherwise go unseen, and the block stays in the prefix
         # cache.
-        faults = self._check_tags(reqs, meta)
+        if meta.read_checks is not None:
+            faults = self._fused_tag_faults(reqs, meta)
+            faults += self._fused_sum_faults(reqs, meta)
+        else:
+            faults = self._check_tags(reqs, meta)
         faults += self._check_slot_mapping(reqs, meta)
         if self.sums_on:
             # From the bytes at the slots the model actually wrote.
