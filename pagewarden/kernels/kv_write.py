@@ -7,7 +7,7 @@ rows further; ``slot_tags`` (num_blocks * block_size,) int64.
 
 Loop order: one program per new token t; it loads ``slot_mapping[t]`` once and writes
 K, V and (when tags are on) the token's tag through that one value, so a tag lands
-wherever its token's K/V lands: the index contract of ``models/paged_attention.py``.
+wherever its token's K/V lands (the caller casts K/V to the cache's dtype): the index contract of ``models/paged_attention.py``.
 Nothing is checked here; ``write_kv`` in ``models/paged_attention.py`` is the reference.
 """
 
@@ -40,8 +40,8 @@ def _write_kv_kernel(
     k = tl.load(k_ptr + t * stride_kt + e, mask=ok)
     v = tl.load(v_ptr + t * stride_vt + e, mask=ok)
     dst = cache_ptr + slot * ROW + e
-    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=ok)
-    tl.store(dst + stride_kv, v.to(cache_ptr.dtype.element_ty), mask=ok)
+    tl.store(dst, k, mask=ok)
+    tl.store(dst + stride_kv, v, mask=ok)
     if HAS_TAGS:
         tl.store(slot_tags_ptr + slot, tl.load(new_tags_ptr + t))
 
@@ -58,6 +58,9 @@ def write_kv(
     ``slot_mapping`` (T,): one kernel, one index tensor."""
     _, num_blocks, block_size, n_kv, head_dim = cache.shape
     assert cache.is_contiguous(), "the cache is addressed by flat slot; it must be contiguous"
+    # Rounded by torch, as the reference does (the model's K/V already have the cache's
+    # dtype on a GPU; the interpreter's own float32 -> bfloat16 cast truncates).
+    k, v = k.to(cache.dtype), v.to(cache.dtype)
     for x in (k, v):
         assert x.shape == (slot_mapping.numel(), n_kv, head_dim), (x.shape, cache.shape)
         assert x.stride(2) == 1 and x.stride(1) == head_dim, "a token's row must be contiguous"
