@@ -67,20 +67,21 @@ def write_kv(
     t = slot_mapping.numel()
     if t == 0:
         return
-    has_tags = new_tags is not None
-    assert not has_tags or (slot_tags is not None and new_tags.numel() == t)
+    tag_args = (slot_mapping, slot_mapping)  # stand-ins when tags are off
+    if new_tags is not None:
+        assert slot_tags is not None and new_tags.numel() == t
+        tag_args = (new_tags, slot_tags)
     row = n_kv * head_dim
     _write_kv_kernel[(t,)](
         k,
         v,
         cache,
         slot_mapping,
-        new_tags if has_tags else slot_mapping,
-        slot_tags if has_tags else slot_mapping,
+        *tag_args,
         k.stride(0),
         v.stride(0),
         num_blocks * block_size * row,
         ROW=row,
         ROW_P2=triton.next_power_of_2(row),
-        HAS_TAGS=has_tags,
+        HAS_TAGS=new_tags is not None,
     )

@@ -65,14 +65,16 @@ class TritonAttention:
         if checks is None:
             return None
         assert meta.slot_tags is not None, "read checks compare the tags write_kv wrote"
-        sums = checks.read_sums is not None
-        assert not sums or self.element_keys is not None, "checksums need their keys"
-        layer = self._layer_of[cache.data_ptr()]
-        return ReadCheckBuffers(
+        buffers = ReadCheckBuffers(
             slot_tags=meta.slot_tags,
             expected_tags=checks.expected_tags,
             tag_faults=checks.tag_faults,
             read_sums=checks.read_sums,
-            element_keys=self.element_keys[layer] if sums else None,
-            offset_keys=self.offset_keys if sums else None,
+            element_keys=None,
+            offset_keys=None,
         )
+        if checks.read_sums is not None:
+            assert self.element_keys is not None, "checksums need their keys"
+            buffers.element_keys = self.element_keys[self._layer_of[cache.data_ptr()]]
+            buffers.offset_keys = self.offset_keys
+        return buffers

@@ -281,12 +281,22 @@ def paged_attention(
     out = torch.empty_like(q)
     if num_splits > 1:
         part_lse = torch.empty(t * n_heads * num_splits, dtype=torch.float32, device=q.device)
-        part_out = torch.empty(t * n_heads * num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_out = torch.empty(
+            t * n_heads * num_splits, head_dim, dtype=torch.float32, device=q.device
+        )
     else:
         part_lse = part_out = out
-    tags_on = checks is not None
-    sums_on = tags_on and checks.read_sums is not None
-    dummy = block_tables
+    unused = block_tables  # stands in for the pointers of checks that are off
+    tag_args: tuple[torch.Tensor, ...] = (unused,) * 3
+    sum_args: tuple[torch.Tensor, ...] = (unused,) * 3
+    stride_exp = 0
+    if checks is not None:
+        tag_args = (checks.slot_tags, checks.expected_tags, checks.tag_faults)
+        stride_exp = checks.expected_tags.stride(0)
+        if checks.read_sums is not None:
+            assert checks.element_keys is not None and checks.offset_keys is not None
+            sum_args = (checks.element_keys, checks.offset_keys, checks.read_sums)
+    tags_on, sums_on = checks is not None, sum_args[0] is not unused
     elem_bits = cache.element_size() * 8
     assert not sums_on or elem_bits in (16, 32), "checksums need a 16- or 32-bit cache"
     _paged_attention_kernel[(num_seqs * q_tiles, n_kv, num_splits)](
@@ -297,12 +307,8 @@ def paged_attention(
         seq_info,
         part_out,
         part_lse,
-        checks.slot_tags if tags_on else dummy,
-        checks.expected_tags if tags_on else dummy,
-        checks.tag_faults if tags_on else dummy,
-        checks.element_keys if sums_on else dummy,
-        checks.offset_keys if sums_on else dummy,
-        checks.read_sums if sums_on else dummy,
+        *tag_args,
+        *sum_args,
         scale * 1.4426950408889634,  # exp(x) = exp2(x * log2(e))
         num_seqs,
         q_tiles,
@@ -313,7 +319,7 @@ def paged_attention(
         out.stride(1),
         cache.stride(0),
         max_blocks,
-        checks.expected_tags.stride(0) if tags_on else 0,
+        stride_exp,
         G=group,
         HKV=n_kv,
         D=head_dim,

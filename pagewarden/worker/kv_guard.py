@@ -340,7 +340,9 @@ class KVGuard:
         if not bool(wrong.any()):
             return []
         bad = sorted(set(ids[wrong].tolist()))
-        detail = "context block content changed since it was sealed (checked by the attention kernel)"
+        detail = (
+            "context block content changed since it was sealed (checked by the attention kernel)"
+        )
         return [KVFault("checksum", tuple(bad), {}, "read", detail)]
 
     def _check_contents(self, reqs: list[ScheduledRequest]) -> list[KVFault]:

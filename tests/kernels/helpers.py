@@ -50,7 +50,11 @@ def make_step(
         [t[p // block_size] * block_size + p % block_size for p in range(len(t) * block_size)]
         for t in tables
     ]
-    slots = [slot_of[i][p] for i, (q, c) in enumerate(zip(query_lens, context_lens)) for p in range(c, c + q)]
+    slots = [
+        slot_of[i][p]
+        for i, (q, c) in enumerate(zip(query_lens, context_lens))
+        for p in range(c, c + q)
+    ]
     meta = AttentionMetadata.build(query_lens, context_lens, tables, slots, block_size, device)
     shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
     caches = [torch.randn(shape, generator=gen).to(dtype).to(device) for _ in range(num_layers)]

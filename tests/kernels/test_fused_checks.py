@@ -50,9 +50,7 @@ def _cached_blocks(step):
     """(sequence, logical block, block id) of every full block inside the cached context."""
     bs = step.caches[0].shape[2]
     return [
-        (i, lb, step.tables[i][lb])
-        for i, ctx in enumerate(CONTEXT_LENS)
-        for lb in range(ctx // bs)
+        (i, lb, step.tables[i][lb]) for i, ctx in enumerate(CONTEXT_LENS) for lb in range(ctx // bs)
     ]
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from pagewarden.kernels.kv_write import write_kv as triton_write
-from pagewarden.models.paged_attention import AttentionMetadata, write_kv as torch_write
+from pagewarden.models.paged_attention import AttentionMetadata
+from pagewarden.models.paged_attention import write_kv as torch_write
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
