@@ -8,6 +8,7 @@ test module imports ``pagewarden.kernels``; on a machine with a GPU (``bench/gpu
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -15,7 +16,8 @@ DEVICE = os.environ.get("PAGEWARDEN_KERNEL_DEVICE", "cpu")
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-pytest.importorskip("triton", reason="install the test extra: pip install -e '.[test]'")
+if sys.platform != "linux":  # Triton ships Linux wheels only; there the test extra has it
+    pytest.importorskip("triton", reason="Triton has no wheel for this platform")
 
 
 @pytest.fixture
