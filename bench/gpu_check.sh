@@ -35,11 +35,12 @@ PAGEWARDEN_KERNEL_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovid
     tests/kernels 2>&1 | tee "$LOGS/kernel_tests.log"
 
 echo "== 2. throughput, bf16, off / standard / strict (engine on cuda, triton backend)"
+# The three engines run side by side on the one GPU: each gets a fixed KV budget.
 timeout 150 python3 bench/throughput.py --no-hf --no-single --rounds 2 \
-    --num-prompts 64 --input-len 128 --output-len 128 --log-dir /tmp/pw-bench-a \
+    --num-prompts 64 --input-len 128 --output-len 128 --kv-cache-memory 8GiB --log-dir /tmp/pw-bench-a \
     2>&1 | tee "$LOGS/throughput_64x128.log"
 timeout 200 python3 bench/throughput.py --no-hf --no-single --rounds 1 \
-    --num-prompts 256 --input-len 512 --output-len 256 --log-dir /tmp/pw-bench-b \
+    --num-prompts 256 --input-len 512 --output-len 256 --kv-cache-memory 16GiB --log-dir /tmp/pw-bench-b \
     2>&1 | tee "$LOGS/throughput_256x512.log"
 
 echo "== 3. overheads and roofline"
