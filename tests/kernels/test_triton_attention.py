@@ -7,7 +7,7 @@ import torch
 
 from pagewarden.kernels.paged_attention import paged_attention as triton_attention
 from pagewarden.models.paged_attention import paged_attention as torch_attention
-from tests.kernels.helpers import make_step
+from tests.kernels.kernel_step import make_step
 
 CASES = {
     "decode": ([1, 1, 1], [40, 3, 17]),

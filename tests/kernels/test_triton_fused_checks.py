@@ -13,7 +13,7 @@ from pagewarden.kernels.paged_attention import ReadCheckBuffers, paged_attention
 from pagewarden.worker import integrity_cpu
 from pagewarden.worker.fused_checks import allocate_read_checks, element_keys, offset_keys
 from pagewarden.worker.integrity import block_checksums
-from tests.kernels.helpers import make_step
+from tests.kernels.kernel_step import make_step
 
 QUERY_LENS, CONTEXT_LENS = [1, 6, 3], [50, 33, 0]  # decode, chunk over a prefix, fresh
 
