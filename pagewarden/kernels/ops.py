@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from pagewarden.kernels import kv_write
-from pagewarden.kernels.paged_attention import ReadCheckBuffers, paged_attention
+from pagewarden.kernels.paged_attention import ReadCheckBuffers, paged_attention, query_tiles
 from pagewarden.models.paged_attention import AttentionMetadata
 
 
@@ -32,6 +32,8 @@ class TritonAttention:
         self._layer_of = {cache.data_ptr(): i for i, cache in enumerate(caches)}
         self.element_keys = element_keys
         self.offset_keys = offset_keys
+        # The launch grid of the step being run, built once for all its layers.
+        self._tiles: tuple[AttentionMetadata, torch.Tensor] | None = None
 
     def write_kv(
         self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -58,7 +60,14 @@ class TritonAttention:
             meta.max_query_len,
             scale,
             checks=self._buffers(cache, meta),
+            tiles=self._step_tiles(meta, q.shape[1] // cache.shape[3]),
         )
+
+    def _step_tiles(self, meta: AttentionMetadata, group: int) -> torch.Tensor:
+        if self._tiles is None or self._tiles[0] is not meta:
+            tiles = query_tiles(meta.query_lens, group).to(meta.slot_mapping.device)
+            self._tiles = (meta, tiles)
+        return self._tiles[1]
 
     def _buffers(self, cache: torch.Tensor, meta: AttentionMetadata) -> ReadCheckBuffers | None:
         checks = meta.read_checks

@@ -11,7 +11,9 @@ Sequence i brings query_len new tokens after context_len cached ones; its token 
 at position context_len + j and may attend to keys at positions <= context_len + j (a
 decode is query_len 1, a fresh prompt context_len 0: one kernel covers all three).
 
-Grid (S * q_tiles, n_kv, num_splits). A program owns BLOCK_M query rows of one sequence
+Grid (num_tiles, n_kv, num_splits), ``tiles`` (2, num_tiles) int32 naming the (sequence,
+query tile) of each program, so a batch of decodes and one long chunk launches as many
+programs as it has tiles, not S times the longest. A program owns BLOCK_M query rows of one sequence
 and one kv head, the G = n_heads / n_kv query heads of that kv head packed into the rows
 (grouped-query attention without repeating K/V), and one split of the key range:
 
@@ -104,7 +106,8 @@ def _paged_attention_kernel(
     read_sums_ptr,
     scale_log2,
     num_seqs,
-    num_q_tiles,
+    tiles_ptr,
+    num_tiles,
     blocks_per_split,
     stride_qt,
     stride_qh,
@@ -125,8 +128,8 @@ def _paged_attention_kernel(
     USE_DOT: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    seq = tl.program_id(0) // num_q_tiles
-    tile = tl.program_id(0) % num_q_tiles
+    seq = tl.load(tiles_ptr + tl.program_id(0))
+    tile = tl.load(tiles_ptr + num_tiles + tl.program_id(0))
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     q_start = tl.load(seq_info_ptr + seq)
@@ -247,9 +250,16 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, q_tiles: int, max_blocks: int) -> int:
+def query_tiles(query_lens: list[int], group: int, block_m: int = 16) -> torch.Tensor:
+    """(2, num_tiles) int32: sequence and tile index of each query tile of the step."""
+    seqs = [i for i, n in enumerate(query_lens) for _ in range(triton.cdiv(n * group, block_m))]
+    tiles = [t for n in query_lens for t in range(triton.cdiv(n * group, block_m))]
+    return torch.tensor([seqs, tiles], dtype=torch.int32)
+
+
+def choose_num_splits(num_tiles: int, num_kv_heads: int, max_blocks: int) -> int:
     """Split the key range only when the other grid axes leave the GPU idle."""
-    programs = num_seqs * num_kv_heads * q_tiles
+    programs = num_tiles * num_kv_heads
     wanted = triton.cdiv(_TARGET_PROGRAMS, programs)
     return max(1, min(wanted, max_blocks // _MIN_BLOCKS_PER_SPLIT))
 
@@ -264,8 +274,13 @@ def paged_attention(
     checks: ReadCheckBuffers | None = None,
     num_splits: int | None = None,
     block_m: int = 16,
+    tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of q (T, n_heads, D) over the paged cache; returns (T, n_heads, D)."""
+    """Attention of q (T, n_heads, D) over the paged cache; returns (T, n_heads, D).
+
+    ``tiles`` is ``query_tiles(query_lens, G, block_m)`` on q's device; None: every
+    sequence gets the tiles of the longest query (simpler, more idle programs).
+    """
     t, n_heads, head_dim = q.shape
     _, _, bs, n_kv, _ = cache.shape
     num_seqs, max_blocks = block_tables.shape
@@ -274,9 +289,13 @@ def paged_attention(
     for n, what in ((bs, "block_size"), (head_dim, "head_dim")):
         assert n & (n - 1) == 0, f"the Triton kernel needs a power-of-two {what}, got {n}"
     group = n_heads // n_kv
-    q_tiles = triton.cdiv(max_query_len * group, block_m)
+    if tiles is None:
+        q_tiles = triton.cdiv(max_query_len * group, block_m)
+        program = torch.arange(num_seqs * q_tiles, dtype=torch.int32, device=q.device)
+        tiles = torch.stack([program // q_tiles, program % q_tiles])
+    num_tiles = tiles.shape[1]
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, n_kv, q_tiles, max_blocks)
+        num_splits = choose_num_splits(num_tiles, n_kv, max_blocks)
     blocks_per_split = triton.cdiv(max_blocks, num_splits)
     out = torch.empty_like(q)
     if num_splits > 1:
@@ -299,7 +318,7 @@ def paged_attention(
     tags_on, sums_on = checks is not None, sum_args[0] is not unused
     elem_bits = cache.element_size() * 8
     assert not sums_on or elem_bits in (16, 32), "checksums need a 16- or 32-bit cache"
-    _paged_attention_kernel[(num_seqs * q_tiles, n_kv, num_splits)](
+    _paged_attention_kernel[(num_tiles, n_kv, num_splits)](
         q,
         out,
         cache,
@@ -311,7 +330,8 @@ def paged_attention(
         *sum_args,
         scale * 1.4426950408889634,  # exp(x) = exp2(x * log2(e))
         num_seqs,
-        q_tiles,
+        tiles,
+        num_tiles,
         blocks_per_split,
         q.stride(0),
         q.stride(1),

@@ -127,8 +127,10 @@ class AttentionMetadata:
     chunked: ChunkedBatch | None = None
     slot_tags: torch.Tensor | None = None  # (num_blocks * block_size,) int64, a view
     new_tags: torch.Tensor | None = None  # (T,) int64
-    # (3, S) int32: first flat token, query length, context length of each sequence.
+    # (3, S) int32: first flat token, query length, context length of each sequence;
+    # the query lengths also on the host (for kernels' launch grids).
     seq_info: torch.Tensor | None = None
+    query_lens: list[int] = field(default_factory=list)
     # Set by the guard when the backend checks its reads itself (AttentionOps.fused_reads).
     read_checks: ReadChecks | None = None
 
@@ -182,6 +184,7 @@ class AttentionMetadata:
             seq_info=torch.tensor(
                 [starts, query_lens, context_lens], dtype=torch.int32, device=device
             ),
+            query_lens=list(query_lens),
         )
 
 

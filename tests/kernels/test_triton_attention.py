@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pagewarden.kernels.paged_attention import paged_attention as triton_attention
+from pagewarden.kernels.paged_attention import query_tiles
 from pagewarden.models.paged_attention import paged_attention as torch_attention
 from tests.kernels.kernel_step import make_step
 
@@ -17,7 +18,7 @@ CASES = {
 }
 
 
-def _run(step, num_splits=None, scale=0.25):
+def _run(step, num_splits=None, scale=0.25, tiles=None):
     return triton_attention(
         step.q,
         step.caches[0],
@@ -26,6 +27,7 @@ def _run(step, num_splits=None, scale=0.25):
         step.meta.max_query_len,
         scale,
         num_splits=num_splits,
+        tiles=tiles,
     )
 
 
@@ -34,6 +36,15 @@ def test_matches_torch(case, device):
     step = make_step(*CASES[case], device=device)
     want = torch_attention(step.q, step.caches[0], step.meta, 0.25)
     torch.testing.assert_close(_run(step), want, atol=1e-5, rtol=1e-5)
+
+
+def test_launches_only_the_tiles_each_sequence_has(device):
+    """Decodes beside a long chunk: one tile each, not the chunk's count each."""
+    step = make_step([1, 30, 1], [20, 4, 9], device=device)
+    tiles = query_tiles(step.meta.query_lens, group=2).to(device)
+    assert tiles.tolist() == [[0, 1, 1, 1, 1, 2], [0, 0, 1, 2, 3, 0]]
+    want = torch_attention(step.q, step.caches[0], step.meta, 0.25)
+    torch.testing.assert_close(_run(step, tiles=tiles), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("group", [1, 4])
