@@ -329,24 +329,21 @@ class KVGuard:
         assert checks is not None
         if checks.read_sums is None:
             return []
-        bs = self.block_size
-        sums = checks.block_sums().cpu()  # (S, max_blocks)
-        tables = meta.block_index.view(meta.num_seqs, meta.max_blocks).cpu()
-        rows, cols = [], []
-        for i, r in enumerate(reqs):
-            for lb in range(r.positions.start // bs):
-                block = int(tables[i, lb])
-                if block != 0 and block not in self._swapped_in and bool(self.sealed[block]):
-                    rows.append(i)
-                    cols.append(lb)
-        if not rows:
+        bs, device = self.block_size, checks.read_sums.device
+        tables = meta.block_index.view(meta.num_seqs, meta.max_blocks)  # (S, max_blocks)
+        full = torch.tensor([r.positions.start // bs for r in reqs], device=device)  # (S,)
+        logical = torch.arange(meta.max_blocks, device=device)  # (max_blocks,)
+        # Full context blocks, sealed before this step and not verified on arrival.
+        verify = (logical < full.unsqueeze(1)) & (tables != 0) & self.sealed[tables]
+        if self._swapped_in:
+            arrived = torch.tensor(sorted(self._swapped_in), device=device)
+            verify &= ~torch.isin(tables, arrived)
+        wrong = verify & (checks.block_sums() != self.block_sums[tables])
+        n_verified, n_wrong = (int(x) for x in torch.stack([verify.sum(), wrong.sum()]).tolist())
+        self.counters.block_verifies += n_verified
+        if not n_wrong:
             return []
-        ids = tables[rows, cols]
-        self.counters.block_verifies += len(rows)
-        wrong = sums[rows, cols] != self.block_sums[ids].cpu()
-        if not bool(wrong.any()):
-            return []
-        bad = sorted(set(ids[wrong].tolist()))
+        bad = sorted(set(tables[wrong].tolist()))
         detail = (
             "context block content changed since it was sealed (checked by the attention kernel)"
         )
