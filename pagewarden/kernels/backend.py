@@ -19,8 +19,10 @@ class AttentionBackendError(ValueError):
 
 
 def default_backend(device_type: str) -> str:
-    """``triton`` on CUDA, ``torch`` elsewhere."""
-    return "triton" if device_type == "cuda" else "torch"
+    """``triton`` on CUDA (where Triton is installed, as it is with torch's CUDA wheels),
+    ``torch`` elsewhere."""
+    has_triton = importlib.util.find_spec("triton") is not None
+    return "triton" if device_type == "cuda" and has_triton else "torch"
 
 
 def check_backend(name: str, device_type: str) -> None:

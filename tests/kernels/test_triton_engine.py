@@ -46,3 +46,14 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(EngineConfigError, match="TRITON_INTERPRET=1"):
         LLM(model="unused", device="cpu", attention_backend="triton")
+
+
+def test_backend_defaults_and_errors():
+    from pagewarden.kernels.backend import AttentionBackendError, check_backend, default_backend
+
+    assert default_backend("cpu") == "torch"
+    assert default_backend("cuda") == "triton"  # Triton is installed here
+    with pytest.raises(AttentionBackendError, match="not one of"):
+        check_backend("flash", "cuda")
+    with pytest.raises(AttentionBackendError, match="runs on cuda"):
+        check_backend("triton", "mps")
