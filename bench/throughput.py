@@ -50,6 +50,7 @@ def _pagewarden_worker(args: argparse.Namespace):
         integrity=args.integrity,
         enable_prefix_caching=False,
         cpu_threads=args.cpu_threads,
+        kv_cache_memory=args.kv_cache_memory,
     )
 
     def generate(prompts: list[list[int]], output_len: int) -> list[list[int]]:
@@ -178,6 +179,8 @@ def _common_argv(args: argparse.Namespace) -> list[str]:
     ]
     if args.cpu_threads:
         argv.append(f"--cpu-threads={args.cpu_threads}")
+    if args.kv_cache_memory:
+        argv.append(f"--kv-cache-memory={args.kv_cache_memory}")
     return argv
 
 
@@ -283,6 +286,11 @@ def main() -> None:
     ap.add_argument("--vllm-model", default=None, help="HF folder of the same weights")
     ap.add_argument("--vllm-dtype", default="bfloat16")
     ap.add_argument("--cpu-threads", type=int, default=None)
+    ap.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        help="each pagewarden engine's KV budget, e.g. 8GiB (on a GPU the engines share it)",
+    )
     ap.add_argument("--log-dir", default="/tmp/pagewarden-bench")
     ap.add_argument("--worker", choices=("pagewarden", "hf", "vllm"), help=argparse.SUPPRESS)
     ap.add_argument("--integrity", default="standard", help=argparse.SUPPRESS)

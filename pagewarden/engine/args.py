@@ -187,6 +187,25 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "the first write)",
     )
     parser.add_argument(
+        "--device",
+        default=None,
+        help="cuda | cuda:N | cpu (default: cuda when a GPU is present, else cpu)",
+    )
+    parser.add_argument(
+        "--attention-backend",
+        default=None,
+        choices=("torch", "triton"),
+        help="attention kernels (default: triton on cuda, torch on cpu; triton on cpu "
+        "needs TRITON_INTERPRET=1 and is for tests only)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=d.gpu_memory_utilization,
+        help="on cuda, the share of GPU memory the engine may use; the KV cache gets what "
+        "the weights and activations leave (default 0.9)",
+    )
+    parser.add_argument(
         "--cpu-threads",
         type=int,
         default=None,

@@ -9,8 +9,10 @@ from dataclasses import dataclass
 import torch
 
 from pagewarden.engine.profiles import ProfileError, SafeModePolicy
+from pagewarden.kernels.backend import AttentionBackendError, check_backend, default_backend
 from pagewarden.sched.config import MIN_MAX_MODEL_LEN
 from pagewarden.worker.cpu_threads import CpuBindError, parse_cpu_list
+from pagewarden.worker.device import DeviceError, resolve_device
 from pagewarden.worker.kv_guard import INTEGRITY_LEVELS
 
 _DTYPES = {
@@ -88,6 +90,11 @@ class EngineConfig:
     # at a persistent volume in production.
     flight_recorder_steps: int = 256
     flight_recorder_dir: str = DEFAULT_FLIGHT_RECORDER_DIR
+    # Device and attention kernels (docs/gpu.md). None: cuda when present, else cpu;
+    # triton on cuda, torch on cpu.
+    device: str | None = None
+    attention_backend: str | None = None
+    gpu_memory_utilization: float = 0.9  # on CUDA, share of the GPU the engine may fill
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -172,6 +179,14 @@ class EngineConfig:
             self.safe_mode_policy  # noqa: B018 - validates the thresholds
         except ProfileError as exc:
             raise EngineConfigError(str(exc)) from None
+        try:
+            check_backend(self.resolved_attention_backend, self.resolved_device.type)
+        except (DeviceError, AttentionBackendError) as exc:
+            raise EngineConfigError(str(exc)) from None
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise EngineConfigError(
+                f"gpu_memory_utilization is a fraction in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if self.max_model_len is not None and self.max_model_len < MIN_MAX_MODEL_LEN:
             raise EngineConfigError(
                 f"max_model_len must be >= {MIN_MAX_MODEL_LEN}, got {self.max_model_len}"
@@ -192,6 +207,16 @@ class EngineConfig:
             clean_period_s=self.safe_mode_clean_period,
             auto=self.auto_safe_mode,
         )
+
+    @property
+    def resolved_device(self) -> torch.device:
+        """The device the engine runs on (cuda when present unless told)."""
+        return resolve_device(self.device)
+
+    @property
+    def resolved_attention_backend(self) -> str:
+        """The attention backend in force (triton on cuda, torch on cpu, unless told)."""
+        return self.attention_backend or default_backend(self.resolved_device.type)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -34,6 +34,7 @@ from pagewarden.sched.request import Request
 from pagewarden.sched.scheduler import Scheduler
 from pagewarden.sched.stats import SchedulerStats, metric
 from pagewarden.worker.cpu_threads import apply_cpu_threads
+from pagewarden.worker.device import activation_reserve, gpu_kv_budget
 from pagewarden.worker.kv_store import KVCacheShape, KVStore
 from pagewarden.worker.runner import ModelRunner
 from pagewarden.worker.step_hooks import StepHooks
@@ -69,6 +70,10 @@ class EngineCore:
         self.config = config
         apply_cpu_threads(config.cpu_threads, config.cpu_bind)
         self.loaded = loaded if loaded is not None else load_model(config.model, config.torch_dtype)
+        device = config.resolved_device
+        if device.type != "cpu":
+            self.loaded.model.to(device)
+            self.loaded.model.use_compute_dtype()  # the storage dtype, off the CPU
         mcfg = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         shape_args = dict(
@@ -80,6 +85,12 @@ class EngineCore:
         )
         if config.num_kv_blocks is not None:
             shape = KVCacheShape(num_blocks=config.num_kv_blocks, **shape_args)
+        elif config.kv_cache_memory is None and device.type == "cuda":
+            reserve = activation_reserve(
+                config.max_num_batched_tokens, mcfg.hidden_size, mcfg.vocab_size
+            )
+            budget = gpu_kv_budget(device, config.gpu_memory_utilization, reserve)
+            shape = KVCacheShape.from_budget(budget, **shape_args)
         else:
             shape = KVCacheShape.from_budget(
                 config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, **shape_args
@@ -88,7 +99,7 @@ class EngineCore:
             num_host_blocks = config.num_swap_blocks
         else:
             num_host_blocks = int(config.swap_space * 2**30) // shape.bytes_per_block
-        self.kv_store = KVStore(shape, num_host_blocks=num_host_blocks)
+        self.kv_store = KVStore(shape, device=device, num_host_blocks=num_host_blocks)
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -112,6 +123,7 @@ class EngineCore:
             seed=config.seed,
             integrity=config.integrity,
             scrub_blocks_per_step=config.scrub_blocks_per_step,
+            attention_backend=config.resolved_attention_backend,
         )
         self.integrity = IntegrityMonitor(
             self.scheduler, self.runner.guard, config.integrity, config.audit_interval

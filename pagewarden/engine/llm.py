@@ -59,6 +59,9 @@ class LLM:
         safe_mode_clean_period: float = 30.0,
         flight_recorder_steps: int = 256,
         flight_recorder_dir: str = DEFAULT_FLIGHT_RECORDER_DIR,
+        device: str | None = None,
+        attention_backend: str | None = None,
+        gpu_memory_utilization: float = 0.9,
     ) -> None:
         self.config = EngineConfig(
             model=model,
@@ -92,6 +95,9 @@ class LLM:
             safe_mode_clean_period=safe_mode_clean_period,
             flight_recorder_steps=flight_recorder_steps,
             flight_recorder_dir=flight_recorder_dir,
+            device=device,
+            attention_backend=attention_backend,
+            gpu_memory_utilization=gpu_memory_utilization,
         )
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()

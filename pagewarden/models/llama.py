@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagewarden.models.paged_attention import AttentionMetadata, paged_attention, write_kv
+from pagewarden.models.paged_attention import AttentionMetadata, AttentionOps, TorchAttention
 
 
 @dataclass(frozen=True)
@@ -159,6 +159,7 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=c.o_proj_bias)
         self.scale = self.head_dim**-0.5
+        self.ops: AttentionOps = TorchAttention()  # the worker may pick another backend
 
     def forward(self, x, cos, sin, cache, meta: AttentionMetadata) -> torch.Tensor:
         """Attention output (T, n_heads * D), before o_proj (the layer adds the residual)."""
@@ -168,8 +169,8 @@ class LlamaAttention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.n_heads + self.n_kv, d)
         q, k = apply_rope(qk, cos, sin).split([self.n_heads, self.n_kv], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.n_kv, d)  # (T, n_kv, D)
-        write_kv(cache, k, v, meta)
-        out = paged_attention(q, cache, meta, self.scale, new_kv=(k, v))  # (T, n_heads, D)
+        self.ops.write_kv(cache, k, v, meta)
+        out = self.ops.attend(q, cache, meta, self.scale, new_kv=(k, v))  # (T, n_heads, D)
         return out.reshape(t, self.q_size)
 
 
@@ -237,6 +238,11 @@ class LlamaForCausalLM(nn.Module):
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         # The dtype the weights were loaded in; the KV cache uses it too.
         self.storage_dtype: torch.dtype | None = None
+
+    def set_attention_ops(self, ops: AttentionOps) -> None:
+        """Write and read the KV cache through ``ops`` in every layer."""
+        for layer in self.model.layers:
+            layer.self_attn.ops = ops
 
     def use_compute_dtype(self, dtype: torch.dtype | None = None) -> torch.dtype:
         """Compute in `dtype` (None: `compute_dtype_for` this machine); returns it.

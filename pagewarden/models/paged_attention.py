@@ -35,6 +35,7 @@ Gathering whole blocks of S sequences (K and V together, once per layer and batc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +79,26 @@ class ChunkedBatch:
 
 
 @dataclass
+class ReadChecks:
+    """Tensors of the checks an attention kernel runs on what it reads (fused backends).
+
+    Invariant: ``tag_faults[i, lb]`` is nonzero iff some layer read a slot of sequence
+    i's logical block lb whose tag differed from ``expected_tags[i, position]``;
+    ``read_sums[i, h, lb]`` is the sum over layers of kv head h's share of that block's
+    content checksum (complete for blocks inside the cached context).
+    """
+
+    expected_tags: torch.Tensor  # (S, kv_len) int64: tag of sequence i's position p
+    tag_faults: torch.Tensor  # (S, max_blocks) int32, written by the kernel
+    read_sums: torch.Tensor | None  # (S, n_kv, max_blocks) int64; None: no checksums
+
+    def block_sums(self) -> torch.Tensor:
+        """(S, max_blocks) int64: each read block's checksum (sum over kv heads, mod 2^64)."""
+        assert self.read_sums is not None
+        return self.read_sums.sum(dim=1)
+
+
+@dataclass
 class AttentionMetadata:
     """Everything one step's attention needs, built once and shared by all layers.
 
@@ -106,6 +127,12 @@ class AttentionMetadata:
     chunked: ChunkedBatch | None = None
     slot_tags: torch.Tensor | None = None  # (num_blocks * block_size,) int64, a view
     new_tags: torch.Tensor | None = None  # (T,) int64
+    # (3, S) int32: first flat token, query length, context length of each sequence;
+    # the query lengths also on the host (for kernels' launch grids).
+    seq_info: torch.Tensor | None = None
+    query_lens: list[int] = field(default_factory=list)
+    # Set by the guard when the backend checks its reads itself (AttentionOps.fused_reads).
+    read_checks: ReadChecks | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -154,6 +181,10 @@ class AttentionMetadata:
             decode=plan.decode(decode) if decode else None,
             fresh=[plan.fresh(seqs) for seqs in fresh.values()],
             chunked=plan.chunked(chunked) if chunked else None,
+            seq_info=torch.tensor(
+                [starts, query_lens, context_lens], dtype=torch.int32, device=device
+            ),
+            query_lens=list(query_lens),
         )
 
 
@@ -362,6 +393,47 @@ def paged_attention(
         assert index is not None
         out.index_copy_(0, index, part)
     return out
+
+
+class AttentionOps(Protocol):
+    """How a model layer writes and reads its cache; the worker picks the backend."""
+
+    #: True when ``attend`` runs ``meta.read_checks`` itself as it reads the cache.
+    fused_reads: bool
+
+    def write_kv(
+        self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> None: ...
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor: ...
+
+
+class TorchAttention:
+    """The plain-torch backend: ``write_kv`` and ``paged_attention`` of this module."""
+
+    fused_reads = False
+
+    def write_kv(
+        self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        write_kv(cache, k, v, meta)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        return paged_attention(q, cache, meta, scale, new_kv)
 
 
 def read_new_kv(

@@ -23,6 +23,13 @@ as the K/V (``meta.slot_mapping``) and read through the same index tensor as att
 tables, the runner's lists) takes part in a placement check. A kernel that reads and
 writes the cache only through the metadata's two indices is covered without change.
 
+Fused reads (``fused_reads``, the Triton backend): ``bind`` also hands the kernel each
+request's expected tags (``meta.read_checks``); the attention kernel compares every slot
+it reads through ``meta.block_index`` and, in ``strict``, sums each block's checksum as
+it reads it. ``after_write`` turns its per-block verdicts into the same ``KVFault``s
+(found by "read"), and ``check_reads`` leaves sealed context blocks to it instead of
+re-reading them before the forward pass (``worker/fused_checks.py``).
+
 What each level checks (each includes the one before):
 
 ========  ==================================================================================
@@ -68,6 +75,7 @@ import torch
 from pagewarden.kv.swap_space import BlockSwap
 from pagewarden.models.paged_attention import AttentionMetadata
 from pagewarden.sched.output import FailureKey, KVFault, ScheduledRequest, SchedulerOutput
+from pagewarden.worker.fused_checks import allocate_read_checks
 from pagewarden.worker.integrity import (
     ROOT_TAG,
     SlotTags,
@@ -119,6 +127,9 @@ class KVGuard:
         self.tags_on = _RANK[level] >= _RANK["audit"]
         self.sums_on = _RANK[level] >= _RANK["standard"]
         self.strict = level == "strict"
+        # True when the attention backend checks tags (and, strict, checksums) as it
+        # reads: bind() hands it the expected tags, after_write() reads its verdicts.
+        self.fused_reads = False
         self.counters = GuardCounters()
         device = caches[0].device
         self.tags = SlotTags(self.num_blocks, block_size, device)
@@ -278,10 +289,7 @@ class KVGuard:
         assert meta.num_seqs == len(reqs), "metadata rows are the step's requests, in order"
         bs = self.block_size
         lens = [r.positions.stop for r in reqs]
-        max_len = max(lens)
-        expected = torch.zeros(len(reqs), max_len, dtype=torch.int64)
-        for i, r in enumerate(reqs):
-            expected[i, : lens[i]] = self._chain_tensor(r, lens[i])
+        expected = self._expected_tags(reqs)
         tables = meta.block_index.view(meta.num_seqs, meta.max_blocks)  # (S, max_blocks)
         self.counters.tag_checks += sum(lens)
         bad = self.tags.verify(tables, lens, expected)
@@ -302,6 +310,63 @@ class KVGuard:
         )
         return [KVFault("slot_tag", tuple(sorted(blocks)), rollback, "read", detail)]
 
+    def _fused_tag_faults(
+        self, reqs: list[ScheduledRequest], meta: AttentionMetadata
+    ) -> list[KVFault]:
+        """The attention kernel's tag verdicts: a nonzero ``tag_faults[i, lb]`` means a
+        slot of sequence i's logical block lb, read through ``meta.block_index``, held
+        another token's tag."""
+        checks = meta.read_checks
+        assert checks is not None and meta.num_seqs == len(reqs)
+        self.counters.tag_checks += sum(r.positions.stop for r in reqs)
+        bad = checks.tag_faults.nonzero().cpu()  # (n, 2): sequence, logical block
+        if not bad.numel():
+            return []
+        bs = self.block_size
+        tables = meta.block_index.view(meta.num_seqs, meta.max_blocks).cpu()
+        rollback: dict[str, int] = {}
+        blocks: set[int] = set()
+        for i, lb in bad.tolist():
+            rid = reqs[i].req_id
+            rollback[rid] = min(rollback.get(rid, lb * bs), lb * bs)
+            blocks.add(int(tables[i, lb]))
+        i0, lb0 = bad[0].tolist()
+        detail = (
+            f"{bad.shape[0]} block read(s) found a slot holding another token's K/V; first: "
+            f"request {reqs[i0].req_id} positions {lb0 * bs}..{lb0 * bs + bs - 1} in block "
+            f"{int(tables[i0, lb0])} (checked by the attention kernel)"
+        )
+        return [KVFault("slot_tag", tuple(sorted(blocks)), rollback, "read", detail)]
+
+    def _fused_sum_faults(
+        self, reqs: list[ScheduledRequest], meta: AttentionMetadata
+    ) -> list[KVFault]:
+        """Strict: every sealed context block the kernel read must checksum to its seal
+        (``check_reads`` left these to the kernel)."""
+        checks = meta.read_checks
+        assert checks is not None
+        if checks.read_sums is None:
+            return []
+        bs, device = self.block_size, checks.read_sums.device
+        tables = meta.block_index.view(meta.num_seqs, meta.max_blocks)  # (S, max_blocks)
+        full = torch.tensor([r.positions.start // bs for r in reqs], device=device)  # (S,)
+        logical = torch.arange(meta.max_blocks, device=device)  # (max_blocks,)
+        # Full context blocks, sealed before this step and not verified on arrival.
+        verify = (logical < full.unsqueeze(1)) & (tables != 0) & self.sealed[tables]
+        if self._swapped_in:
+            arrived = torch.tensor(sorted(self._swapped_in), device=device)
+            verify &= ~torch.isin(tables, arrived)
+        wrong = verify & (checks.block_sums() != self.block_sums[tables])
+        n_verified, n_wrong = (int(x) for x in torch.stack([verify.sum(), wrong.sum()]).tolist())
+        self.counters.block_verifies += n_verified
+        if not n_wrong:
+            return []
+        bad = sorted(set(tables[wrong].tolist()))
+        detail = (
+            "context block content changed since it was sealed (checked by the attention kernel)"
+        )
+        return [KVFault("checksum", tuple(bad), {}, "read", detail)]
+
     def _check_contents(self, reqs: list[ScheduledRequest]) -> list[KVFault]:
         """Reuse verification (standard) or every read (strict) of context blocks."""
         bs = self.block_size
@@ -321,8 +386,11 @@ class KVGuard:
         full -= self._swapped_in  # verified on arrival in this very step
         if full:
             ids = torch.tensor(sorted(full), dtype=torch.int64)
-            sealed = self.sealed[ids]
+            sealed = self.sealed[ids].cpu()
             sealed_ids, unsealed_ids = ids[sealed], ids[~sealed]
+            if self.strict and self.fused_reads:
+                # The attention kernel checksums these as it reads them (_fused_sum_faults).
+                sealed_ids = sealed_ids[:0]
             bad = self._verify_sealed(sealed_ids)
             # A full block the guard never sealed (sealing failed or was skipped): check
             # its slots against their write-time sums instead.
@@ -459,6 +527,20 @@ class KVGuard:
             self.tags.tags[fresh_ids] = 0
         meta.slot_tags = self.tags.tags.view(-1)
         meta.new_tags = torch.cat(tags).to(self.tags.tags.device)  # (T,)
+        if self.fused_reads:
+            expected = self._expected_tags(list(out.requests))
+            n_kv = self.caches[0].shape[3]
+            meta.read_checks = allocate_read_checks(
+                expected.to(self.tags.tags.device), meta.max_blocks, n_kv, self.strict
+            )
+
+    def _expected_tags(self, reqs: list[ScheduledRequest]) -> torch.Tensor:
+        """(S, max stop) int64: the tag of each request's token chain at each position."""
+        lens = [r.positions.stop for r in reqs]
+        expected = torch.zeros(len(reqs), max(lens), dtype=torch.int64)
+        for i, r in enumerate(reqs):
+            expected[i, : lens[i]] = self._chain_tensor(r, lens[i])
+        return expected
 
     def after_write(
         self, out: SchedulerOutput, meta: AttentionMetadata, skip: set[str]
@@ -491,7 +573,11 @@ class KVGuard:
         # Tags of every request, faulted ones too: a bad tag in a block that a rollback
         # is about to drop would otherwise go unseen, and the block stays in the prefix
         # cache.
-        faults = self._check_tags(reqs, meta)
+        if meta.read_checks is not None:
+            faults = self._fused_tag_faults(reqs, meta)
+            faults += self._fused_sum_faults(reqs, meta)
+        else:
+            faults = self._check_tags(reqs, meta)
         faults += self._check_slot_mapping(reqs, meta)
         if self.sums_on:
             # From the bytes at the slots the model actually wrote.

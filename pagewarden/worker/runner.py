@@ -7,6 +7,7 @@ import torch
 from pagewarden.models.llama import LlamaForCausalLM
 from pagewarden.models.paged_attention import AttentionMetadata
 from pagewarden.sched.output import KVFault, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pagewarden.worker.fused_checks import element_keys, offset_keys
 from pagewarden.worker.kv_guard import KVGuard
 from pagewarden.worker.kv_store import KVStore
 from pagewarden.worker.sampler import Sampler, SamplingRow
@@ -29,6 +30,7 @@ class ModelRunner:
         seed: int = 0,
         integrity: str = "standard",
         scrub_blocks_per_step: int = 4,
+        attention_backend: str = "torch",
     ) -> None:
         self.model = model
         self.kv_store = kv_store
@@ -39,10 +41,25 @@ class ModelRunner:
             scrub_blocks_per_step,
             num_host_blocks=kv_store.num_host_blocks,
         )
+        self.device = kv_store.caches[0].device
+        if attention_backend == "triton":
+            self._use_triton()
         # Fault injection's hook into the step (``pagewarden.faults``); None in service.
         self.step_hooks: StepHooks | None = None
-        generator = torch.Generator().manual_seed(seed)
+        # Sampling runs where the logits are; only the sampled token ids come back.
+        generator = torch.Generator(device=self.device).manual_seed(seed)
         self.sampler = Sampler(vocab_size, generator)
+
+    def _use_triton(self) -> None:
+        """Attention and KV writes through the Triton kernels, which check their reads."""
+        from pagewarden.kernels.ops import TritonAttention  # imports triton: only if asked
+
+        caches = self.kv_store.caches
+        keys = None
+        if self.guard.sums_on:
+            keys = (element_keys(caches), offset_keys(self.kv_store.shape.block_size, self.device))
+        self.model.set_attention_ops(TritonAttention(caches, *(keys or (None, None))))
+        self.guard.fused_reads = self.guard.tags_on
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -91,8 +108,8 @@ class ModelRunner:
         if self.step_hooks is not None:
             self.step_hooks.on_attention_metadata(out, meta)
         hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long),  # (T,)
-            torch.tensor(positions, dtype=torch.long),  # (T,)
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),  # (T,)
+            torch.tensor(positions, dtype=torch.long, device=self.device),  # (T,)
             self.kv_store.caches,
             meta,
         )  # (T, hidden)

@@ -1,0 +1,1 @@
+"""Triton kernels for the paged KV cache (KV write, paged attention with fused checks)."""

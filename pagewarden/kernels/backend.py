@@ -1,0 +1,51 @@
+"""Which attention backend runs, and whether it can run here.
+
+``torch``: the plain-torch path of ``models/paged_attention.py`` (any device).
+``triton``: the kernels of this package. On CUDA they are compiled; on CPU they run only
+through Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is imported),
+which is for tests: it is orders of magnitude slower than the torch path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+ATTENTION_BACKENDS: tuple[str, ...] = ("torch", "triton")
+
+
+class AttentionBackendError(ValueError):
+    """The requested attention backend cannot run on this device; the message says why."""
+
+
+def default_backend(device_type: str) -> str:
+    """``triton`` on CUDA (where Triton is installed, as it is with torch's CUDA wheels),
+    ``torch`` elsewhere."""
+    has_triton = importlib.util.find_spec("triton") is not None
+    return "triton" if device_type == "cuda" and has_triton else "torch"
+
+
+def check_backend(name: str, device_type: str) -> None:
+    """Raise ``AttentionBackendError`` unless backend ``name`` can run on ``device_type``."""
+    if name not in ATTENTION_BACKENDS:
+        raise AttentionBackendError(
+            f"attention backend {name!r} is not one of {', '.join(ATTENTION_BACKENDS)}"
+        )
+    if name != "triton":
+        return
+    if importlib.util.find_spec("triton") is None:
+        raise AttentionBackendError(
+            "attention backend 'triton' needs the triton package: pip install 'triton==3.7.1' "
+            "(the version torch 2.13's CUDA wheel pins), or use --attention-backend torch"
+        )
+    if device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise AttentionBackendError(
+            "attention backend 'triton' on CPU runs only in Triton's interpreter: set "
+            "TRITON_INTERPRET=1 before starting (slow, for tests), or use --attention-backend "
+            "torch on CPU"
+        )
+    if device_type not in ("cpu", "cuda"):
+        raise AttentionBackendError(
+            f"attention backend 'triton' runs on cuda (or cpu under TRITON_INTERPRET=1), "
+            f"not {device_type}"
+        )

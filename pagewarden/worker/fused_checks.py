@@ -1,0 +1,56 @@
+"""Glue between ``KVGuard`` and an attention kernel that checks what it reads.
+
+With the Triton backend the attention kernel compares slot tags and (in ``strict``)
+accumulates block checksums as it reads K/V (``kernels/paged_attention.py``). This module
+builds the kernel's inputs from the guard's state and turns its per-block outputs back
+into the guard's terms:
+
+* ``element_keys``: the checksum keys of ``worker/integrity.py`` spread over elements
+  (each element takes the key of the 32-bit limb it sits in), one row per layer and K/V;
+* ``allocate_read_checks``: one step's expected tags (S, kv_len) and output tensors
+  (``models/paged_attention.ReadChecks``), shared by every layer's kernel call;
+* ``tag_fault_blocks`` / ``checksum_fault_blocks``: which (sequence, logical block) reads
+  failed, for the guard to turn into ``KVFault``s.
+
+The checksum a kernel accumulates is the same function as ``integrity.block_checksums``
+(linear mod 2^64, summed over kv heads and layers); ``tests/kernels`` checks it bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagewarden.models.paged_attention import ReadChecks
+from pagewarden.worker.integrity import _limb_keys, _offset_keys
+
+
+def element_keys(caches: list[torch.Tensor]) -> torch.Tensor:
+    """(num_layers, 2, n_kv * D) int64: the limb key of every element of a slot row."""
+    _, _, _, n_kv, head_dim = caches[0].shape
+    elem = caches[0].element_size()
+    assert elem in (2, 4), f"checksums read 16- or 32-bit elements, got {elem}-byte"
+    row = n_kv * head_dim
+    limbs = _limb_keys(len(caches), row * elem // 4, caches[0].device)  # (L, 2, limbs)
+    index = torch.arange(row, device=caches[0].device) * elem // 4  # limb of each element
+    return limbs[:, :, index].contiguous()
+
+
+def offset_keys(block_size: int, device: torch.device) -> torch.Tensor:
+    """(block_size,) int64: the key of each offset within a block."""
+    return _offset_keys(block_size, device)
+
+
+def allocate_read_checks(
+    expected_tags: torch.Tensor, max_blocks: int, num_kv_heads: int, checksums: bool
+) -> ReadChecks:
+    """Zeroed outputs for one step's fused checks; ``expected_tags`` is (S, kv_len) int64."""
+    s, device = expected_tags.shape[0], expected_tags.device
+    return ReadChecks(
+        expected_tags=expected_tags.contiguous(),
+        tag_faults=torch.zeros(s, max_blocks, dtype=torch.int32, device=device),
+        read_sums=(
+            torch.zeros(s, num_kv_heads, max_blocks, dtype=torch.int64, device=device)
+            if checksums
+            else None
+        ),
+    )
