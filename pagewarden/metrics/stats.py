@@ -79,6 +79,7 @@ class FrontendStats:
     e2e_request_latency: HistogramSnapshot
     request_queue_time: HistogramSnapshot
     engine_restarts: int = 0  # engine-core processes restarted by the supervisor
+    request_migrations: int = 0  # requests re-submitted after their replica died (serve/)
 
 
 class FrontendStatsRecorder:
@@ -111,7 +112,9 @@ class FrontendStatsRecorder:
             self._success[reason] = self._success.get(reason, 0) + 1
             self._e2e.observe(e2e)
 
-    def snapshot(self, engine_restarts: int = 0, gate_rejections: int = 0) -> FrontendStats:
+    def snapshot(
+        self, engine_restarts: int = 0, gate_rejections: int = 0, request_migrations: int = 0
+    ) -> FrontendStats:
         """``gate_rejections``: 429s the server's admission gate sent before parsing."""
         with self._lock:
             return FrontendStats(
@@ -122,4 +125,5 @@ class FrontendStatsRecorder:
                 e2e_request_latency=self._e2e.snapshot(),
                 request_queue_time=self._queue.snapshot(),
                 engine_restarts=engine_restarts,
+                request_migrations=request_migrations,
             )
