@@ -52,7 +52,7 @@ def _app_name() -> str:
 class PagewardenEngine(EngineReplica):
     """The Serve deployment class: an ``EngineReplica`` publishing to the app's board."""
 
-    def __init__(self, options: ServeOptions) -> None:
+    async def __init__(self, options: ServeOptions) -> None:
         ctx = serve.get_replica_context()
         board = board_for(ctx.app_name)
         engine = dict(options.engine)
@@ -63,6 +63,7 @@ class PagewardenEngine(EngineReplica):
             publish=board.publish.remote,
             digest_period_s=options.digest_period_s,
         )
+        self.start_publishing()  # the ingress sees this replica before its first request
 
     def __del__(self) -> None:
         self.shutdown()

@@ -47,7 +47,6 @@ class EngineReplica:
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[RequestOutput]:
         """Stream the request's cumulative outputs; a cancelled call aborts it."""
-        self._start_publishing()
         info = self.engine.info
         self.held.touch(
             prompt_hashes(call.prompt_token_ids, info.block_size, info.model_name, call.cache_salt)
@@ -87,13 +86,12 @@ class EngineReplica:
             time.time(),
         )
 
-    def record_routing_stats(self) -> dict:
+    async def record_routing_stats(self) -> dict:
         """Serve calls this every ``request_routing_stats_period_s``; the router reads it."""
-        self._start_publishing()
         return {"digest": self.digest()}
 
-    def _start_publishing(self) -> None:
-        """Publish the digest to the ingress every period (from the replica's loop)."""
+    def start_publishing(self) -> None:
+        """Publish the digest to the ingress every period; call from the replica's loop."""
         if self._publish is None or self._publisher is not None:
             return
 
