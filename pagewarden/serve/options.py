@@ -61,7 +61,9 @@ class ServeOptions:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(args) - names)
         if unknown:
-            raise ServeOptionsError(f"unknown pagewarden serve args {unknown}; known: {sorted(names)}")
+            raise ServeOptionsError(
+                f"unknown pagewarden serve args {unknown}; known: {sorted(names)}"
+            )
         values = dict(args)
         if "api_keys" in values:
             values["api_keys"] = tuple(values["api_keys"] or ())

@@ -28,14 +28,14 @@ from ray.serve.handle import DeploymentHandle
 
 from pagewarden.engine.async_engine import AdmissionRejected
 from pagewarden.engine.config import EngineConfig
-from pagewarden.server.admission import AdmissionController
-from pagewarden.server.api import build_app as build_http_app
-from pagewarden.server.context import ServerLimits
 from pagewarden.serve.board import board_for
 from pagewarden.serve.digest import ClusterView, ReplicaDigest
 from pagewarden.serve.options import ServeOptions
 from pagewarden.serve.remote_engine import RemoteEngine, RemoteErrors
 from pagewarden.serve.replica import EngineReplica
+from pagewarden.server.admission import AdmissionController
+from pagewarden.server.api import build_app as build_http_app
+from pagewarden.server.context import ServerLimits
 
 logger = logging.getLogger("pagewarden.serve")
 

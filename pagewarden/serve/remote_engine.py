@@ -271,10 +271,7 @@ class MigratingStream:
     def _should_migrate(self, exc: BaseException, attempt: int) -> bool:
         lost = isinstance(exc, EngineDeadError) or self.engine.errors.lost(exc)
         return (
-            lost
-            and not self.finished
-            and attempt < MAX_MIGRATIONS
-            and migratable(self.call.params)
+            lost and not self.finished and attempt < MAX_MIGRATIONS and migratable(self.call.params)
         )
 
     def _observe(

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from ray.serve.request_router import (
     FIFOMixin,
-    LocalityMixin,
     PendingRequest,
     ReplicaID,
     RequestRouter,
@@ -35,12 +34,11 @@ from pagewarden.serve.prefix_rank import rank_replicas
 DEFAULT_IMBALANCED_THRESHOLD = 8
 
 
-class PrefixAwareRouter(FIFOMixin, LocalityMixin, RequestRouter):
+class PrefixAwareRouter(FIFOMixin, RequestRouter):
     """Longest held prefix first; least loaded when loads are unbalanced."""
 
     def initialize_state(self, imbalanced_threshold: int = DEFAULT_IMBALANCED_THRESHOLD) -> None:
         self.imbalanced_threshold = imbalanced_threshold
-        self.prefix_routed = 0  # requests sent to a replica holding part of their prompt
 
     async def choose_replicas(
         self,
@@ -57,8 +55,13 @@ class PrefixAwareRouter(FIFOMixin, LocalityMixin, RequestRouter):
         chain = prompt_hashes(
             call.prompt_token_ids, known[0].block_size, known[0].model_id, call.cache_salt
         )
-        held = {r.replica_id: (d.hashes if (d := digests[r.replica_id]) else ()) for r in candidate_replicas}
-        ranks = rank_replicas(chain, held, self._loads(candidate_replicas), self.imbalanced_threshold)
+        held = {
+            r.replica_id: (d.hashes if (d := digests[r.replica_id]) else ())
+            for r in candidate_replicas
+        }
+        ranks = rank_replicas(
+            chain, held, self._loads(candidate_replicas), self.imbalanced_threshold
+        )
         by_id = {r.replica_id: r for r in candidate_replicas}
         return [[by_id[i] for i in rank] for rank in ranks]
 

@@ -26,9 +26,7 @@ from pagewarden.serve.options import ServeOptions  # noqa: E402
 
 MODEL = "tiny"
 PORT = 18231
-ENGINE = dict(
-    dtype="float32", num_kv_blocks=64, block_size=16, max_model_len=256, cpu_threads=1
-)
+ENGINE = dict(dtype="float32", num_kv_blocks=64, block_size=16, max_model_len=256, cpu_threads=1)
 # Four blocks of shared "system prompt", then a per-request question.
 SYSTEM = "Paged attention stores keys and values in blocks. " * 5
 
@@ -80,7 +78,10 @@ def _replicas(cluster: str) -> dict[str, dict]:
 
 def _complete(client, prompt: str, max_tokens: int) -> str:
     r = client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
         extra_body={"ignore_eos": True},
     )
     return r.choices[0].text
@@ -141,7 +142,11 @@ def test_stream_survives_the_death_of_its_replica(cluster, client, reference):
     holder = max(_replicas(cluster).items(), key=lambda kv: kv[1]["held_blocks"])[0]
     max_tokens = 120
     stream = client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
         extra_body={"ignore_eos": True},
     )
     pieces, killed = [], False
