@@ -56,7 +56,8 @@ class PagewardenEngine(EngineReplica):
         ctx = serve.get_replica_context()
         board = board_for(ctx.app_name)
         engine = dict(options.engine)
-        engine.setdefault("cpu_threads", max(1, int(options.num_cpus_per_replica)))
+        if engine.get("cpu_threads") is None:  # as many torch threads as CPUs reserved
+            engine["cpu_threads"] = max(1, int(options.num_cpus_per_replica))
         super().__init__(
             EngineConfig(**engine),
             ctx.replica_id.unique_id,
