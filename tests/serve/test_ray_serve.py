@@ -124,11 +124,20 @@ def _holder(cluster: str, before: dict[str, dict]) -> str:
     raise AssertionError("no replica served the request")
 
 
+def _learned(cluster: str, holder: str) -> None:
+    """Wait until the holder's digest shows blocks, then a period more for the router."""
+    deadline = time.monotonic() + 10
+    while _replicas(cluster).get(holder, {}).get("held_blocks", 0) == 0:
+        assert time.monotonic() < deadline, "the replica never reported its blocks"
+        time.sleep(0.1)
+    time.sleep(1.0)
+
+
 def test_router_sends_a_shared_prefix_to_its_holder(cluster, client):
     before = _replicas(cluster)
     _complete(client, SYSTEM + "First tenant question?", 2)
     holder = _holder(cluster, before)
-    time.sleep(1.0)  # a digest period or two: the router learns who holds the prefix
+    _learned(cluster, holder)
     for i in range(4):
         before = _replicas(cluster)
         _complete(client, SYSTEM + f"Follow-up question number {i}?", 2)
@@ -137,9 +146,10 @@ def test_router_sends_a_shared_prefix_to_its_holder(cluster, client):
 
 def test_stream_survives_the_death_of_its_replica(cluster, client, reference):
     prompt = SYSTEM + "Tell a long story."
-    _complete(client, prompt, 1)  # the prefix is now held by one replica ...
-    time.sleep(1.0)  # ... and the router knows which
-    holder = max(_replicas(cluster).items(), key=lambda kv: kv[1]["held_blocks"])[0]
+    before = _replicas(cluster)
+    _complete(client, prompt, 1)
+    holder = _holder(cluster, before)  # the stream below goes there (test above)
+    _learned(cluster, holder)
     max_tokens = 120
     stream = client.completions.create(
         model=MODEL,
@@ -159,6 +169,7 @@ def test_stream_survives_the_death_of_its_replica(cluster, client, reference):
     assert "".join(pieces) == reference(prompt, max_tokens)
     body = httpx.get(cluster + "/v1/replicas", timeout=10).json()
     assert body["request_migrations"] >= 1
+    assert holder not in {r["replica_id"] for r in body["data"]}
 
 
 def _kill_replica(replica_id: str) -> None:
