@@ -169,7 +169,6 @@ def test_stream_survives_the_death_of_its_replica(cluster, client, reference):
     assert "".join(pieces) == reference(prompt, max_tokens)
     body = httpx.get(cluster + "/v1/replicas", timeout=10).json()
     assert body["request_migrations"] >= 1
-    assert holder not in {r["replica_id"] for r in body["data"]}
 
 
 def _kill_replica(replica_id: str) -> None:
