@@ -194,8 +194,16 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
 
 def run_cli(options: ServeOptions, host: str, port: int, address: str | None) -> int:
     """``pagewarden serve --ray``: deploy on a Ray cluster (or a local one) and wait."""
+    import signal
+
     import ray
 
+    def stop(sig: int, _frame) -> None:
+        raise KeyboardInterrupt(signal.Signals(sig).name)
+
+    # Explicitly: a shell starts background jobs with SIGINT ignored.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
     ray.init(address=address, include_dashboard=False)
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(options), name="pagewarden", route_prefix="/")
@@ -204,7 +212,7 @@ def run_cli(options: ServeOptions, host: str, port: int, address: str | None) ->
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        pass
+        logger.info("pagewarden: stopping the Serve application")
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -217,6 +217,8 @@ class MigratingStream:
                     merged = [_extend(base, c) for c in out.outputs]
                     self._observe(arrival, last, merged[0] if merged else None)
                     last = merged[0] if merged else last
+                    if out.finished:  # counted now: the consumer stops at a finished output
+                        self._done(arrival, merged)
                     yield RequestOutput(
                         call.request_id,
                         call.prompt,
@@ -227,7 +229,6 @@ class MigratingStream:
                         metrics=out.metrics,
                     )
                     if out.finished:
-                        self._done(arrival, merged)
                         return
                 raise EngineDeadError("the replica ended the stream before the request finished")
             except asyncio.CancelledError:

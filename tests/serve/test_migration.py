@@ -109,6 +109,8 @@ def test_stream_continues_on_another_replica_without_gap_or_duplicate():
     assert outs[-1].outputs[0].text == Tok().decode(greedy(10))
     assert outs[-1].finished and outs[-1].prompt_token_ids == [5, 6, 7]
     assert eng.migrations == 2
+    stats = eng.stats()
+    assert (stats.request_success, stats.request_migrations) == ({"length": 1}, 2)
     second = reps.calls[1]
     assert second.prompt_token_ids == [5, 6, 7] + greedy(3)
     assert second.params.max_tokens == 7 and second.request_id == "r#m1"
