@@ -231,7 +231,9 @@ class MigratingStream:
                     if out.finished:
                         return
                 raise EngineDeadError("the replica ended the stream before the request finished")
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, GeneratorExit):
+                if last is None or last.finish_reason is None:  # aborted by the consumer
+                    self._done(arrival, None, "abort")
                 raise
             except BaseException as exc:
                 exc = eng.errors.cause(exc)
@@ -293,8 +295,10 @@ class MigratingStream:
             self.engine.frontend_stats.inter_token(now - self._last_token_at)
         self._last_token_at = now
 
-    def _done(self, arrival: float, outputs: list[CompletionOutput] | None) -> None:
-        reasons = [c.finish_reason or "abort" for c in outputs or []] or ["error"]
+    def _done(
+        self, arrival: float, outputs: list[CompletionOutput] | None, failed: str = "error"
+    ) -> None:
+        reasons = [c.finish_reason or "abort" for c in outputs or []] or [failed]
         reason = next((r for r in ("error", "abort") if r in reasons), reasons[0])
         self.engine.frontend_stats.finished(reason, time.monotonic() - arrival)
         if self.engine.observer is not None:
