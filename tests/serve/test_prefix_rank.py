@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-
 from pagewarden.serve.digest import ClusterView, HeldBlocks, ReplicaDigest, prompt_hashes, sum_stats
 from pagewarden.serve.prefix_rank import matched_blocks, rank_replicas
 
@@ -72,18 +68,3 @@ def test_cluster_view_sums_stats_and_restarts():
     assert (s.prompt_tokens, s.prefix_cache_hits, s.batch_limit_changes) == (4, 8, {"latency": 4})
     assert (s.integrity.level, s.integrity.tag_checks) == ("standard", 4)
     assert sum_stats([]) is None
-
-
-def test_the_example_serve_config_builds():
-    pytest.importorskip("ray", reason="Ray Serve is not installed: pip install 'pagewarden[ray]'")
-    import yaml
-
-    from pagewarden.serve.ray import ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT, app_builder
-
-    config = yaml.safe_load((Path(__file__).parents[2] / "examples/serve-config.yaml").read_text())
-    (app,) = config["applications"]
-    assert app["import_path"] == "pagewarden.serve.ray:app_builder"
-    assert app_builder(app["args"]) is not None
-    assert {d["name"] for d in app["deployments"]} == {ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT}
-    with pytest.raises(ValueError, match="unknown pagewarden serve args"):
-        app_builder({"replicas": 2})
