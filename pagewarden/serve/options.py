@@ -25,6 +25,8 @@ class ServeOptions:
     """Replicas, their resources, autoscaling, load shedding and routing."""
 
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
+    limits: dict[str, Any] = field(default_factory=dict)  # server.context.ServerLimits fields
+    engine_stall_timeout: float = 60.0  # seconds; as `pagewarden serve`'s flag
     served_model_name: str | None = None
     api_keys: tuple[str, ...] = ()
     num_replicas: int = 1
@@ -52,8 +54,14 @@ class ServeOptions:
                     f"need 0 <= min_replicas <= max_replicas and max_replicas >= 1, "
                     f"got {self.min_replicas}, {self.max_replicas}"
                 )
-        if self.digest_period_s <= 0 or self.imbalanced_threshold < 0:
-            raise ServeOptionsError("digest_period_s must be > 0, imbalanced_threshold >= 0")
+        if (
+            self.digest_period_s <= 0
+            or self.imbalanced_threshold < 0
+            or (self.engine_stall_timeout <= 0)
+        ):
+            raise ServeOptionsError(
+                "digest_period_s and engine_stall_timeout must be > 0, imbalanced_threshold >= 0"
+            )
 
     @classmethod
     def from_dict(cls, args: dict[str, Any]) -> ServeOptions:
@@ -90,6 +98,12 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace, engine: dict[str, Any]) -> ServeOptions:
     return ServeOptions(
         engine=engine,
+        limits=dict(
+            max_n=args.max_n,
+            max_logprobs=args.max_logprobs,
+            max_prompts_per_request=args.max_prompts_per_request,
+        ),
+        engine_stall_timeout=args.engine_stall_timeout,
         served_model_name=args.served_model_name,
         api_keys=tuple(args.api_key or ()),
         num_replicas=args.replicas,

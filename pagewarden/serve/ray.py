@@ -63,6 +63,7 @@ class PagewardenEngine(EngineReplica):
             ctx.replica_id.unique_id,
             publish=board.publish.remote,
             digest_period_s=options.digest_period_s,
+            stall_timeout_s=options.engine_stall_timeout,
         )
         self.start_publishing()  # the ingress sees this replica before its first request
 
@@ -117,7 +118,7 @@ class PagewardenIngress:
             self.remote,
             self.model,
             list(self.options.api_keys),
-            limits=ServerLimits(),
+            limits=ServerLimits(**self.options.limits),
             admission=admission,
         )
         gate.app.add_api_route("/v1/replicas", self._replicas, methods=["GET"])
