@@ -13,8 +13,10 @@ plus every token already streamed, asking only for the tokens still owed::
     attempt 1:  prompt t0 t1 t2      -> t3 t4 ...  (max_tokens - 3)
     client:     t0 t1 t2 t3 t4 ...                 (no duplicate, no gap)
 
-A greedy request continues exactly as it would have without the failure (KV is a pure
-function of the tokens). An unseeded sampled request continues as a valid sample; a
+A greedy request continues with exactly the tokens it would have had without the
+failure (KV is a pure function of the tokens); its text too, unless the replica died
+while holding back the first bytes of a multi-byte character split over tokens (the next
+replica sees them as prompt, so that character can be missing from the text). An unseeded sampled request continues as a valid sample; a
 seeded one too, but not with the tokens the seed would have given. Requests with
 ``n > 1``, presence/frequency penalties or stop strings are not migrated (their
 continuation depends on state the new replica cannot rebuild from the tokens): they
@@ -242,7 +244,7 @@ class MigratingStream:
                     raise self._client_error(exc) from None
                 attempt += 1
                 eng.migrations += 1
-                base = None if last is None else self._settled(last)
+                base = last
                 n = 0 if base is None else len(base.token_ids)
                 logger.warning(
                     "request %s: replica lost after %d tokens; migrating (attempt %d): %s",
@@ -251,16 +253,6 @@ class MigratingStream:
                     attempt,
                     type(exc).__name__,
                 )
-
-    def _settled(self, last: CompletionOutput) -> CompletionOutput:
-        """``last`` with the text of all its tokens: a replica holds back the bytes of an
-        unfinished UTF-8 character, which the next replica would see only as prompt."""
-        full = self.engine.tokenizer.decode(
-            last.token_ids, skip_special_tokens=self.call.params.skip_special_tokens
-        )
-        if full.startswith(last.text) and not full.endswith("\ufffd"):
-            return dataclasses.replace(last, text=full)
-        return last
 
     def _client_error(self, exc: BaseException) -> BaseException:
         """What the routes should see: their own exception types where one fits."""
