@@ -20,6 +20,7 @@ import logging
 import time
 from typing import Any
 
+from fastapi import Request
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
@@ -121,10 +122,16 @@ class PagewardenIngress:
             limits=ServerLimits(**self.options.limits),
             admission=admission,
         )
-        gate.app.add_api_route("/v1/replicas", self._replicas, methods=["GET"])
+        ctx = gate.app.state.server
+
+        async def replicas(request: Request) -> dict:
+            ctx.authorize(request)  # as every /v1 route: 401 without a key when keys are set
+            return self._replicas()
+
+        gate.app.add_api_route("/v1/replicas", replicas, methods=["GET"])
         return gate
 
-    async def _replicas(self) -> dict:
+    def _replicas(self) -> dict:
         """Per-replica view (a pagewarden extension): liveness, load, held blocks, stats."""
         now = time.time()
         return {
