@@ -51,8 +51,9 @@ def workload(
     return reqs
 
 
-def replicas(url: str) -> list[dict]:
-    return httpx.get(url + "/v1/replicas", timeout=30).json()["data"]
+def replicas(url: str, key: str) -> list[dict]:
+    auth = {"Authorization": f"Bearer {key}"}
+    return httpx.get(url + "/v1/replicas", headers=auth, timeout=30).json()["data"]
 
 
 def run_workload(url: str, model: str, reqs, concurrency: int, max_tokens: int) -> dict:
@@ -68,13 +69,13 @@ def run_workload(url: str, model: str, reqs, concurrency: int, max_tokens: int) 
             raise RuntimeError(f"HTTP {r.status_code}: {r.text}")
         return r.json()["usage"]["prompt_tokens"]
 
-    before = {r["replica_id"]: r for r in replicas(url)}
+    before = {r["replica_id"]: r for r in replicas(url, reqs[0][0])}
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
         prompt_tokens = sum(pool.map(one, reqs))
     wall = time.perf_counter() - t0
     time.sleep(1.5)  # let every replica's digest catch up
-    after = {r["replica_id"]: r for r in replicas(url)}
+    after = {r["replica_id"]: r for r in replicas(url, reqs[0][0])}
 
     def delta(field: str) -> dict[str, int]:
         return {k: v[field] - before.get(k, {}).get(field, 0) for k, v in after.items()}
