@@ -97,6 +97,12 @@ class PagewardenCollector:
             f.engine_restarts,
             m,
         )
+        yield _counter(
+            "request_migrations",
+            "Requests re-submitted to another Ray Serve replica after theirs died.",
+            f.request_migrations,
+            m,
+        )
         success = CounterMetricFamily(
             P + "request_success",
             "Finished requests by reason.",

@@ -90,6 +90,7 @@ class FrontendStats:
     request_generation_tokens: HistogramSnapshot = field(
         default_factory=lambda: Histogram(TOKEN_BUCKETS).snapshot()
     )
+    request_migrations: int = 0  # requests re-submitted after their replica died (serve/)
 
 
 class FrontendStatsRecorder:
@@ -135,7 +136,9 @@ class FrontendStatsRecorder:
             if generation_tokens is not None:
                 self._generation_tokens.observe(generation_tokens)
 
-    def snapshot(self, engine_restarts: int = 0, gate_rejections: int = 0) -> FrontendStats:
+    def snapshot(
+        self, engine_restarts: int = 0, gate_rejections: int = 0, request_migrations: int = 0
+    ) -> FrontendStats:
         """``gate_rejections``: 429s the server's admission gate sent before parsing."""
         with self._lock:
             return FrontendStats(
@@ -148,4 +151,5 @@ class FrontendStatsRecorder:
                 engine_restarts=engine_restarts,
                 request_prompt_tokens=self._prompt_tokens.snapshot(),
                 request_generation_tokens=self._generation_tokens.snapshot(),
+                request_migrations=request_migrations,
             )

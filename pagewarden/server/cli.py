@@ -15,6 +15,7 @@ logger = logging.getLogger("pagewarden.server")
 
 def add_serve_parser(subparsers) -> None:
     from pagewarden.engine.args import DefaultsHelpFormatter, add_engine_args
+    from pagewarden.serve.options import add_ray_args
 
     p = subparsers.add_parser(
         "serve", help="serve the OpenAI-compatible HTTP API", formatter_class=DefaultsHelpFormatter
@@ -41,6 +42,7 @@ def add_serve_parser(subparsers) -> None:
     )
     _add_limit_args(p)
     add_engine_args(p)
+    add_ray_args(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -162,6 +164,21 @@ def _build_app(args: argparse.Namespace, engine, name: str):
     )
 
 
+def _serve_on_ray(args: argparse.Namespace) -> int:
+    """Replicas on Ray Serve (pagewarden/serve/ray.py); needs ``pagewarden[ray]``."""
+    from dataclasses import asdict
+
+    from pagewarden.engine.args import engine_config
+    from pagewarden.serve.options import options_from_args
+
+    try:
+        from pagewarden.serve.ray import run_cli
+    except ImportError as exc:
+        raise SystemExit(f"--ray needs Ray Serve: pip install 'pagewarden[ray]' ({exc})") from None
+    options = options_from_args(args, asdict(engine_config(args)))
+    return run_cli(options, args.host, args.port, args.ray_address)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -172,6 +189,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _check_limits(args)
+    if args.ray:
+        return _serve_on_ray(args)
     engine = AsyncEngine(
         engine_config(args),
         max_waiting_requests=args.max_waiting_requests,
