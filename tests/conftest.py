@@ -3,10 +3,26 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Kernel tests (tests/kernels) run through Triton's interpreter on CPU tensors.
+# TRITON_INTERPRET is read when a kernel is decorated, so it is set here, before any test
+# module imports pagewarden.kernels; on a machine with a GPU (bench/gpu_check.sh)
+# PAGEWARDEN_KERNEL_DEVICE=cuda runs the same tests compiled, on the device.
+KERNEL_DEVICE = os.environ.get("PAGEWARDEN_KERNEL_DEVICE", "cpu")
+if KERNEL_DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def device() -> str:
+    """The device kernel tests run on (cpu: Triton's interpreter)."""
+    return KERNEL_DEVICE
+
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
