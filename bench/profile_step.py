@@ -83,11 +83,14 @@ class PhaseClock:
 
 def instrument(engine: EngineCore, clock: PhaseClock) -> None:
     """Wrap the engine's phase functions with `clock` (in place, for this process only)."""
-    llama.paged_attention = clock.wrap("attention", llama.paged_attention)
-    llama.write_kv = clock.wrap("kv write", llama.write_kv)
     if hasattr(llama, "linear_residual"):  # o_proj and down_proj with the residual add
         llama.linear_residual = clock.wrap("GEMMs", llama.linear_residual)
     model = engine.loaded.model
+    # The attention backend's ops (torch or triton), wrapped once per distinct object.
+    ops = {id(m.ops): m.ops for m in model.modules() if isinstance(m, llama.LlamaAttention)}
+    for op in ops.values():
+        op.attend = clock.wrap("attention", op.attend)
+        op.write_kv = clock.wrap("kv write", op.write_kv)
     for module in model.model.modules():
         if isinstance(module, torch.nn.Linear):
             module.forward = clock.wrap("GEMMs", module.forward)

@@ -81,18 +81,52 @@ class ServeOptions:
 def add_ray_args(p: argparse.ArgumentParser) -> None:
     """``pagewarden serve --ray``: the flags that become Ray Serve's options."""
     g = p.add_argument_group("scale-out on Ray Serve (pip install pagewarden[ray])")
-    g.add_argument("--ray", action="store_true", help="serve through Ray Serve replicas")
+    g.add_argument(
+        "--ray", action="store_true", help="serve through Ray Serve replicas (default off)"
+    )
     g.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: local)")
     g.add_argument("--replicas", type=int, default=1, help="engine replicas (fixed count)")
-    g.add_argument("--min-replicas", type=int, default=None)
-    g.add_argument("--max-replicas", type=int, default=None, help="set to autoscale")
-    g.add_argument("--target-ongoing-requests", type=float, default=16.0)
-    g.add_argument("--max-ongoing-requests", type=int, default=64)
-    g.add_argument("--max-queued-requests", type=int, default=-1)
-    g.add_argument("--num-cpus-per-replica", type=float, default=1.0)
-    g.add_argument("--num-gpus-per-replica", type=float, default=0.0)
-    g.add_argument("--router", choices=ROUTERS, default="prefix")
-    g.add_argument("--imbalanced-threshold", type=int, default=8)
+    g.add_argument(
+        "--min-replicas",
+        type=int,
+        default=None,
+        help="autoscaling floor (default: 1 when autoscaling)",
+    )
+    g.add_argument(
+        "--max-replicas", type=int, default=None, help="set to autoscale (default: no autoscaling)"
+    )
+    g.add_argument(
+        "--target-ongoing-requests",
+        type=float,
+        default=16.0,
+        help="autoscaling target of requests in flight per replica",
+    )
+    g.add_argument(
+        "--max-ongoing-requests",
+        type=int,
+        default=64,
+        help="requests in flight per replica before Ray Serve queues",
+    )
+    g.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=-1,
+        help="requests Ray Serve queues before it answers 429 (-1: no limit)",
+    )
+    g.add_argument("--num-cpus-per-replica", type=float, default=1.0, help="CPUs per replica")
+    g.add_argument("--num-gpus-per-replica", type=float, default=0.0, help="GPUs per replica")
+    g.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default="prefix",
+        help="prefix: prefix-aware on the engine's block hashes; pow2: Ray's default",
+    )
+    g.add_argument(
+        "--imbalanced-threshold",
+        type=int,
+        default=8,
+        help="in-flight difference past which the prefix router takes the least-loaded replica",
+    )
 
 
 def options_from_args(args: argparse.Namespace, engine: dict[str, Any]) -> ServeOptions:

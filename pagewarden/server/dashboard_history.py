@@ -75,7 +75,7 @@ def profile_name(stats) -> str:
     profile = getattr(stats, "profile", None)
     if profile is None:
         return "normal"
-    return str(getattr(profile, "name", profile))
+    return str(getattr(profile, "active", profile))
 
 
 def _checks(stats) -> tuple[int, int]:
