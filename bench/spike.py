@@ -271,8 +271,9 @@ def main() -> None:
     ap.add_argument("--probes", type=int, default=3, help="patient probe clients")
     ap.add_argument("--baseline-probes", type=int, default=5)
     ap.add_argument("--model", default=None, help="passed to pagewarden serve")
+    ap.add_argument("--serve-args", default="", help="more flags for pagewarden serve, one string")
     args = ap.parse_args()
-    extra = ["--model", args.model] if args.model else []
+    extra = (["--model", args.model] if args.model else []) + args.serve_args.split()
     print(f"uptime: {os.popen('uptime').read().strip()}")
     proc, url = start_server(extra)
     try:
