@@ -34,6 +34,7 @@ from typing import Any
 from pagewarden.sampling_params import SamplingParams
 from pagewarden.sched.output import KVFault, SchedulerOutput
 from pagewarden.sched.recovery import RecoveryReport
+from pagewarden.sched.request import Request
 
 #: The first line of a flight record names its format and version; a reader refuses
 #: other versions (bump on any change to a line's meaning, see docs/flight-recorder.md).
@@ -48,15 +49,7 @@ def encode(op: tuple) -> dict[str, Any]:
     """One journal tuple as a JSON-ready dict."""
     kind = op[0]
     if kind == "add":
-        req = op[1]
-        return {
-            "op": "add",
-            "req_id": req.req_id,
-            "prompt_token_ids": req.prompt_token_ids,
-            "sampling_params": encode_params(req.sampling_params),
-            "eos_token_ids": sorted(req.eos_token_ids),
-            "cache_salt": req.cache_salt,
-        }
+        return {"op": "add", **encode_arrival(op[1])}
     if kind == "finish":
         _, req_ids, status, reason, stop_reason = op
         return {
@@ -158,6 +151,28 @@ def encode_params(params: SamplingParams) -> dict[str, Any]:
 
 def decode_params(d: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**d)
+
+
+def encode_arrival(req: Request) -> dict[str, Any]:
+    """What ``add_request`` was given: the fields a new ``Request`` is built from."""
+    return {
+        "req_id": req.req_id,
+        "prompt_token_ids": list(req.prompt_token_ids),
+        "sampling_params": encode_params(req.sampling_params),
+        "eos_token_ids": sorted(req.eos_token_ids),
+        "cache_salt": req.cache_salt,
+    }
+
+
+def decode_arrival(d: dict[str, Any]) -> Request:
+    """A new ``Request`` from ``encode_arrival``'s fields (other keys are ignored)."""
+    return Request(
+        d["req_id"],
+        d["prompt_token_ids"],
+        decode_params(d["sampling_params"]),
+        eos_token_ids=frozenset(d["eos_token_ids"]),
+        cache_salt=d["cache_salt"],
+    )
 
 
 def encode_fault(f: KVFault) -> dict[str, Any]:

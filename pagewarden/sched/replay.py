@@ -35,14 +35,14 @@ from pagewarden.sched import snapshot
 from pagewarden.sched.journal import (
     RECORD_FORMAT,
     RECORD_VERSION,
+    decode_arrival,
     decode_fault,
-    decode_params,
     encode,
     encode_report,
     schedule_entry,
 )
 from pagewarden.sched.output import ModelRunnerOutput, SchedulerOutput
-from pagewarden.sched.request import Request, RequestStatus
+from pagewarden.sched.request import RequestStatus
 from pagewarden.sched.scheduler import Scheduler
 
 #: An ``external`` journal entry's function: (scheduler, *args).
@@ -149,14 +149,7 @@ class _Player:
 
     # One method per journal entry kind; each returns (field, expected, got) or None.
     def _add(self, op: dict[str, Any]) -> None:
-        request = Request(
-            op["req_id"],
-            op["prompt_token_ids"],
-            decode_params(op["sampling_params"]),
-            eos_token_ids=frozenset(op["eos_token_ids"]),
-            cache_salt=op["cache_salt"],
-        )
-        self.sched.add_request(request)
+        self.sched.add_request(decode_arrival(op))
 
     def _finish(self, op: dict[str, Any]) -> None:
         self.sched.finish_requests_as(

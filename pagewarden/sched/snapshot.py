@@ -19,7 +19,7 @@ from pagewarden.kv.block import BlockHash, BlockId, BlockRef, BlockState
 from pagewarden.kv.kv_manager import KVCacheManager, RequestBlocks
 from pagewarden.kv.swap_space import BlockSwap, SwappedTable
 from pagewarden.sched.config import SchedulerConfig
-from pagewarden.sched.journal import decode_params, encode_params
+from pagewarden.sched.journal import decode_arrival, encode_arrival
 from pagewarden.sched.request import Request, RequestStatus
 from pagewarden.sched.scheduler import Scheduler
 
@@ -85,12 +85,8 @@ def restore(state: dict[str, Any]) -> Scheduler:
 
 def _capture_request(r: Request) -> dict[str, Any]:
     return {
-        "req_id": r.req_id,
-        "prompt_token_ids": list(r.prompt_token_ids),
+        **encode_arrival(r),
         "output_token_ids": list(r.output_token_ids),
-        "sampling_params": encode_params(r.sampling_params),
-        "eos_token_ids": sorted(r.eos_token_ids),
-        "cache_salt": r.cache_salt,
         "num_computed_tokens": r.num_computed_tokens,
         "status": r.status.value,
         "finish_reason": r.finish_reason,
@@ -107,13 +103,7 @@ def _capture_request(r: Request) -> dict[str, Any]:
 
 
 def _restore_request(d: dict[str, Any]) -> Request:
-    req = Request(
-        d["req_id"],
-        d["prompt_token_ids"],
-        decode_params(d["sampling_params"]),
-        eos_token_ids=frozenset(d["eos_token_ids"]),
-        cache_salt=d["cache_salt"],
-    )
+    req = decode_arrival(d)
     for token in d["output_token_ids"]:
         req.append_output_token(token)
     req.num_computed_tokens = d["num_computed_tokens"]
