@@ -264,8 +264,16 @@ class EngineCore:
                     aborted.append(out)
                 continue
             self.prompt_tokens += len(request.prompt_token_ids)
+        if aborts:
+            fixed = self.scheduler.kv.refcounts_fixed_at_free
+            self.scheduler.abort_requests(aborts)
+            if self.scheduler.kv.refcounts_fixed_at_free != fixed:
+                logger.warning(
+                    "integrity: ref counts disagreed with the block tables after aborting "
+                    "%s (a table altered since the last check); set from the tables",
+                    aborts,
+                )
         for request_id in aborts:
-            self.scheduler.abort_requests([request_id])
             out = self.outputs.abort(request_id)
             if out is not None:
                 aborted.append(out)

@@ -68,7 +68,9 @@ def integrity_counts(monitor: Any) -> tuple[int, ...]:
         + sum(monitor.failures.values())
         + pool.ownership_violations
         + kv.stale_refs_dropped
+        + kv.refcounts_fixed_at_free
         + pool.held_blocks_skipped
+        + pool.held_blocks_found_at_free
     )
     return (
         detections,

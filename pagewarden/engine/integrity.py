@@ -285,6 +285,12 @@ class IntegrityMonitor:
             failures[FailureKey("free_list", "allocate")] = (
                 self.scheduler.kv.pool.held_blocks_skipped
             )
+        if self.scheduler.kv.pool.held_blocks_found_at_free:
+            failures[FailureKey("free_list", "free")] = (
+                self.scheduler.kv.pool.held_blocks_found_at_free
+            )
+        if self.scheduler.kv.refcounts_fixed_at_free:
+            failures[FailureKey("refcount", "free")] = self.scheduler.kv.refcounts_fixed_at_free
         if self.scheduler.kv.stale_refs_dropped:
             failures[FailureKey("stale_ref", "free")] = self.scheduler.kv.stale_refs_dropped
         return IntegrityStats(

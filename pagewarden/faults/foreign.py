@@ -93,6 +93,7 @@ def foreign_calls(scheduler) -> list[ForeignCall]:
         ("KVCacheManager", "swap_in", lambda: kv.swap_in(swapped)),
         ("KVCacheManager", "truncate", lambda: kv.truncate(rid, 0)),
         ("KVCacheManager", "reconcile", kv.reconcile),
+        ("KVCacheManager", "reconcile_after_free", kv.reconcile_after_free),
         ("BlockPool", "claim_ownership", pool.claim_ownership),
         ("BlockPool", "get_new_blocks", lambda: pool.get_new_blocks(1)),
         ("BlockPool", "touch", lambda: pool.touch([block])),

@@ -154,6 +154,10 @@ class FaultInjector(StepHooks):
         self._written: set[int] = set()
         self._original: dict[str, ScheduledRequest] = {}
         self._view: dict[str, ScheduledRequest] = {}  # the worker's view of this step
+        # Requests whose first new token a slot redirect (of either kind) moved this
+        # step: a second redirect of that token would overwrite the first, which then
+        # altered nothing.
+        self._slot_redirected: set[str] = set()
         self._stale: dict[int, tuple[str, int, int]] = {}  # fault -> (rid, block, epoch)
         self._in_host: dict[int, int] = {}  # swap fault -> host block, until swapped in
         self._foreign_next = 0  # round robin over the foreign mutators
@@ -248,6 +252,7 @@ class FaultInjector(StepHooks):
         by_id = {r.req_id: r for r in out.requests}
         by_id.update((rid, sr) for rid, sr in self._view.items() if rid in by_id)
         self._view = {}
+        self._slot_redirected.clear()
         for u in updates:
             sr = by_id.get(u.req_id)
             if sr is not None and self._reads_corrupt(sr):
@@ -525,6 +530,7 @@ class FaultInjector(StepHooks):
         old = slots[0]
         slots[0] = target * bs + pos % bs
         requests[k] = dataclasses.replace(sr, slot_mapping=slots)
+        self._slot_redirected.add(sr.req_id)
         fault.blocks, fault.req_ids = {old // bs, target}, (sr.req_id,)
         fault.detail = (
             f"{sr.req_id} position {sr.positions.start}: slot {old} -> "
@@ -612,6 +618,8 @@ class FaultInjector(StepHooks):
         """Point one entry of the forward call's ``slot_mapping`` (nothing else) at a
         written slot of another running request."""
         sr = reqs[k]
+        if sr.req_id in self._slot_redirected:
+            return False
         picked = self._written_slot_elsewhere(sr)
         if picked is None:
             return False
@@ -622,6 +630,7 @@ class FaultInjector(StepHooks):
         old = int(slot_mapping[t])
         slot_mapping[t] = target * bs + pos % bs
         meta.slot_mapping = slot_mapping
+        self._slot_redirected.add(sr.req_id)
         fault.blocks, fault.req_ids = {old // bs, target}, (sr.req_id,)
         fault.detail = (
             f"{sr.req_id} position {sr.positions.start}: slot_mapping {old} -> "

@@ -65,6 +65,7 @@ class BlockPool:
         "failure_counts",
         "retired",
         "held_blocks_skipped",
+        "held_blocks_found_at_free",
         "cache_events",
         "trace",
     )
@@ -92,6 +93,9 @@ class BlockPool:
         self.retired: set[BlockId] = set()
         # Held blocks found on the free queue at allocation and kept out of it.
         self.held_blocks_skipped = 0
+        # Blocks found already linked in the free queue when their last reference was
+        # dropped (pushed there while held, by a bug): unlinked, then freed once.
+        self.held_blocks_found_at_free = 0
         # Hash-index changes since the last take_cache_events(); None: not recording.
         self.cache_events: list[CacheEvent] | None = None
         # Set by the flight recorder: every block handed out or freed is listed there.
@@ -238,6 +242,9 @@ class BlockPool:
                     continue
                 block.epoch += 1
                 num_frees += 1
+                if block.prev_free is not None:  # queued while still held: unlink first
+                    queue.remove(block)
+                    self.held_blocks_found_at_free += 1
                 if trace is not None:
                     trace.freed.append(bid)
                 if block.state is _QUARANTINED:

@@ -78,6 +78,9 @@ class KVCacheManager:
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens served from cache
         self.stale_refs_dropped = 0  # stale refs found (and skipped) when freeing a table
+        # Blocks whose ref count disagreed with the tables after an abort (see
+        # ``reconcile_after_free``), set right.
+        self.refcounts_fixed_at_free = 0
 
     # ----------------------------------------------------------------- queries
     @property
@@ -428,6 +431,23 @@ class KVCacheManager:
         holders of inconsistent blocks were rolled back."""
         self.pool.check_owner()
         return self.pool.reconcile(self.held_counts())
+
+    def reconcile_after_free(self) -> list[int]:
+        """Set ref counts right if freeing tables out of step (an abort) left them wrong.
+
+        An abort can land between a metadata fault and the next step's table check: a
+        table entry rewritten to another request's block then frees that block instead
+        of its own (one leaked, one under-counted), a held block pushed on the free queue
+        is queued twice. A step would catch these by slot tag or table check; a table
+        freed before any step reads it is checked here instead, against the references
+        the remaining tables hold (one pass over them). Returns the blocks fixed.
+        """
+        self.pool.check_owner()
+        if not self.refcount_mismatches():
+            return []
+        changed = self.reconcile()
+        self.refcounts_fixed_at_free += len(changed)
+        return changed
 
     def holders(self, block_ids: set[int]) -> dict[str, int]:
         """Each request whose table lists one of ``block_ids`` -> index of the first one."""

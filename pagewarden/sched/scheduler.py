@@ -186,6 +186,7 @@ class Scheduler:
         if self.journal is not None:
             self.journal.append(("finish", req_ids, status, reason, stop_reason))
         self._finish_unjournaled(req_ids, status, reason, stop_reason)
+        self.kv.reconcile_after_free()  # counted; the engine logs it
 
     def _finish_unjournaled(
         self,

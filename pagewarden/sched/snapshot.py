@@ -29,8 +29,14 @@ _POOL_COUNTERS = (
     "num_evictions",
     "ownership_violations",
     "held_blocks_skipped",
+    "held_blocks_found_at_free",
 )
-_KV_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "stale_refs_dropped")
+_KV_COUNTERS = (
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "stale_refs_dropped",
+    "refcounts_fixed_at_free",
+)
 
 
 def capture(sched: Scheduler) -> dict[str, Any]:

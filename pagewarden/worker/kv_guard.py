@@ -497,6 +497,37 @@ class KVGuard:
         self.forget({rid for f in result for rid in f.rollback})
         return result
 
+    def attach_index_readers(
+        self, faults: list[KVFault], out: SchedulerOutput, meta: AttentionMetadata
+    ) -> list[KVFault]:
+        """Add to each fault's rollback every request whose row of ``meta.block_index``
+        (what attention actually read, after the forward pass) names a failed block.
+
+        The faults found before the forward pass named their readers by block table; a
+        request that read a failed block through an index that disagreed with its table
+        (a redirect the tag check cannot see, since the redirected slots held the same
+        tokens) read it all the same.
+        """
+        if not faults or out.is_empty:
+            return faults
+        bs = self.block_size
+        tables = meta.block_index.view(meta.num_seqs, meta.max_blocks).tolist()
+        result = []
+        for f in faults:
+            bad = set(f.block_ids) - {0}
+            rollback = dict(f.rollback)
+            for r, row in zip(out.requests, tables):
+                n_read = (r.positions.stop + bs - 1) // bs
+                for i, b in enumerate(row[:n_read]):
+                    if b in bad:
+                        rollback[r.req_id] = min(rollback.get(r.req_id, i * bs), i * bs)
+                        break
+            if rollback != f.rollback:
+                f = KVFault(f.kind, f.block_ids, rollback, f.found_by, f.detail)
+                self.forget(rollback)
+            result.append(f)
+        return result
+
     def _count(self, fault: KVFault) -> None:
         key = FailureKey(fault.kind, fault.found_by)
         self.counters.failures[key] = self.counters.failures.get(key, 0) + 1

@@ -114,6 +114,7 @@ class ModelRunner:
             meta,
         )  # (T, hidden)
         if guard.tags_on:
+            faults = guard.attach_index_readers(faults, out, meta)
             faulted = _faulted(faults)
             faults = faults + guard.after_write(out, meta, faulted)
             if faults:
