@@ -83,17 +83,17 @@ class PhaseClock:
 
 def instrument(engine: EngineCore, clock: PhaseClock) -> None:
     """Wrap the engine's phase functions with `clock` (in place, for this process only)."""
-    if hasattr(llama, "linear_residual"):  # o_proj and down_proj with the residual add
-        llama.linear_residual = clock.wrap("GEMMs", llama.linear_residual)
     model = engine.loaded.model
+    # Every GEMM goes through llama.linear / llama.linear_add (packed_linear.py); the
+    # lm_head's call stays in its own phase.
+    plain, gemm = llama.linear, clock.wrap("GEMMs", llama.linear)
+    llama.linear = lambda layer, x: plain(layer, x) if layer is model.lm_head else gemm(layer, x)
+    llama.linear_add = clock.wrap("GEMMs", llama.linear_add)
     # The attention backend's ops (torch or triton), wrapped once per distinct object.
     ops = {id(m.ops): m.ops for m in model.modules() if isinstance(m, llama.LlamaAttention)}
     for op in ops.values():
         op.attend = clock.wrap("attention", op.attend)
         op.write_kv = clock.wrap("kv write", op.write_kv)
-    for module in model.model.modules():
-        if isinstance(module, torch.nn.Linear):
-            module.forward = clock.wrap("GEMMs", module.forward)
     model.forward = clock.wrap("elementwise", model.forward)
     model.compute_logits = clock.wrap("lm_head", model.compute_logits)
     runner = engine.runner

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagewarden.models import packed_linear
+from pagewarden.models.packed_linear import linear, linear_add
 from pagewarden.models.paged_attention import AttentionMetadata, AttentionOps, TorchAttention
 
 
@@ -121,36 +123,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     return torch.addcmul(x * cos, swapped, sin_signed)
 
 
-def linear_residual(linear: nn.Linear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """residual + linear(x), the add folded into the GEMM when the layer has no bias."""
-    if linear.bias is not None:
-        return residual + linear(x)
-    return torch.addmm(residual, x, linear.weight.t())
-
-
-def single_row_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """linear(x), through MKL's pre-packed copy of the weight when x is one row.
-
-    For one row, MKL's sgemm with a pre-packed weight runs about 2x faster than
-    ``F.linear`` on the wide layers (lm_head: 5.7 ms instead of 11 ms on a 2-core AVX2
-    EPYC, bench/linear_prepack.py); from a few rows on it gains nothing, so only
-    single-stream decode steps take it. The packed copy is made by `use_compute_dtype`.
-    """
-    packed = linear.__dict__.get("packed_single_row")
-    if packed is not None and x.shape[0] == 1:
-        return torch.ops.mkl._mkl_linear(x.contiguous(), packed, linear.weight, linear.bias, 1)
-    return linear(x)
-
-
-def _can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
-    return (
-        device.type == "cpu"
-        and dtype == torch.float32
-        and torch.backends.mkl.is_available()
-        and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
-    )
-
-
 def compute_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype a model loaded in `dtype` computes in on `device`.
 
@@ -187,7 +159,7 @@ class LlamaAttention(nn.Module):
     def forward(self, x, cos, sin, cache, meta: AttentionMetadata) -> torch.Tensor:
         """Attention output (T, n_heads * D), before o_proj (the layer adds the residual)."""
         t, d = x.shape[0], self.head_dim
-        qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
+        qkv = linear(self.qkv_proj, x)  # (T, q_size + 2 * kv_size)
         # q and k are adjacent columns: one RoPE call rotates both.
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.n_heads + self.n_kv, d)
         q, k = apply_rope(qk, cos, sin).split([self.n_heads, self.n_kv], dim=1)
@@ -206,13 +178,13 @@ class LlamaMLP(nn.Module):
 
     def act(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up (T, intermediate), before down_proj."""
-        gate_up = single_row_linear(self.gate_up_proj, x)  # (T, 2 * intermediate)
+        gate_up = linear(self.gate_up_proj, x)  # (T, 2 * intermediate)
         return F.silu(gate_up[:, : self.intermediate_size]).mul_(
             gate_up[:, self.intermediate_size :]
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(x))
+        return linear(self.down_proj, self.act(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -225,10 +197,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, cache, meta) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)  # (T, q_size)
-        x = linear_residual(self.self_attn.o_proj, attn, x)  # (T, hidden)
-        return linear_residual(
-            self.mlp.down_proj, self.mlp.act(self.post_attention_layernorm(x)), x
-        )
+        x = linear_add(self.self_attn.o_proj, attn, x)  # (T, hidden)
+        return linear_add(self.mlp.down_proj, self.mlp.act(self.post_attention_layernorm(x)), x)
 
 
 class LlamaModel(nn.Module):
@@ -277,14 +247,12 @@ class LlamaForCausalLM(nn.Module):
         with torch.no_grad():
             for p in self.parameters():  # a tied lm_head is the embedding's Parameter
                 p.data = p.data.to(dtype)
-            # The wide layers of a single-stream step (see `single_row_linear`).
-            pack = _can_prepack(dtype, self.model.norm.weight.device)
-            for linear in [self.lm_head, *(layer.mlp.gate_up_proj for layer in self.model.layers)]:
-                linear.packed_single_row = (
-                    torch.ops.mkl._mkl_reorder_linear_weight(linear.weight.detach(), 1)
-                    if pack
-                    else None
-                )
+            # Weights packed once for the GEMM library (see packed_linear.py).
+            packing = packed_linear.pick_packing(dtype, self.model.norm.weight.device)
+            wide = {id(self.lm_head)} | {id(layer.mlp.gate_up_proj) for layer in self.model.layers}
+            for module in self.modules():
+                if isinstance(module, nn.Linear):
+                    packed_linear.pack(module, packing, wide=id(module) in wide)
         self._rope_cache = None
         return dtype
 
@@ -332,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits (S, vocab) in float32 for hidden states (S, hidden)."""
-        return single_row_linear(self.lm_head, hidden).float()
+        return linear(self.lm_head, hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors, fusing q/k/v and gate/up; raises KeyError on unknown or missing names.

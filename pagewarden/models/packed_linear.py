@@ -1,0 +1,86 @@
+"""Linear layers on the CPU through weights packed once for the GEMM library.
+
+A plain ``F.linear`` hands the weight to oneDNN or MKL in its (out, in) layout, and the
+library reorders it into its blocked layout again on every call. Packing once at load
+time and calling the library with the packed copy removes that cost, which is most of a
+decode step's GEMM time at small batches. Two packings, chosen by ``pick_packing``:
+
+    onednn   ``torch.ops.mkldnn._linear_pointwise`` over ``_reorder_linear_weight``: every
+             layer, any number of rows; the residual add of o_proj and down_proj is fused
+             into the GEMM (``linear_add``). Used for bf16/fp16, and for float32 where the
+             CPU has AVX-512 (measured faster than MKL there at every batch size).
+    mkl      MKL's pre-packed sgemm (``_mkl_linear``), float32 on CPUs without AVX-512:
+             only one-row calls of the wide layers (lm_head, gate_up_proj) gain from it
+             there, so only they are packed and only one-row calls take it.
+
+The packed copy lives beside the layer's ``weight`` (``layer.__dict__``, not a parameter)
+and is rebuilt by ``pack`` whenever the weights change dtype; ``unpack`` drops it. Bench:
+``bench/linear_prepack.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Packing = Literal["onednn", "mkl"]
+
+_ONEDNN = "onednn_weight"
+_MKL = "mkl_single_row"
+
+
+def pick_packing(dtype: torch.dtype, device: torch.device) -> Packing | None:
+    """The packing for layers computing in ``dtype`` on ``device``; None: plain F.linear."""
+    if device.type != "cpu":
+        return None
+    onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    if dtype in (torch.bfloat16, torch.float16):
+        return "onednn" if onednn else None
+    if dtype != torch.float32:
+        return None
+    if onednn and torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return "onednn"
+    if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"):
+        return "mkl"
+    return None
+
+
+def pack(layer: nn.Linear, packing: Packing | None, wide: bool = False) -> None:
+    """Give ``layer`` a packed copy of its weight for ``packing`` (``wide``: a layer
+    worth packing for one-row calls under ``mkl``); None removes any packed copy."""
+    unpack(layer)
+    weight = layer.weight.detach()
+    if packing == "onednn":
+        layer.__dict__[_ONEDNN] = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    elif packing == "mkl" and wide:
+        layer.__dict__[_MKL] = torch.ops.mkl._mkl_reorder_linear_weight(weight, 1)
+
+
+def unpack(layer: nn.Linear) -> None:
+    """Drop the layer's packed copy: it computes with ``F.linear`` again."""
+    layer.__dict__.pop(_ONEDNN, None)
+    layer.__dict__.pop(_MKL, None)
+
+
+def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` for x (T, in) -> (T, out), through the packed weight when there is one."""
+    packed = layer.__dict__.get(_ONEDNN)
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
+    packed = layer.__dict__.get(_MKL)
+    if packed is not None and x.shape[0] == 1:
+        return torch.ops.mkl._mkl_linear(x.contiguous(), packed, layer.weight, layer.bias, 1)
+    return F.linear(x, layer.weight, layer.bias)
+
+
+def linear_add(layer: nn.Linear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + layer(x)``, the add fused into the GEMM where the library can."""
+    packed = layer.__dict__.get(_ONEDNN)
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, layer.bias, "add")
+    if layer.bias is not None:
+        return residual + layer(x)
+    return torch.addmm(residual, x, layer.weight.t())
