@@ -218,6 +218,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="LIST",
         help="bind the engine to these cores, a Linux cpu list such as 0-3,8 (default: unbound)",
     )
+    parser.add_argument(
+        "--serial-step-tokens",
+        type=int,
+        default=EngineConfig.serial_step_tokens,
+        metavar="N",
+        help="CPU steps of at most N tokens run on one thread: with OpenMP threads asleep "
+        "between parallel regions, waking them costs a tiny step more than a second core "
+        "gains (0: always all threads)",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -124,6 +124,7 @@ class EngineCore:
             integrity=config.integrity,
             scrub_blocks_per_step=config.scrub_blocks_per_step,
             attention_backend=config.resolved_attention_backend,
+            serial_step_tokens=config.serial_step_tokens,
         )
         self.integrity = IntegrityMonitor(
             self.scheduler, self.runner.guard, config.integrity, config.audit_interval

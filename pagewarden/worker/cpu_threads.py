@@ -7,6 +7,11 @@ of the process (the engine thread, torch's OpenMP pool, and threads started late
 which inherit it) to a set of cores given as a Linux cpu list, e.g. ``"0-3,8"``;
 ``None`` leaves the affinity alone. OpenMP's spin-waiting is switched off by the
 ``OMP_WAIT_POLICY=PASSIVE`` default the CLI sets before torch starts.
+
+That default makes every parallel region wake the sleeping threads (a futex wake, tens
+of microseconds in a VM), about as much as a one-token step's small GEMMs gain from a
+second core. So a CPU step of at most ``serial_step_tokens`` tokens runs on one thread
+(``StepThreads``); larger steps use them all. Measured: ``bench/step_threads.py``.
 """
 
 from __future__ import annotations
@@ -14,6 +19,25 @@ from __future__ import annotations
 import os
 
 import torch
+
+#: Default of ``EngineConfig.serial_step_tokens`` (bench/step_threads.py).
+SERIAL_STEP_TOKENS = 2
+
+
+class StepThreads:
+    """Sets torch's thread count for each step: one thread for a step of at most
+    ``serial_tokens`` tokens, else the count in force when this was made."""
+
+    def __init__(self, serial_tokens: int) -> None:
+        self.serial_tokens = serial_tokens
+        self.full = torch.get_num_threads()
+        self._current = self.full
+
+    def before_step(self, num_tokens: int) -> None:
+        threads = 1 if num_tokens <= self.serial_tokens else self.full
+        if threads != self._current:
+            torch.set_num_threads(threads)
+            self._current = threads
 
 
 class CpuBindError(ValueError):

@@ -7,6 +7,7 @@ import torch
 from pagewarden.models.llama import LlamaForCausalLM
 from pagewarden.models.paged_attention import AttentionMetadata
 from pagewarden.sched.output import KVFault, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pagewarden.worker.cpu_threads import StepThreads
 from pagewarden.worker.fused_checks import element_keys, offset_keys
 from pagewarden.worker.kv_guard import KVGuard
 from pagewarden.worker.kv_store import KVStore
@@ -31,6 +32,7 @@ class ModelRunner:
         integrity: str = "standard",
         scrub_blocks_per_step: int = 4,
         attention_backend: str = "torch",
+        serial_step_tokens: int = 0,
     ) -> None:
         self.model = model
         self.kv_store = kv_store
@@ -42,6 +44,12 @@ class ModelRunner:
             num_host_blocks=kv_store.num_host_blocks,
         )
         self.device = kv_store.caches[0].device
+        # One thread for tiny CPU steps (worker/cpu_threads.py); None: leave threads alone.
+        self.threads = (
+            StepThreads(serial_step_tokens)
+            if self.device.type == "cpu" and serial_step_tokens > 0
+            else None
+        )
         if attention_backend == "triton":
             self._use_triton()
         # Fault injection's hook into the step (``pagewarden.faults``); None in service.
@@ -65,6 +73,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Compute the step's tokens' K/V and sample for the requests that ask for it."""
         store, guard = self.kv_store, self.guard
+        if self.threads is not None:
+            self.threads.before_step(sum(len(r.token_ids) for r in out.requests))
         # Order matters (see SchedulerOutput): swap-outs read device blocks that this
         # step may hand to others; then swap-ins; then copy-on-write.
         store.swap_out(out.swap_out)

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from pagewarden.engine.config import EngineConfig, EngineConfigError
-from pagewarden.worker.cpu_threads import CpuBindError, apply_cpu_threads, parse_cpu_list
+from pagewarden.worker.cpu_threads import (
+    CpuBindError,
+    StepThreads,
+    apply_cpu_threads,
+    parse_cpu_list,
+)
 
 
 def test_parse_cpu_list() -> None:
@@ -50,3 +55,20 @@ def test_bind_outside_allowed_cores_raises() -> None:
     outside = max(os.sched_getaffinity(0)) + 1
     with pytest.raises(CpuBindError, match="outside"):
         apply_cpu_threads(None, str(outside))
+
+
+def test_step_threads_runs_tiny_steps_on_one_thread() -> None:
+    full = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        threads = StepThreads(serial_tokens=2)
+        threads.before_step(1)
+        assert torch.get_num_threads() == 1
+        threads.before_step(2)
+        assert torch.get_num_threads() == 1
+        threads.before_step(3)
+        assert torch.get_num_threads() == 2
+        threads.before_step(64)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(full)
