@@ -154,10 +154,11 @@ class FaultInjector(StepHooks):
         self._written: set[int] = set()
         self._original: dict[str, ScheduledRequest] = {}
         self._view: dict[str, ScheduledRequest] = {}  # the worker's view of this step
-        # Requests whose first new token a slot redirect (of either kind) moved this
-        # step: a second redirect of that token would overwrite the first, which then
-        # altered nothing.
-        self._slot_redirected: set[str] = set()
+        # Requests whose view of this step a mapping fault (table, index or slot
+        # redirect) altered: one per request and step, since a second could undo the
+        # first (an index redirected back to the block a table redirect moved it from)
+        # or overwrite it, and the ground truth would count a fault that altered nothing.
+        self._redirected: set[str] = set()
         self._stale: dict[int, tuple[str, int, int]] = {}  # fault -> (rid, block, epoch)
         self._in_host: dict[int, int] = {}  # swap fault -> host block, until swapped in
         self._foreign_next = 0  # round robin over the foreign mutators
@@ -252,7 +253,7 @@ class FaultInjector(StepHooks):
         by_id = {r.req_id: r for r in out.requests}
         by_id.update((rid, sr) for rid, sr in self._view.items() if rid in by_id)
         self._view = {}
-        self._slot_redirected.clear()
+        self._redirected.clear()
         for u in updates:
             sr = by_id.get(u.req_id)
             if sr is not None and self._reads_corrupt(sr):
@@ -489,6 +490,7 @@ class FaultInjector(StepHooks):
         table = list(sr.block_table)
         old, table[index] = table[index], target
         requests[k] = dataclasses.replace(sr, block_table=table)
+        self._redirected.add(sr.req_id)
         fault.blocks, fault.req_ids = {old, target}, (sr.req_id,)
         fault.detail = f"{sr.req_id} table[{index}]: block {old} -> {target}"
         return True
@@ -530,7 +532,7 @@ class FaultInjector(StepHooks):
         old = slots[0]
         slots[0] = target * bs + pos % bs
         requests[k] = dataclasses.replace(sr, slot_mapping=slots)
-        self._slot_redirected.add(sr.req_id)
+        self._redirected.add(sr.req_id)
         fault.blocks, fault.req_ids = {old // bs, target}, (sr.req_id,)
         fault.detail = (
             f"{sr.req_id} position {sr.positions.start}: slot {old} -> "
@@ -592,6 +594,8 @@ class FaultInjector(StepHooks):
         """Point one entry of the forward call's ``block_index`` (nothing else) at another
         live request's block with different content."""
         sr = reqs[k]
+        if sr.req_id in self._redirected:
+            return False
         bs = self.engine.config.block_size
         n_read = sr.positions.start // bs  # full context blocks (not written this call)
         others = [b for b in self._other_live_blocks(sr) if b not in self._written]
@@ -608,6 +612,7 @@ class FaultInjector(StepHooks):
         block_index = meta.block_index.clone()
         block_index[row] = target
         meta.block_index = block_index
+        self._redirected.add(sr.req_id)
         fault.blocks, fault.req_ids = {old, target}, (sr.req_id,)
         fault.detail = f"{sr.req_id} block_index[{index}]: block {old} -> {target}"
         return True
@@ -618,7 +623,7 @@ class FaultInjector(StepHooks):
         """Point one entry of the forward call's ``slot_mapping`` (nothing else) at a
         written slot of another running request."""
         sr = reqs[k]
-        if sr.req_id in self._slot_redirected:
+        if sr.req_id in self._redirected:
             return False
         picked = self._written_slot_elsewhere(sr)
         if picked is None:
@@ -630,7 +635,7 @@ class FaultInjector(StepHooks):
         old = int(slot_mapping[t])
         slot_mapping[t] = target * bs + pos % bs
         meta.slot_mapping = slot_mapping
-        self._slot_redirected.add(sr.req_id)
+        self._redirected.add(sr.req_id)
         fault.blocks, fault.req_ids = {old // bs, target}, (sr.req_id,)
         fault.detail = (
             f"{sr.req_id} position {sr.positions.start}: slot_mapping {old} -> "
