@@ -650,6 +650,7 @@ class FaultInjector(StepHooks):
         blocks = kv.pool.blocks
         bs = self.engine.config.block_size
         caches = self.engine.kv_store.caches
+        tags = self.engine.runner.guard.tags.tags  # (num_blocks, block_size)
         candidates = []
         for r in self._running():
             own = kv.tables[r.req_id].ids
@@ -657,6 +658,13 @@ class FaultInjector(StepHooks):
             others = [b for b in self._other_live_blocks_of(r.req_id) if b not in own]
             for i in range(full):
                 for b in others:
+                    # A block of the same token chain (the same tags in every slot it
+                    # has written; its owner may be about to write the rest with the
+                    # same tokens) is interchangeable, as the prefix cache would share
+                    # it: pointing there alters nothing a read could be blamed for.
+                    written = tags[b] != 0
+                    if torch.equal(tags[b][written], tags[own[i]][written]):
+                        continue
                     if not all(torch.equal(c[:, b], c[:, own[i]]) for c in caches):
                         candidates.append((r, i, b))
         if not candidates:

@@ -387,12 +387,16 @@ class BlockPool:
                     block.state = _USED
                     changed.append(bid)
             else:
+                free_state = _CACHED_FREE if block.block_hash is not None else _FREE
                 if block.state is _USED or block.ref_cnt or bid not in linked:
                     block.epoch += 1  # every reference taken before is stale now
-                    block.state = _CACHED_FREE if block.block_hash is not None else _FREE
+                    block.state = free_state
                     self.num_frees += 1
                     if self.trace is not None:
                         self.trace.freed.append(bid)
+                    changed.append(bid)
+                elif block.state is not free_state:  # queued, but FREE with a hash or
+                    block.state = free_state  # CACHED_FREE without one
                     changed.append(bid)
                 queued.add(bid)
             block.ref_cnt = n

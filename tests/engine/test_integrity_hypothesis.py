@@ -143,6 +143,20 @@ def _params(max_tokens: int, n: int) -> SamplingParams:
         ("add", True, [3], 2, 1),
     ]
 )
+# Found by hypothesis: a coherent wrong ref to a block of the same token chain that its
+# owner was still filling (the same K/V after the step's write): no fault at all.
+@example(
+    ops=[
+        ("add", False, [3], 5, 1),
+        ("step", 1),
+        ("add", False, [3], 4, 1),
+        ("step", 1),
+        ("add", False, [3], 1, 1),
+        ("step", 1),
+        ("step", 1),
+        ("fault", "coherent_wrong_ref"),
+    ]
+)
 # Found by hypothesis: two redirects armed for the same step.
 @example(
     ops=[("add", False, [3], 1, 1)] * 3
