@@ -61,3 +61,46 @@ def test_a_damaged_free_queue_is_rebuilt_in_its_old_order() -> None:
     assert kv.reconcile() == [first.block_id]
     assert queue.ids() == before[1:] + [first.block_id]
     assert kv.check_invariants() == []
+
+
+def test_a_queued_block_in_the_wrong_free_state_is_set_from_its_hash() -> None:
+    kv = _manager()
+    free = kv.pool.blocks[kv.pool.free_queue.ids()[0]]
+    assert free.state is BlockState.FREE and free.block_hash is None
+    free.state = BlockState.CACHED_FREE  # the fault: cached-free without a hash
+    assert kv.check_invariants() != []
+    assert kv.reconcile() == [free.block_id]
+    assert free.state is BlockState.FREE
+    assert kv.check_invariants() == []
+
+
+def test_an_abort_after_a_coherent_wrong_ref_leaves_no_leak_or_double_count() -> None:
+    kv = _manager()
+    a, b = kv.tables["a"], kv.tables["b"]
+    orphan, shared = a.ids[1], b.ids[1]
+    a.refs[1] = BlockRef(shared, kv.pool.blocks[shared].epoch)
+    a.ids = [a.ids[0], shared, a.ids[2]]
+    kv.free("a")  # frees b's block instead of its own
+    assert kv.check_invariants() != []
+    assert set(kv.reconcile_after_free()) >= {orphan}
+    assert kv.refcounts_fixed_at_free >= 1
+    assert kv.pool.blocks[orphan].state is BlockState.FREE  # not leaked
+    # b's entry went stale with the wrong free: the next step's table check rolls b
+    # back to before it, as here.
+    assert kv.first_unsound_block("b") == 1
+    kv.truncate("b", 1)
+    assert kv.check_invariants() == []
+    kv.free("b")
+    assert kv.pool.state_counts()[BlockState.USED] == 0
+
+
+def test_a_held_block_queued_by_a_fault_is_linked_once_when_freed() -> None:
+    kv = _manager()
+    held = kv.pool.blocks[kv.tables["a"].ids[0]]
+    kv.pool.free_queue.appendleft(held)  # the fault: pushed while referenced
+    num_free = kv.pool.free_queue.num_free
+    kv.free("a")
+    assert kv.pool.held_blocks_found_at_free == 1
+    assert kv.pool.free_queue.ids().count(held.block_id) == 1
+    assert kv.pool.free_queue.num_free == num_free + 2  # a's other two blocks
+    assert kv.check_invariants() == []
