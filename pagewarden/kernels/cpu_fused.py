@@ -88,10 +88,12 @@ def _build() -> ModuleType | None:
 def _usable(*tensors: torch.Tensor) -> ModuleType | None:
     """The extension if it is loaded and every tensor is a CPU tensor of one supported dtype."""
     t0 = tensors[0]
-    if t0.device.type != "cpu" or t0.dtype not in _DTYPES or t0.requires_grad:
+    if t0.device.type != "cpu" or t0.dtype not in _DTYPES:
         return None
     if any(t.device.type != "cpu" or t.dtype != t0.dtype for t in tensors):
         return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None  # the C++ ops record no autograd graph
     return load()
 
 
@@ -103,8 +105,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_reference(x, weight, eps)
 
 
-def rope_(qk: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE of qk (T, NH, D) in place (see ``models.llama.apply_rope``); returns qk."""
+def rope(qk: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of qk (T, NH, D) by cos, sin_signed (T, 1, D) (``rope_reference``).
+
+    Where the fused op runs, qk itself is rotated in place and returned; otherwise qk is
+    left as it was and the torch path's new tensor returned. Callers use the result.
+    """
     ext = _usable(qk, cos, sin_signed)
     if (
         ext is not None
@@ -115,7 +121,7 @@ def rope_(qk: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
         and sin_signed.is_contiguous()
     ):
         return ext.rope_(qk, cos, sin_signed)
-    return qk.copy_(rope_reference(qk, cos, sin_signed))
+    return rope_reference(qk, cos, sin_signed)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
