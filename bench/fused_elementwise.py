@@ -21,13 +21,9 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import pagewarden  # noqa: E402,F401  (sets OMP_WAIT_POLICY before torch loads)
-import torch  # noqa: E402
-
-from pagewarden.kernels import cpu_fused  # noqa: E402
 
 
 def per_call_us(fn: Callable[[], object], reps: int) -> float:
@@ -37,8 +33,12 @@ def per_call_us(fn: Callable[[], object], reps: int) -> float:
     return (time.perf_counter() - start) / reps * 1e6
 
 
-def ops(t: int, dtype: torch.dtype, args: argparse.Namespace, ext) -> dict[str, tuple]:
+def ops(t: int, dtype: Any, args: argparse.Namespace, ext: Any) -> dict[str, tuple]:
     """name -> (fused call, torch call) on fresh inputs of `t` rows."""
+    import torch
+
+    from pagewarden.kernels import cpu_fused
+
     h, heads, d, i = args.hidden, args.heads, args.head_dim, args.intermediate
     x = torch.randn(t, h).to(dtype)
     w = (torch.rand(h) + 0.5).to(dtype)
@@ -47,7 +47,10 @@ def ops(t: int, dtype: torch.dtype, args: argparse.Namespace, ext) -> dict[str, 
     cos, sin = torch.randn(t, 1, d).to(dtype), torch.randn(t, 1, d).to(dtype)
     gate_up = torch.randn(t, 2 * i).to(dtype)
     return {
-        "rms_norm": (lambda: ext.rms_norm(x, w, 1e-5), lambda: cpu_fused.rms_norm_reference(x, w, 1e-5)),
+        "rms_norm": (
+            lambda: ext.rms_norm(x, w, 1e-5),
+            lambda: cpu_fused.rms_norm_reference(x, w, 1e-5),
+        ),
         "rope": (lambda: ext.rope_(qk, cos, sin), lambda: cpu_fused.rope_reference(qk, cos, sin)),
         "silu_mul": (lambda: ext.silu_mul(gate_up), lambda: cpu_fused.silu_mul_reference(gate_up)),
     }
@@ -63,6 +66,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
+    # pagewarden first: it sets OMP_WAIT_POLICY (unless set already) before torch loads.
+    from pagewarden.kernels import cpu_fused  # isort: skip
+
+    import torch
+
     ext = cpu_fused.load()
     if ext is None:
         raise SystemExit("the fused CPU extension did not build (see the log line above)")

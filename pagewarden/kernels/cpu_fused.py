@@ -46,7 +46,13 @@ def _capability_flags() -> tuple[str, list[str]]:
         isa = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
         return "avx512", [*isa, "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
     if cap.startswith("AVX2"):
-        return "avx2", ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+        return "avx2", [
+            "-mavx2",
+            "-mfma",
+            "-mf16c",
+            "-DCPU_CAPABILITY=AVX2",
+            "-DCPU_CAPABILITY_AVX2",
+        ]
     return "default", []
 
 
@@ -81,7 +87,9 @@ def _build() -> ModuleType | None:
         )
     except Exception as e:  # no compiler, no ninja, a failed build: the torch path runs
         reason = " ".join(str(e).split())[:300]
-        log.warning("fused CPU ops unavailable, the torch path runs: %s: %s", type(e).__name__, reason)
+        log.warning(
+            "fused CPU ops unavailable, the torch path runs: %s: %s", type(e).__name__, reason
+        )
         return None
 
 

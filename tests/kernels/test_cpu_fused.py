@@ -75,8 +75,10 @@ def test_rope_rotates_in_place_as_the_reference_does(ext, dtype, t, heads, d):
 @pytest.mark.parametrize("t,i", [(1, 1536), (64, 1536), (3, 37), (5, 16), (2, 100), (9, 64)])
 def test_silu_mul_is_the_reference_rounded_once(ext, dtype, t, i):
     gen = torch.Generator().manual_seed(t * i)
-    for gate_up in ((torch.randn(t, 2 * i, generator=gen) * 4).to(dtype),
-                    strided_rows(t, 2 * i, dtype, gen)):
+    for gate_up in (
+        (torch.randn(t, 2 * i, generator=gen) * 4).to(dtype),
+        strided_rows(t, 2 * i, dtype, gen),
+    ):
         got = ext.silu_mul(gate_up)
         assert got.is_contiguous()
         assert_bitwise(got, cpu_fused.silu_mul_reference(gate_up.float()).to(dtype))
@@ -88,7 +90,9 @@ def test_silu_mul_is_the_reference_rounded_once(ext, dtype, t, i):
 def test_wrappers_take_the_torch_path_where_the_kernels_do_not_apply(ext):
     x = torch.randn(4, 8, dtype=torch.float64)
     w = torch.rand(8, dtype=torch.float64)
-    torch.testing.assert_close(cpu_fused.rms_norm(x, w, 1e-6), cpu_fused.rms_norm_reference(x, w, 1e-6))
+    torch.testing.assert_close(
+        cpu_fused.rms_norm(x, w, 1e-6), cpu_fused.rms_norm_reference(x, w, 1e-6)
+    )
     qk = torch.randn(2, 3, 10)[:, :, :8]  # (T, NH, D) with heads 10 apart: rows not dense
     cos, sin = torch.randn(2, 1, 8), torch.randn(2, 1, 8)
     before = qk.clone()
@@ -135,8 +139,13 @@ def test_a_failed_build_logs_once_and_falls_back(monkeypatch, caplog):
 
 def tiny_model(dtype: torch.dtype) -> LlamaForCausalLM:
     config = LlamaConfig(
-        vocab_size=64, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-        num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+        vocab_size=64,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=8,
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
