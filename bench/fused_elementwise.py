@@ -8,8 +8,8 @@ intermediate 1536) at ``--tokens`` rows, in float32 and bfloat16. Each op runs
 ``--reps`` times per round; rounds alternate fused and torch (so a load change hits
 both alike) and the medians of the per-call times are printed with their ratio. The
 engine sets OMP_WAIT_POLICY=PASSIVE (importing pagewarden does, unless set already), so
-every parallel region wakes sleeping threads; the fused ops run a tensor under
-``serial_bytes`` on the calling thread. Note ``uptime`` beside the figures.
+every parallel region wakes sleeping threads; the fused ops run a call estimated under
+``serial_us`` on the calling thread (``--serial-us 0`` splits every call). Note ``uptime`` beside the figures.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=1536)
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--serial-us", type=float, default=None, help="the fused ops' threshold")
     args = ap.parse_args()
     # pagewarden first: it sets OMP_WAIT_POLICY (unless set already) before torch loads.
     from pagewarden.kernels import cpu_fused  # isort: skip
@@ -74,10 +75,12 @@ def main() -> None:
     ext = cpu_fused.load()
     if ext is None:
         raise SystemExit("the fused CPU extension did not build (see the log line above)")
+    if args.serial_us is not None:
+        ext.set_serial_us(args.serial_us)
     print(f"uptime: {os.popen('uptime').read().strip()}")
     print(
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, {torch.get_num_threads()} threads, "
-        f"serial under {ext.serial_bytes() // 1024} KiB"
+        f"fused ops serial under an estimated {ext.serial_us():.0f} us"
     )
     print(f"{'op':9} {'dtype':9} {'T':>5} {'fused us':>9} {'torch us':>9} {'torch/fused':>11}")
     layer = {"rms_norm": 2, "rope": 1, "silu_mul": 1}  # calls per decoder layer

@@ -26,8 +26,10 @@ runs four to nine small ops (each its own OpenMP region). Layouts and loop order
       of a row and std::exp on the rest, as torch's silu kernel does on a strided row.
 
 All loops run over rows (tokens) outermost; rows go to threads through at::parallel_for,
-and a tensor under kSerialBytes of traffic stays on the calling thread: waking sleeping
-OpenMP threads (OMP_WAIT_POLICY=PASSIVE) costs more than such a tensor's work. Inputs
+and a call whose estimated serial time is under serial_us stays on the calling thread:
+waking sleeping OpenMP threads (OMP_WAIT_POLICY=PASSIVE, about 50 us on 2 cores) costs
+more than splitting such a call saves. The estimate is rows x row elements x a per-op
+cost per element measured on a Zen 4 core (kNs* below; a decode batch of 64 stays serial). Inputs
 are checked (dtype, shape, strides) with TORCH_CHECK; the Python wrappers only call here
 when the layouts hold.
 */
@@ -48,12 +50,18 @@ namespace {
 using at::BFloat16;
 using fVec = at::vec::Vectorized<float>;
 constexpr int64_t V = fVec::size();
+constexpr int64_t kMaxHeadDim = 1024;
 
-// Tensors moving fewer bytes than this run on the calling thread (bench/fused_elementwise.py).
-constexpr int64_t kSerialBytes = 1 << 20;
+// Calls estimated to take less than this serially run on the calling thread;
+// bench/fused_elementwise.py --serial-us measures other values.
+double serial_us = 100.0;
+// Serial cost per output element (ns), measured on one Zen 4 core for bf16 and float32.
+constexpr double kNsRmsNorm = 0.3, kNsRope = 0.5, kNsSiluMul = 0.6;
 
-int64_t grain_rows(int64_t bytes_per_row) {
-  return std::max<int64_t>(1, kSerialBytes / std::max<int64_t>(1, bytes_per_row));
+// at::parallel_for's grain: rows per task, so that a call under serial_us stays serial.
+int64_t grain_rows(int64_t row_elems, double ns_per_elem) {
+  const double row_us = std::max<double>(1, row_elems) * ns_per_elem * 1e-3;
+  return std::max<int64_t>(1, static_cast<int64_t>(serial_us / row_us));
 }
 
 // V consecutive elements as floats, and back.
@@ -64,9 +72,7 @@ inline fVec load_f(const BFloat16* p) {
   return out;
 }
 inline void store_f(float* p, fVec v) { v.store(p); }
-inline void store_f(BFloat16* p, fVec v) {
-  at::vec::convert_from_float<BFloat16>(v, v).store(p, V);
-}
+inline void store_f(BFloat16* p, fVec v) { at::vec::convert<BFloat16>(v).store(p, V); }
 
 // n < V elements (a row's tail) as floats, and back.
 template <typename T>
@@ -156,7 +162,7 @@ float cascade_sum_sq(const T* x, int64_t n) {
 
 template <typename T>
 void rms_norm_rows(const T* x, int64_t x_stride, const T* w, T* out, int64_t T_, int64_t H, float eps) {
-  at::parallel_for(0, T_, grain_rows(2 * H * int64_t(sizeof(T))), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, T_, grain_rows(H, kNsRmsNorm), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* xr = x + t * x_stride;
       T* yr = out + t * H;
@@ -192,23 +198,22 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 template <typename T>
 void rope_rows(T* qk, int64_t row_stride, const T* cos, const T* sin, int64_t T_, int64_t NH, int64_t D) {
   const int64_t half = D / 2;
-  at::parallel_for(0, T_, grain_rows((2 * NH + 2) * D * int64_t(sizeof(T))), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, T_, grain_rows(NH * D, kNsRope), [&](int64_t begin, int64_t end) {
+    alignas(64) float c[kMaxHeadDim + V], s[kMaxHeadDim + V];  // this row's cos, sin_signed
     for (int64_t t = begin; t < end; ++t) {
-      const T* c = cos + t * D;
-      const T* s = sin + t * D;
+      for (int64_t j = 0; j < D; ++j) {
+        c[j] = float(cos[t * D + j]);
+        s[j] = float(sin[t * D + j]);
+      }
       for (int64_t h = 0; h < NH; ++h) {
         T* x = qk + t * row_stride + h * D;
         for (int64_t j = 0; j < half; j += V) {
           const int64_t n = std::min(V, half - j);
           const bool full = n == V;
-          fVec a = full ? load_f(x + j) : load_f(x + j, n);
-          fVec b = full ? load_f(x + half + j) : load_f(x + half + j, n);
-          fVec c1 = full ? load_f(c + j) : load_f(c + j, n);
-          fVec c2 = full ? load_f(c + half + j) : load_f(c + half + j, n);
-          fVec s1 = full ? load_f(s + j) : load_f(s + j, n);
-          fVec s2 = full ? load_f(s + half + j) : load_f(s + half + j, n);
-          fVec lo = at::vec::fmadd(b, s1, a * c1);
-          fVec hi = at::vec::fmadd(a, s2, b * c2);
+          const fVec a = full ? load_f(x + j) : load_f(x + j, n);
+          const fVec b = full ? load_f(x + half + j) : load_f(x + half + j, n);
+          const fVec lo = at::vec::fmadd(b, fVec::loadu(s + j), a * fVec::loadu(c + j));
+          const fVec hi = at::vec::fmadd(a, fVec::loadu(s + half + j), b * fVec::loadu(c + half + j));
           if (full) {
             store_f(x + j, lo);
             store_f(x + half + j, hi);
@@ -226,7 +231,7 @@ at::Tensor rope_(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin_sig
   TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2),
               "rope_: qk must be (T, NH, D) with dense (NH, D) rows");
   const int64_t T_ = qk.size(0), NH = qk.size(1), D = qk.size(2);
-  TORCH_CHECK(D % 2 == 0, "rope_: head_dim must be even");
+  TORCH_CHECK(D % 2 == 0 && D <= kMaxHeadDim, "rope_: head_dim must be even and at most 1024");
   for (const auto* tab : {&cos, &sin_signed}) {
     TORCH_CHECK(tab->is_contiguous() && tab->numel() == T_ * D && tab->size(0) == T_ &&
                     tab->size(-1) == D,
@@ -247,7 +252,7 @@ template <typename T>
 void silu_mul_rows(const T* gu, int64_t gu_stride, T* out, int64_t T_, int64_t I) {
   const fVec one(1.f);
   const int64_t body = I - I % (2 * V);  // torch's vectorised loop covers 2 vectors a step
-  at::parallel_for(0, T_, grain_rows(3 * I * int64_t(sizeof(T))), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, T_, grain_rows(I, kNsSiluMul), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* g = gu + t * gu_stride;
       const T* u = g + I;
@@ -285,5 +290,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of x (T, H) by weight (H,), bitwise the torch path");
   m.def("rope_", &rope_, "rotate-half RoPE of qk (T, NH, D) in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of gate_up (T, 2I) -> (T, I)");
-  m.def("serial_bytes", [] { return kSerialBytes; }, "tensors under this many bytes stay serial");
+  m.def("serial_us", [] { return serial_us; }, "calls estimated under this many us stay serial");
+  m.def("set_serial_us", [](double us) { serial_us = us; }, "for benchmarks");
 }

@@ -125,6 +125,7 @@ def rope(qk: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
         and qk.dim() == 3
         and qk.stride(2) == 1
         and qk.stride(1) == qk.shape[2]
+        and qk.shape[2] <= 1024
         and cos.is_contiguous()
         and sin_signed.is_contiguous()
     ):
