@@ -2,6 +2,7 @@
 
     OMP_WAIT_POLICY=PASSIVE python bench/fused_elementwise.py           # SmolLM2-135M shapes
     python bench/fused_elementwise.py --tokens 1 64 512 --reps 400
+    python bench/fused_elementwise.py --model-batch 64                  # + the real model
 
 Shapes of one decoder layer of the default model (hidden 576, 9 + 3 heads of 64 rotated,
 intermediate 1536) at ``--tokens`` rows, in float32 and bfloat16. Each op runs
@@ -9,7 +10,13 @@ intermediate 1536) at ``--tokens`` rows, in float32 and bfloat16. Each op runs
 both alike) and the medians of the per-call times are printed with their ratio. The
 engine sets OMP_WAIT_POLICY=PASSIVE (importing pagewarden does, unless set already), so
 every parallel region wakes sleeping threads; the fused ops run a call estimated under
-``serial_us`` on the calling thread (``--serial-us 0`` splits every call). Note ``uptime`` beside the figures.
+``serial_us`` on the calling thread (``--serial-us 0`` splits every call).
+
+``--model-batch N``: then the default model (bf16 where the CPU has it) decodes a batch of
+N prompts in one process, rounds of ``--model-steps`` decode steps alternating the fused
+ops and the torch path (``bench/profile_step.py``'s phase clocks), and prints the medians
+per step: total, elementwise (the rest of the forward), GEMMs, attention. Note ``uptime``
+beside the figures.
 """
 
 from __future__ import annotations
@@ -66,6 +73,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--serial-us", type=float, default=None, help="the fused ops' threshold")
+    ap.add_argument("--model-batch", type=int, default=0, help="also decode the real model")
+    ap.add_argument("--model-steps", type=int, default=4, help="decode steps per round")
     args = ap.parse_args()
     # pagewarden first: it sets OMP_WAIT_POLICY (unless set already) before torch loads.
     from pagewarden.kernels import cpu_fused  # isort: skip
@@ -102,6 +111,55 @@ def main() -> None:
     print("per layer (2 RMSNorms + RoPE + SiLU*mul):")
     for (dt, t), (f, p) in totals.items():
         print(f"  {dt:9} T={t:<5} fused {f:8.1f} us  torch {p:8.1f} us  {p / f:5.2f}x")
+    print(f"uptime: {os.popen('uptime').read().strip()}")
+    if args.model_batch:
+        model_steps(args, ext)
+
+
+def model_steps(args: argparse.Namespace, ext: Any) -> None:
+    """Decode steps of the real model, alternating the fused ops and the torch path."""
+    import random
+
+    from bench.profile_step import PhaseClock, instrument, make_engine, timed_step
+    from pagewarden.kernels import cpu_fused
+    from pagewarden.sampling_params import SamplingParams
+
+    opts = argparse.Namespace(
+        model=None,
+        dtype="bfloat16",
+        integrity="standard",
+        num_prompts=args.model_batch,
+        input_len=128,
+    )
+    engine = make_engine(opts)
+    clock = PhaseClock()
+    instrument(engine, clock)
+    rng = random.Random(0)
+    vocab = engine.loaded.config.vocab_size
+    steps = 2 * args.rounds * args.model_steps
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+    for i in range(args.model_batch):
+        engine.add_request(str(i), [rng.randrange(100, vocab - 100) for _ in range(128)], params)
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running):
+        engine.step()
+    engine.step()
+    cols = ("step", "elementwise", "GEMMs", "attention")
+    ms: dict[bool, dict[str, list[float]]] = {f: {c: [] for c in cols} for f in (True, False)}
+    for _ in range(args.rounds):
+        for fused in (True, False):
+            cpu_fused._ext = ext if fused else None  # None: the wrappers take the torch path
+            for _ in range(args.model_steps):
+                total, phases = timed_step(engine, clock)
+                ms[fused]["step"].append(total * 1e3)
+                for c in cols[1:]:
+                    ms[fused][c].append(phases.get(c, 0.0) * 1e3)
+    cpu_fused._ext = ext
+    name = engine.loaded.name
+    print(f"{name}, {engine.loaded.model.lm_head.weight.dtype}, decode batch {args.model_batch}:")
+    print(f"  {'median ms':12} {'fused':>8} {'torch':>8} {'saved':>8}")
+    for c in cols:
+        f, p = statistics.median(ms[True][c]), statistics.median(ms[False][c])
+        print(f"  {c:12} {f:8.2f} {p:8.2f} {p - f:8.2f}")
     print(f"uptime: {os.popen('uptime').read().strip()}")
 
 
