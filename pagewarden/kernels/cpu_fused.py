@@ -77,6 +77,7 @@ def _build() -> ModuleType | None:
         from torch.utils import cpp_extension
 
         isa, flags = _capability_flags()
+        log.info("loading the fused CPU ops (compiled once per machine: about a minute)")
         return cpp_extension.load(
             name=f"pagewarden_cpu_fused_{isa}",
             sources=[str(_SOURCE)],

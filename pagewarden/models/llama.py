@@ -249,6 +249,8 @@ class LlamaForCausalLM(nn.Module):
             for module in self.modules():
                 if isinstance(module, nn.Linear):
                     packed_linear.pack(module, packing, wide=id(module) in wide)
+        if self.model.norm.weight.device.type == "cpu":
+            cpu_fused.load()  # built now (once per machine), not in the first request
         self._rope_cache = None
         return dtype
 
