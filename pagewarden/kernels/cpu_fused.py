@@ -3,11 +3,13 @@ extension (``cpu_fused.cpp``) compiled with ``torch.utils.cpp_extension`` at fir
 
 Each op does in one pass, and at most one OpenMP region, what the torch path does in
 four to nine ops; with sleeping OpenMP threads (``OMP_WAIT_POLICY=PASSIVE``) every op
-saved is a thread wake-up saved. Results: RMSNorm bitwise the torch path's; RoPE and
-SiLU*mul bitwise the torch path's in float32, and in bfloat16 computed in float32 and
-rounded once, where the torch path rounds after each op (so they differ from it by at
-most one bf16 ulp, in a few elements). ``*_reference`` are those torch paths; the tests
-compare each op with its reference.
+saved is a thread wake-up saved. Results: RMSNorm bitwise the torch path's in both
+dtypes. In float32, RoPE and SiLU*mul are bitwise the torch path's too (SiLU*mul where
+torch does not split a row between threads: its exp differs on a row's last elements).
+In bfloat16 they compute in float32 and round once, where the torch path rounds after
+each op: SiLU*mul is within one bf16 ulp of it, and RoPE closer to the exact result
+where torch's first rounding (x * cos) loses digits that the sum then cancels down to.
+``*_reference`` are those torch paths; the tests compare each op with its reference.
 
 The build needs a C++ compiler and the ``ninja`` executable; it is cached (torch's
 extensions directory, keyed by the source and the flags) and takes about a minute the
