@@ -8,10 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pagewarden.models import packed_linear
+from pagewarden.models import cpu_fused, packed_linear
 from pagewarden.models.packed_linear import linear, linear_add
 from pagewarden.models.paged_attention import AttentionMetadata, AttentionOps, TorchAttention
 
@@ -107,9 +106,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused op
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        """RMSNorm in float32, rounded once to x's dtype (one C++ pass on the CPU)."""
+        return cpu_fused.rms_norm(x, self.weight, self.eps)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -117,10 +115,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 
     rotate_half(x) = [-x2, x1] is x with its halves swapped (one flip of a (2, D/2)
     view) times [-1, +1], and that sign is folded into `sin_signed` = [-sin, +sin].
+    Where the fused CPU op runs, x itself is rotated in place and returned; otherwise x
+    is left as it was and a new tensor returned (see `cpu_fused.rope`): use the result.
     """
-    t, h, d = x.shape
-    swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d)  # [x2, x1]
-    return torch.addcmul(x * cos, swapped, sin_signed)
+    return cpu_fused.rope(x, cos, sin_signed)
 
 
 def compute_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -178,10 +176,7 @@ class LlamaMLP(nn.Module):
 
     def act(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up (T, intermediate), before down_proj."""
-        gate_up = linear(self.gate_up_proj, x)  # (T, 2 * intermediate)
-        return F.silu(gate_up[:, : self.intermediate_size]).mul_(
-            gate_up[:, self.intermediate_size :]
-        )
+        return cpu_fused.silu_mul(linear(self.gate_up_proj, x))  # from (T, 2 * intermediate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(self.down_proj, self.act(x))
@@ -253,6 +248,8 @@ class LlamaForCausalLM(nn.Module):
             for module in self.modules():
                 if isinstance(module, nn.Linear):
                     packed_linear.pack(module, packing, wide=id(module) in wide)
+        if self.model.norm.weight.device.type == "cpu":
+            cpu_fused.load()  # built now (once per machine), not in the first request
         self._rope_cache = None
         return dtype
 
