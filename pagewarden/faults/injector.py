@@ -652,7 +652,17 @@ class FaultInjector(StepHooks):
         caches = self.engine.kv_store.caches
         tags = self.engine.runner.guard.tags.tags  # (num_blocks, block_size)
         candidates = []
+        # One open wrong ref per request: a second one could point the entry back at
+        # the block the first took it from, which undoes the fault.
+        self._prune_unreachable()
+        open_refs = {
+            self._stale[f.fault_id][0]
+            for f in self.faults
+            if f.kind == "coherent_wrong_ref" and f.live_blocks
+        }
         for r in self._running():
+            if r.req_id in open_refs:
+                continue
             own = kv.tables[r.req_id].ids
             full = r.num_computed_tokens // bs
             others = [b for b in self._other_live_blocks_of(r.req_id) if b not in own]

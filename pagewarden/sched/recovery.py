@@ -81,6 +81,11 @@ def verify_block_tables(sched: Scheduler) -> list[IntegrityEvent]:
             events.append(IntegrityEvent(kind, req.req_id, ref.block_id, index * bs))
             roll_back(sched, req, index * bs)
             break
+    if events:
+        # As in recover(): a rolled-back entry that named another block than its own
+        # (a coherent wrong ref, then freed under the table) dropped nothing, so its own
+        # block is still counted; count the references the tables really hold.
+        kv.reconcile()
     return events
 
 

@@ -157,6 +157,30 @@ def _params(max_tokens: int, n: int) -> SamplingParams:
         ("fault", "coherent_wrong_ref"),
     ]
 )
+# Found by hypothesis: a wrong ref to a sibling's block that a use after free then
+# freed: the table check rolled both back but left the wrong ref's own block counted.
+@example(
+    ops=[("step", 1)] * 7
+    + [
+        ("add", True, [3], 2, 2),
+        ("step", 1),
+        ("step", 1),
+        ("fault", "coherent_wrong_ref"),
+        ("fault", "use_after_free"),
+    ]
+)
+# Found by hypothesis: a second wrong ref pointed the entry back at its own block.
+@example(
+    ops=[("step", 1)] * 5
+    + [
+        ("add", True, [3], 2, 2),
+        ("step", 1),
+        ("step", 1),
+        ("fault", "open_bitflip"),
+        ("fault", "coherent_wrong_ref"),
+        ("fault", "coherent_wrong_ref"),
+    ]
+)
 # Found by hypothesis: two redirects armed for the same step.
 @example(
     ops=[("add", False, [3], 1, 1)] * 3
