@@ -61,6 +61,27 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def time_case(batch: int, context: int, dtype: torch.dtype, repeats: int):
+    """[(backend, median ms per call)] of one case, the kernel checked against torch."""
+    q, cache, meta, expected = make_case(batch, context, dtype)
+    scale = HEAD_DIM**-0.5
+    torch_ops, cpu = TorchAttention(), cpu_ops.CpuAttention([cache])
+    ref = torch_ops.attend(q, cache, meta, scale)
+    err = (ref.float() - cpu.attend(q, cache, meta, scale).float()).abs().max().item()
+    assert err < (1e-5 if dtype == torch.float32 else 3e-2), f"kernel differs by {err}"
+
+    def tagged():
+        meta.read_checks = allocate_read_checks(expected, meta.max_blocks, N_KV, False)
+        cpu.attend(q, cache, meta, scale)
+        meta.read_checks = None
+
+    return [
+        ("torch", median_ms(lambda: torch_ops.attend(q, cache, meta, scale), repeats)),
+        ("cpu", median_ms(lambda: cpu.attend(q, cache, meta, scale), repeats)),
+        ("cpu+tags", median_ms(tagged, repeats)),
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", nargs="+", default=["64x192", "1x256"], help="BATCHxCONTEXT")
@@ -71,29 +92,11 @@ def main() -> None:
         raise SystemExit(f"cpu attention extension unavailable: {cpu_ops.unavailable_reason()}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"{'case':>8} {'dtype':>9} {'backend':>9} {'ms/call':>9} {'vs torch':>9}")
-    scale = HEAD_DIM**-0.5
     for case in args.cases:
         batch, context = (int(x) for x in case.split("x"))
         for name in args.dtypes:
-            dtype = getattr(torch, name)
-            q, cache, meta, expected = make_case(batch, context, dtype)
-            torch_ops, cpu = TorchAttention(), cpu_ops.CpuAttention([cache])
-            ref = torch_ops.attend(q, cache, meta, scale)
-            got = cpu.attend(q, cache, meta, scale)
-            err = (ref.float() - got.float()).abs().max().item()
-            assert err < (1e-5 if dtype == torch.float32 else 3e-2), f"kernel differs by {err}"
-
-            def tagged():
-                meta.read_checks = allocate_read_checks(expected, meta.max_blocks, N_KV, False)
-                cpu.attend(q, cache, meta, scale)
-                meta.read_checks = None
-
-            base = median_ms(lambda: torch_ops.attend(q, cache, meta, scale), args.repeats)
-            rows = [
-                ("torch", base),
-                ("cpu", median_ms(lambda: cpu.attend(q, cache, meta, scale), args.repeats)),
-                ("cpu+tags", median_ms(tagged, args.repeats)),
-            ]
+            rows = time_case(batch, context, getattr(torch, name), args.repeats)
+            base = rows[0][1]
             for backend, ms in rows:
                 print(f"{case:>8} {name:>9} {backend:>9} {ms:9.3f} {base / ms:8.2f}x")
 

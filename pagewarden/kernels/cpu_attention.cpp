@@ -12,27 +12,34 @@
 //
 // decode_attention: each row r is a sequence with one new token at flat token
 // seq_info[0, r], which attends to the n = context + 1 keys at positions [0, n), key p
-// stored at slot tables[r, p / bs] * bs + p % bs. Work items are (row, kv head, split):
-// the G = n_heads / n_kv query heads of a kv head share every K/V row loaded (grouped-query
-// attention without repeats), and when rows * n_kv is too few to keep every thread busy
-// the key range is split into runs of whole blocks (flash-decoding) whose partial
-// results a second pass merges. Loop order inside an item: over its logical blocks lb;
-// per block, K rows -> float32, the (G, bs) scores, one online-softmax rescale per head,
-// then V rows -> float32 accumulated with the probabilities. All arithmetic is float32;
-// the inner loops over D and over the block's scores are plain loops that gcc
-// vectorises (-O3 -march=native), bfloat16 widened in the loop.
+// stored at slot tables[r, p / bs] * bs + p % bs. Work items are (row, split), one per
+// thread at a time: when the rows are too few to keep every thread busy, each row's key
+// range is split into runs of whole blocks (flash-decoding) whose partial results a
+// second pass merges. Loop order inside an item: over its logical blocks lb, each read
+// in place through tables[r, lb] (no gathered copy; the next block prefetched); per
+// block, all bs * n_kv * D K values -> float32 at once (contiguous), then per kv head the
+// (G, bs) scores of its G = n_heads / n_kv query heads (grouped-query attention: the G
+// heads share every K/V row loaded, nothing is repeated), one online-softmax rescale per
+// head, then V -> float32 and accumulated with the probabilities. All arithmetic is
+// float32 (bfloat16 widened as it is read, the output rounded once). The inner loops are
+// written with gcc vector types of 16 floats (one AVX-512 register; gcc splits them into
+// two AVX2 ones where that is all the CPU has, -march=native) or as plain loops gcc
+// vectorises.
 //
-// check_reads: the same checks without attention, for rows the torch path computes.
+// check_reads: the same checks without attention, for rows the torch path computes:
+// tags of positions [0, context + query), checksums of positions [0, context).
 //
 // Checks (when their tensors are given), through the very block id the K/V are read
 // with, never raised here:
 //   tags       each position p read must hold expected[r, p] in slot_tags[slot];
-//              a mismatch sets tag_faults[r, lb] = 1 (kv head 0's items compare).
-//   checksums  each block read adds its kv head's share of the content checksum of
+//              a mismatch sets tag_faults[r, lb] = 1.
+//   checksums  each block read adds each kv head's share of the content checksum of
 //              worker/integrity.py to read_sums[r, kv_head, lb]: the slot rows as signed
 //              32-bit limbs times limb_keys[K/V, limb], times offset_keys[o], summed
-//              mod 2^64; summed over kv heads and layers it is the block checksum.
-//              Only positions below `sum_limit` (the cached context) are summed.
+//              mod 2^64; summed over kv heads and layers it is the block checksum. A
+//              block's (row, lb) entry is written by one item only, so no atomics.
+// A block id outside [0, num_blocks) stops the item and raises after the loop, as
+// torch's own gathers would.
 //
 // models/paged_attention.py (plain torch) is the reference the tests compare with.
 

@@ -31,6 +31,7 @@ from types import ModuleType
 
 import torch
 
+from pagewarden.kernels.backend import AttentionBackendError
 from pagewarden.models.paged_attention import (
     AttentionMetadata,
     _chunked,
@@ -43,7 +44,7 @@ logger = logging.getLogger("pagewarden.kernels")
 
 _SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-# Work items (row, kv head) per thread below which the key range is split as well.
+# Work items (row, split) per thread below which each row's key range is split.
 _ITEMS_PER_THREAD = 4
 _MIN_BLOCKS_PER_SPLIT = 2
 
@@ -93,8 +94,8 @@ def unavailable_reason() -> str | None:
     return _error
 
 
-def choose_num_splits(num_rows: int, num_kv_heads: int, max_blocks: int) -> int:
-    """Split the key range only when (row, kv head) items leave threads idle."""
+def choose_num_splits(num_rows: int, max_blocks: int) -> int:
+    """Split each row's key range only when the rows alone leave threads idle."""
     wanted = -(-_ITEMS_PER_THREAD * torch.get_num_threads() // num_rows)
     return max(1, min(wanted, max_blocks // _MIN_BLOCKS_PER_SPLIT))
 
@@ -116,7 +117,13 @@ class CpuAttention:
         # int64: the checksum keys of worker/integrity.py; None when checksums are off.
         ext = load_extension()
         if ext is None:
-            raise RuntimeError(f"the cpu attention extension is unavailable: {_error}")
+            raise AttentionBackendError(f"the cpu attention extension is unavailable: {_error}")
+        dtype = caches[0].dtype
+        if dtype not in (torch.float32, torch.bfloat16) or caches[0].device.type != "cpu":
+            raise AttentionBackendError(
+                f"attention backend 'cpu' reads float32 or bfloat16 caches in host memory, "
+                f"not {dtype} on {caches[0].device}; use --attention-backend torch"
+            )
         self._ext = ext
         self._layer_of = {cache.data_ptr(): i for i, cache in enumerate(caches)}
         self.limb_keys = limb_keys
@@ -160,19 +167,16 @@ class CpuAttention:
         if self._rows is None or self._rows[0] is not meta:
             decode = [i for i, n in enumerate(meta.query_lens) if n == 1]
             other = [i for i, n in enumerate(meta.query_lens) if n != 1]
-            as_tensor = lambda rows: torch.tensor(rows, dtype=torch.int64)  # noqa: E731
-            self._rows = (meta, as_tensor(decode), as_tensor(other))
+            self._rows = (meta, _int64(decode), _int64(other))
         return self._rows[1], self._rows[2]
 
     def _decode(self, q, cache, meta: AttentionMetadata, rows, scale: float, out) -> None:
         """Writes the decode tokens' rows of ``out`` (T, n_heads, D)."""
-        if cache.dtype not in (torch.float32, torch.bfloat16):
-            raise TypeError(f"the cpu attention kernel reads float32 or bfloat16, not {cache.dtype}")
         # A wider q is cast down to the cache's dtype, as the torch path does.
         qc = q if q.dtype == cache.dtype else q.to(cache.dtype)
         target = out if out.dtype == cache.dtype else torch.empty_like(qc)
         tables = meta.block_index.view(meta.num_seqs, meta.max_blocks)  # (S, max_blocks)
-        splits = choose_num_splits(rows.numel(), cache.shape[3], meta.decode.max_blocks)
+        splits = choose_num_splits(rows.numel(), meta.decode.max_blocks)
         self._ext.decode_attention(
             qc, cache, tables, meta.seq_info, rows, scale, target,
             *self._check_args(cache, meta), splits,
@@ -200,6 +204,10 @@ class CpuAttention:
             layer = self._layer_of[cache.data_ptr()]
             args[3:] = [checks.read_sums, self.limb_keys[layer], self.offset_keys]
         return args
+
+
+def _int64(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
 
 
 def _put(out: torch.Tensor, index: torch.Tensor | None, part: torch.Tensor) -> None:

@@ -89,9 +89,9 @@ def test_a_wider_query_is_cast_to_the_cache_dtype_as_the_torch_path_does():
 
 def test_split_choice_keeps_threads_busy_without_tiny_splits():
     threads = torch.get_num_threads()
-    assert cpu_ops.choose_num_splits(64, 3, 13) == 1
-    assert cpu_ops.choose_num_splits(1, 3, 16) == min(4 * threads, 8)
-    assert cpu_ops.choose_num_splits(1, 3, 1) == 1
+    assert cpu_ops.choose_num_splits(64, 13) == 1
+    assert cpu_ops.choose_num_splits(1, 16) == min(4 * threads, 8)
+    assert cpu_ops.choose_num_splits(1, 1) == 1
 
 
 def _read(step, checksums: bool = True):
