@@ -91,3 +91,14 @@ def test_wrong_slot_tag_in_a_reused_block_is_caught_by_the_kernels_tag_check(
     prompt = prefix + [9, 10]
     assert run_engine(llm, [prompt], 3) == hf_greedy(tiny_llama_dir, [prompt], 3)
     assert llm.stats().integrity.failures == {("slot_tag", "read"): 1}
+
+
+def test_the_cli_flag_selects_the_cpu_backend():
+    import argparse
+
+    from pagewarden.engine.args import add_engine_args, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    cfg = engine_config(parser.parse_args(["--attention-backend", "cpu", "--device", "cpu"]))
+    assert cfg.resolved_attention_backend == "cpu"
