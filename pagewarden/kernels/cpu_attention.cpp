@@ -371,8 +371,9 @@ void decode_impl(const at::Tensor& q, const at::Tensor& cache, const at::Tensor&
   });
   TORCH_CHECK(bad_block.load() == 0, "block table entry ", bad_block.load(),
               " out of range [0, ", s.num_blocks, ")");
-  // Merge the splits of each (row, head) and normalise.
-  at::parallel_for(0, num_rows * H, 1, [&](int64_t begin, int64_t end) {
+  // Merge the splits of each (row, head) and normalise: a few hundred floats per row, so
+  // threads only for large batches (waking them costs more than a small merge).
+  at::parallel_for(0, num_rows * H, 256, [&](int64_t begin, int64_t end) {
     std::vector<float> o(D);
     for (int64_t ri = begin; ri < end; ++ri) {
       const int64_t i = ri / H, head = ri % H;
