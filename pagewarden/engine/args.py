@@ -10,6 +10,7 @@ import argparse
 from dataclasses import fields
 
 from pagewarden.engine.config import EngineConfig
+from pagewarden.kernels.backend import ATTENTION_BACKENDS
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -194,9 +195,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--attention-backend",
         default=None,
-        choices=("torch", "triton"),
-        help="attention kernels (default: triton on cuda, torch on cpu; triton on cpu "
-        "needs TRITON_INTERPRET=1 and is for tests only)",
+        choices=ATTENTION_BACKENDS,
+        help="attention kernels (default: triton on cuda, torch on cpu; cpu: the C++ "
+        "decode kernel, compiled on first use; triton on cpu needs TRITON_INTERPRET=1 and "
+        "is for tests only)",
     )
     parser.add_argument(
         "--gpu-memory-utilization",

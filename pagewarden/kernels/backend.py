@@ -4,6 +4,8 @@
 ``triton``: the kernels of this package. On CUDA they are compiled; on CPU they run only
 through Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is imported),
 which is for tests: it is orders of magnitude slower than the torch path.
+``cpu``: the C++ kernel of ``cpu_attention.cpp`` for decode on CPU caches (``cpu_ops.py``),
+compiled on first use; it needs a C++ compiler and the ninja build tool.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-ATTENTION_BACKENDS: tuple[str, ...] = ("torch", "triton")
+ATTENTION_BACKENDS: tuple[str, ...] = ("torch", "triton", "cpu")
 
 
 class AttentionBackendError(ValueError):
@@ -31,6 +33,8 @@ def check_backend(name: str, device_type: str) -> None:
         raise AttentionBackendError(
             f"attention backend {name!r} is not one of {', '.join(ATTENTION_BACKENDS)}"
         )
+    if name == "cpu":
+        _check_cpu(device_type)
     if name != "triton":
         return
     if importlib.util.find_spec("triton") is None:
@@ -48,4 +52,20 @@ def check_backend(name: str, device_type: str) -> None:
         raise AttentionBackendError(
             f"attention backend 'triton' runs on cuda (or cpu under TRITON_INTERPRET=1), "
             f"not {device_type}"
+        )
+
+
+def _check_cpu(device_type: str) -> None:
+    if device_type != "cpu":
+        raise AttentionBackendError(
+            f"attention backend 'cpu' reads caches in host memory, not on {device_type}; "
+            "use --attention-backend triton or torch there"
+        )
+    from pagewarden.kernels import cpu_ops  # builds the extension on first use
+
+    reason = cpu_ops.unavailable_reason()
+    if reason is not None:
+        raise AttentionBackendError(
+            f"attention backend 'cpu' could not build its C++ extension ({reason}); "
+            "install g++ and ninja, or use --attention-backend torch"
         )

@@ -1,12 +1,13 @@
 """Glue between ``KVGuard`` and an attention kernel that checks what it reads.
 
-With the Triton backend the attention kernel compares slot tags and (in ``strict``)
+With the Triton and cpu backends the attention kernel compares slot tags and (in ``strict``)
 accumulates block checksums as it reads K/V (``kernels/paged_attention.py``). This module
 builds the kernel's inputs from the guard's state and turns its per-block outputs back
 into the guard's terms:
 
 * ``element_keys``: the checksum keys of ``worker/integrity.py`` spread over elements
   (each element takes the key of the 32-bit limb it sits in), one row per layer and K/V;
+  ``limb_keys``: the same keys per limb, for kernels that read 32-bit limbs;
 * ``allocate_read_checks``: one step's expected tags (S, kv_len) and output tensors
   (``models/paged_attention.ReadChecks``), shared by every layer's kernel call;
 * ``tag_fault_blocks`` / ``checksum_fault_blocks``: which (sequence, logical block) reads
@@ -33,6 +34,15 @@ def element_keys(caches: list[torch.Tensor]) -> torch.Tensor:
     limbs = _limb_keys(len(caches), row * elem // 4, caches[0].device)  # (L, 2, limbs)
     index = torch.arange(row, device=caches[0].device) * elem // 4  # limb of each element
     return limbs[:, :, index].contiguous()
+
+
+def limb_keys(caches: list[torch.Tensor]) -> torch.Tensor:
+    """(num_layers, 2, limbs per slot row) int64: the key of each 32-bit limb of a slot row
+    (for kernels that read the cache as limbs, as ``cpu_attention.cpp`` does)."""
+    _, _, _, n_kv, head_dim = caches[0].shape
+    row_bytes = n_kv * head_dim * caches[0].element_size()
+    assert row_bytes % 4 == 0, f"a slot row has {row_bytes} bytes; 32-bit limbs need 4k"
+    return _limb_keys(len(caches), row_bytes // 4, caches[0].device)
 
 
 def offset_keys(block_size: int, device: torch.device) -> torch.Tensor:

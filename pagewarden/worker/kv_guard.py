@@ -23,7 +23,7 @@ as the K/V (``meta.slot_mapping``) and read through the same index tensor as att
 tables, the runner's lists) takes part in a placement check. A kernel that reads and
 writes the cache only through the metadata's two indices is covered without change.
 
-Fused reads (``fused_reads``, the Triton backend): ``bind`` also hands the kernel each
+Fused reads (``fused_reads``, the Triton and cpu backends): ``bind`` also hands the kernel each
 request's expected tags (``meta.read_checks``); the attention kernel compares every slot
 it reads through ``meta.block_index`` and, in ``strict``, sums each block's checksum as
 it reads it. ``after_write`` turns its per-block verdicts into the same ``KVFault``s

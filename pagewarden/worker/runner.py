@@ -8,7 +8,7 @@ from pagewarden.models.llama import LlamaForCausalLM
 from pagewarden.models.paged_attention import AttentionMetadata
 from pagewarden.sched.output import KVFault, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagewarden.worker.cpu_threads import StepThreads
-from pagewarden.worker.fused_checks import element_keys, offset_keys
+from pagewarden.worker.fused_checks import element_keys, limb_keys, offset_keys
 from pagewarden.worker.kv_guard import KVGuard
 from pagewarden.worker.kv_store import KVStore
 from pagewarden.worker.sampler import Sampler, SamplingRow
@@ -52,6 +52,8 @@ class ModelRunner:
         )
         if attention_backend == "triton":
             self._use_triton()
+        elif attention_backend == "cpu":
+            self._use_cpu()
         # Fault injection's hook into the step (``pagewarden.faults``); None in service.
         self.step_hooks: StepHooks | None = None
         # Sampling runs where the logits are; only the sampled token ids come back.
@@ -67,6 +69,18 @@ class ModelRunner:
         if self.guard.sums_on:
             keys = (element_keys(caches), offset_keys(self.kv_store.shape.block_size, self.device))
         self.model.set_attention_ops(TritonAttention(caches, *(keys or (None, None))))
+        self.guard.fused_reads = self.guard.tags_on
+
+    def _use_cpu(self) -> None:
+        """Decode attention through the C++ kernel, which checks tags (and, strict,
+        checksums) as it reads; the other rows' reads are checked by the backend too."""
+        from pagewarden.kernels.cpu_ops import CpuAttention  # compiles on first use
+
+        caches = self.kv_store.caches
+        keys = None
+        if self.guard.sums_on:
+            keys = (limb_keys(caches), offset_keys(self.kv_store.shape.block_size, self.device))
+        self.model.set_attention_ops(CpuAttention(caches, *(keys or (None, None))))
         self.guard.fused_reads = self.guard.tags_on
 
     @torch.inference_mode()

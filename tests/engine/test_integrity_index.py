@@ -28,7 +28,7 @@ def loaded(tiny_llama_dir):
     return load_model(tiny_llama_dir, torch.float32)
 
 
-def _engine(loaded, integrity: str) -> EngineCore:
+def _engine(loaded, integrity: str, backend: str = "torch") -> EngineCore:
     config = EngineConfig(
         model="tiny",
         dtype="float32",
@@ -37,6 +37,7 @@ def _engine(loaded, integrity: str) -> EngineCore:
         integrity=integrity,
         enable_prefix_caching=False,
         seed=0,
+        attention_backend=backend,
     )
     return EngineCore(config, loaded)
 
@@ -61,6 +62,7 @@ class _OneCall(StepHooks):
         if self.calls != self.at:
             return
         reqs = out.requests
+        self.decode_step = list(reqs)
         k = next(i for i, r in enumerate(reqs) if r.positions.start >= 2 * BLOCK)
         victim = next(r for i, r in enumerate(reqs) if i != k and r.positions.start >= BLOCK)
         target = victim.block_table[0]
@@ -81,8 +83,10 @@ class _OneCall(StepHooks):
         self.steps.append((list(result.faults), {u.req_id for u in updates}))
 
 
-def _run(loaded, integrity: str, at: int | None = None, which: str = "block_index"):
-    engine = _engine(loaded, integrity)
+def _run(
+    loaded, integrity: str, at: int | None = None, which: str = "block_index", backend="torch"
+):
+    engine = _engine(loaded, integrity, backend)
     hooks = _OneCall(engine, at, which) if at is not None else None
     engine.install_hooks(hooks)
     for i, (ids, params) in enumerate(_workload()):
@@ -121,6 +125,27 @@ def test_slot_mapping_redirect_for_one_call_is_caught_in_that_step(loaded, clean
     (fault,) = [f for f in faults if f.kind == "slot_mapping"]
     assert fault.found_by == "write"
     assert {old, target} <= set(fault.block_ids)  # where it should have gone, and went
+    assert rid not in sampled
+    assert outputs == clean
+    assert engine.stats().used_blocks == 0 and engine.scheduler.check_invariants() == []
+
+
+@pytest.mark.parametrize("level", ["audit", "strict"])
+def test_block_index_redirect_in_a_decode_step_is_caught_by_the_cpu_kernel(loaded, clean, level):
+    """The cpu backend reads decode K/V through the redirected entry itself and compares
+    the tags there in the same loop; the fault is the kernel's (no after-step re-check)."""
+    from pagewarden.kernels import cpu_ops
+
+    if cpu_ops.load_extension() is None:
+        pytest.skip(f"cpu attention extension unavailable: {cpu_ops.unavailable_reason()}")
+    engine, hooks, outputs = _run(loaded, level, at=4, which="block_index", backend="cpu")
+    assert engine.runner.guard.fused_reads
+    assert all(r.positions.start > 0 and len(r.positions) == 1 for r in hooks.decode_step)
+    rid, old, target = hooks.altered
+    faults, sampled = hooks.steps[3]
+    (fault,) = [f for f in faults if f.kind == "slot_tag"]
+    assert fault.found_by == "read" and "attention kernel" in fault.detail
+    assert target in fault.block_ids and rid in fault.rollback
     assert rid not in sampled
     assert outputs == clean
     assert engine.stats().used_blocks == 0 and engine.scheduler.check_invariants() == []

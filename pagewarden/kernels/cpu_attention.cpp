@@ -1,0 +1,471 @@
+// Paged decode attention for CPU, reading K/V in place through the block tables, with
+// the read checks of the guard fused into the same loop.
+//
+// Layouts (one layer; T = the step's new tokens, S = its sequences):
+//
+//     q, out        (T, n_heads, D)      the cache's dtype (float32 or bfloat16); out
+//                                        contiguous, q's tokens may be strided
+//     cache         (2, num_blocks, bs, n_kv, D) contiguous; 0 = K, 1 = V
+//     tables        (S, max_blocks) int64  the step's padded block tables (meta.block_index)
+//     seq_info      (3, S) int32           first token, query length, context length
+//     rows          (S_b,) int64           the rows of tables / seq_info this call computes
+//
+// decode_attention: each row r is a sequence with one new token at flat token
+// seq_info[0, r], which attends to the n = context + 1 keys at positions [0, n), key p
+// stored at slot tables[r, p / bs] * bs + p % bs. Work items are (row, split), one per
+// thread at a time: when the rows are too few to keep every thread busy, each row's key
+// range is split into runs of whole blocks (flash-decoding) whose partial results a
+// second pass merges. Loop order inside an item: over its logical blocks lb, each read
+// in place through tables[r, lb] (no gathered copy; the next block prefetched); per
+// block, all bs * n_kv * D K values -> float32 at once (contiguous), then per kv head the
+// (G, bs) scores of its G = n_heads / n_kv query heads (grouped-query attention: the G
+// heads share every K/V row loaded, nothing is repeated), one online-softmax rescale per
+// head, then V -> float32 and accumulated with the probabilities. All arithmetic is
+// float32 (bfloat16 widened as it is read, the output rounded once). The inner loops are
+// written with gcc vector types of 16 floats (one AVX-512 register; gcc splits them into
+// two AVX2 ones where that is all the CPU has, -march=native) or as plain loops gcc
+// vectorises.
+//
+// check_reads: the same checks without attention, for rows the torch path computes:
+// tags of positions [0, context + query), checksums of positions [0, context).
+//
+// Checks (when their tensors are given), through the very block id the K/V are read
+// with, never raised here:
+//   tags       each position p read must hold expected[r, p] in slot_tags[slot];
+//              a mismatch sets tag_faults[r, lb] = 1.
+//   checksums  each block read adds each kv head's share of the content checksum of
+//              worker/integrity.py to read_sums[r, kv_head, lb]: the slot rows as signed
+//              32-bit limbs times limb_keys[K/V, limb], times offset_keys[o], summed
+//              mod 2^64; summed over kv heads and layers it is the block checksum. A
+//              block's (row, lb) entry is written by one item only, so no atomics.
+// A block id outside [0, num_blocks) stops the item and raises after the loop, as
+// torch's own gathers would.
+//
+// models/paged_attention.py (plain torch) is the reference the tests compare with.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using bf16_bits = uint16_t;
+
+// Widen n values to float32 (a bfloat16 is the top half of a float32).
+inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
+inline void to_float(const bf16_bits* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(uint32_t(src[i]) << 16);
+}
+
+inline void store(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * 4); }
+inline void store(bf16_bits* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    c10::BFloat16 b(src[i]);  // round to nearest even, as torch's casts do
+    dst[i] = b.x;
+  }
+}
+
+// exp(x) for x <= 0 in float32, branch-free so that loops over it vectorise:
+// x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial (~2 ulp).
+inline float exp_nonpos(float x) {
+  x = x > -87.0f ? x : -87.0f;
+  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round: 1.5 * 2^23 trick
+  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  float p = 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  return p * std::bit_cast<float>((int32_t(n) + 127) << 23);
+}
+
+// 16 floats: one AVX-512 register, two AVX2 ones (gcc splits it where needed).
+using f32x16 = float __attribute__((vector_size(64)));
+constexpr int64_t W = 16;
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+
+// The sum of the 16 lanes, as a tree of halvings (4 adds deep, not 15).
+inline float hsum(f32x16 v) {
+  using f32x8 = float __attribute__((vector_size(32)));
+  using f32x4 = float __attribute__((vector_size(16)));
+  const f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) +
+                  __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// sc[g, o] = q[g] . k[o] for the block's cnt keys (k row o at k + o * ks): the D products
+// of each pair summed in W lanes, the lanes added once per (g, o).
+inline void scores(const float* q, const float* k, int64_t ks, float* sc, int64_t G, int64_t D,
+                   int64_t bs, int64_t cnt) {
+  if (D % W != 0) {
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t o = 0; o < cnt; ++o) sc[g * bs + o] = dot(q + g * D, k + o * ks, D);
+    return;
+  }
+  for (int64_t o = 0; o < cnt; ++o)
+    for (int64_t g = 0; g < G; ++g) {
+      const float *qg = q + g * D, *ko = k + o * ks;
+      f32x16 lanes = load16(qg) * load16(ko);
+      for (int64_t d = W; d < D; d += W) lanes += load16(qg + d) * load16(ko + d);
+      sc[g * bs + o] = hsum(lanes);
+    }
+}
+
+// acc[g] += sum_o p[g, o] * v[o] (v row o at v + o * vs), W columns at a time held in a
+// register across the keys.
+inline void accumulate(const float* p, const float* v, int64_t vs, float* acc, int64_t G,
+                       int64_t D, int64_t bs, int64_t cnt) {
+  if (D % W != 0) {
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t o = 0; o < cnt; ++o)
+        for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p[g * bs + o] * v[o * vs + d];
+    return;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* ag = acc + g * D;
+    const float* pg = p + g * bs;
+    int64_t d = 0;
+    for (; d + 4 * W <= D; d += 4 * W) {  // four independent sums hide the FMA latency
+      f32x16 a0 = load16(ag + d), a1 = load16(ag + d + W);
+      f32x16 a2 = load16(ag + d + 2 * W), a3 = load16(ag + d + 3 * W);
+      for (int64_t o = 0; o < cnt; ++o) {
+        const float* vo = v + o * vs + d;
+        a0 += pg[o] * load16(vo);
+        a1 += pg[o] * load16(vo + W);
+        a2 += pg[o] * load16(vo + 2 * W);
+        a3 += pg[o] * load16(vo + 3 * W);
+      }
+      store16(ag + d, a0);
+      store16(ag + d + W, a1);
+      store16(ag + d + 2 * W, a2);
+      store16(ag + d + 3 * W, a3);
+    }
+    for (; d < D; d += W) {
+      f32x16 a = load16(ag + d);
+      for (int64_t o = 0; o < cnt; ++o) a += pg[o] * load16(v + o * vs + d);
+      store16(ag + d, a);
+    }
+  }
+}
+
+struct Shape {
+  int64_t num_blocks, bs, n_kv, D, G, max_blocks, row_elems;
+};
+
+// Optional check tensors, as raw pointers (null when that check is off).
+struct Checks {
+  const int64_t* slot_tags = nullptr;
+  const int64_t* expected = nullptr;  // (S, exp_stride)
+  int64_t exp_stride = 0;
+  int32_t* tag_faults = nullptr;  // (S, max_blocks)
+  int64_t* read_sums = nullptr;   // (S, n_kv, max_blocks)
+  const int64_t* limb_keys = nullptr;    // (2, limbs per slot row)
+  const int64_t* offset_keys = nullptr;  // (bs,)
+};
+
+// Tag compare of block lb of row r, positions [p0, p1).
+inline void check_tags(const Checks& c, const Shape& s, int64_t r, int64_t lb, int64_t blk,
+                       int64_t p0, int64_t p1) {
+  const int64_t* want = c.expected + r * c.exp_stride;
+  bool bad = false;
+  for (int64_t p = p0; p < p1; ++p) bad |= c.slot_tags[blk * s.bs + p % s.bs] != want[p];
+  if (bad) c.tag_faults[r * s.max_blocks + lb] = 1;
+}
+
+// Kv head h's share of block blk's checksum over offsets [0, n), added to read_sums.
+inline void add_checksum(const Checks& c, const Shape& s, const void* cache, int64_t elem,
+                         int64_t r, int64_t h, int64_t lb, int64_t blk, int64_t n) {
+  const int64_t row_limbs = s.row_elems * elem / 4, head_limbs = s.D * elem / 4;
+  const int32_t* limbs = static_cast<const int32_t*>(cache);
+  const uint64_t* kk = reinterpret_cast<const uint64_t*>(c.limb_keys) + h * head_limbs;
+  const uint64_t* kv = kk + row_limbs;
+  uint64_t total = 0;
+  for (int64_t o = 0; o < n; ++o) {
+    const int64_t slot = blk * s.bs + o;
+    const int32_t* k = limbs + slot * row_limbs + h * head_limbs;
+    const int32_t* v = k + s.num_blocks * s.bs * row_limbs;
+    uint64_t slot_sum = 0;
+    for (int64_t j = 0; j < head_limbs; ++j)  // int64 products wrap: arithmetic mod 2^64
+      slot_sum += uint64_t(int64_t(k[j])) * kk[j] + uint64_t(int64_t(v[j])) * kv[j];
+    total += slot_sum * uint64_t(c.offset_keys[o]);
+  }
+  uint64_t* out = reinterpret_cast<uint64_t*>(c.read_sums) + (r * s.n_kv + h) * s.max_blocks + lb;
+  *out += total;
+}
+
+// Ask for block `blk`'s K and V ahead of their use: blocks sit anywhere in the cache, so
+// the hardware prefetcher cannot guess the next one.
+template <typename T>
+inline void prefetch_block(const T* cache, int64_t blk, const Shape& s, int64_t v_offset) {
+  if (blk < 0 || blk >= s.num_blocks) return;
+  const char* k = reinterpret_cast<const char*>(cache + blk * s.bs * s.row_elems);
+  const char* v = reinterpret_cast<const char*>(cache + blk * s.bs * s.row_elems + v_offset);
+  for (int64_t b = 0; b < int64_t(s.bs * s.row_elems * sizeof(T)); b += 64) {
+    __builtin_prefetch(k + b);
+    __builtin_prefetch(v + b);
+  }
+}
+
+// One work item: row r's logical blocks [lb0, lb1) of its n keys, every kv head. Leaves
+// the unnormalised accumulator acc (n_heads, D), running max m and sum l (n_heads).
+// Whole blocks are widened at once (bs * n_kv * D contiguous elements); then each kv
+// head's G query heads score and accumulate against its D columns of those rows.
+template <typename T>
+void attend_item(const T* q, const T* cache, const int64_t* table, const Shape& s, float scale,
+                 int64_t n, int64_t lb0, int64_t lb1, float* acc, float* m, float* l,
+                 float* buf, std::atomic<int64_t>& bad_block) {
+  const int64_t G = s.G, D = s.D, bs = s.bs, H = s.n_kv * G, row = s.row_elems;
+  float* qf = buf;          // (H, D) scaled queries
+  float* kv = qf + H * D;   // (bs, n_kv, D) one block's K, then its V, in float32
+  float* sc = kv + bs * row;  // (H, bs) scores, then probabilities
+  to_float(q, qf, H * D);
+  for (int64_t i = 0; i < H * D; ++i) qf[i] *= scale;
+  std::fill(acc, acc + H * D, 0.f);
+  std::fill(m, m + H, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + H, 0.f);
+  const int64_t v_offset = s.num_blocks * bs * row;
+  for (int64_t lb = lb0; lb < lb1; ++lb) {
+    const int64_t blk = table[lb];
+    if (blk < 0 || blk >= s.num_blocks) {
+      bad_block.store(blk);
+      return;
+    }
+    const int64_t cnt = std::min(bs, n - lb * bs);
+    const T* k_rows = cache + blk * bs * row;
+    if (lb + 1 < lb1) prefetch_block(cache, table[lb + 1], s, v_offset);
+    to_float(k_rows, kv, cnt * row);
+    for (int64_t h = 0; h < s.n_kv; ++h)
+      scores(qf + h * G * D, kv + h * D, row, sc + h * G * bs, G, D, bs, cnt);
+    for (int64_t i = 0; i < H; ++i) {  // online softmax, one rescale per head and block
+      float* si = sc + i * bs;
+      float mx = m[i];
+      for (int64_t o = 0; o < cnt; ++o) mx = si[o] > mx ? si[o] : mx;
+      const float alpha = exp_nonpos(m[i] - mx);  // 0 on the first block (m = -inf)
+      m[i] = mx;
+      for (int64_t o = 0; o < cnt; ++o) si[o] = exp_nonpos(si[o] - mx);
+      float sum = 0.f;
+      for (int64_t o = 0; o < cnt; ++o) sum += si[o];
+      l[i] = l[i] * alpha + sum;
+      float* ai = acc + i * D;
+      for (int64_t d = 0; d < D; ++d) ai[d] *= alpha;
+    }
+    to_float(k_rows + v_offset, kv, cnt * row);
+    for (int64_t h = 0; h < s.n_kv; ++h)
+      accumulate(sc + h * G * bs, kv + h * D, row, acc + h * G * D, G, D, bs, cnt);
+  }
+}
+
+Checks read_checks(const c10::optional<at::Tensor>& slot_tags,
+                   const c10::optional<at::Tensor>& expected,
+                   const c10::optional<at::Tensor>& tag_faults,
+                   const c10::optional<at::Tensor>& read_sums,
+                   const c10::optional<at::Tensor>& limb_keys,
+                   const c10::optional<at::Tensor>& offset_keys, const Shape& s,
+                   int64_t num_seqs, int64_t elem) {
+  Checks c;
+  if (slot_tags.has_value()) {
+    TORCH_CHECK(expected.has_value() && tag_faults.has_value(), "tag checks need all three");
+    TORCH_CHECK(slot_tags->is_contiguous() && slot_tags->numel() == s.num_blocks * s.bs);
+    TORCH_CHECK(expected->dim() == 2 && expected->stride(1) == 1 &&
+                expected->size(0) == num_seqs);
+    TORCH_CHECK(tag_faults->is_contiguous() && tag_faults->scalar_type() == at::kInt &&
+                tag_faults->size(0) == num_seqs && tag_faults->size(1) == s.max_blocks);
+    c.slot_tags = slot_tags->data_ptr<int64_t>();
+    c.expected = expected->data_ptr<int64_t>();
+    c.exp_stride = expected->stride(0);
+    c.tag_faults = tag_faults->data_ptr<int32_t>();
+  }
+  if (read_sums.has_value()) {
+    TORCH_CHECK(limb_keys.has_value() && offset_keys.has_value(), "checksums need keys");
+    TORCH_CHECK(read_sums->is_contiguous() && read_sums->size(0) == num_seqs &&
+                read_sums->size(1) == s.n_kv && read_sums->size(2) == s.max_blocks);
+    TORCH_CHECK(limb_keys->is_contiguous() && offset_keys->numel() == s.bs);
+    TORCH_CHECK(s.D * elem % 4 == 0, "checksums read 32-bit limbs of each head's row");
+    TORCH_CHECK(limb_keys->numel() == 2 * s.row_elems * elem / 4, "one key per limb, K and V");
+    c.read_sums = read_sums->data_ptr<int64_t>();
+    c.limb_keys = limb_keys->data_ptr<int64_t>();
+    c.offset_keys = offset_keys->data_ptr<int64_t>();
+  }
+  return c;
+}
+
+Shape shape_of(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables) {
+  TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous(),
+              "cache must be contiguous (2, num_blocks, bs, n_kv, D)");
+  TORCH_CHECK(tables.dim() == 2 && tables.is_contiguous() && tables.scalar_type() == at::kLong);
+  Shape s;
+  s.num_blocks = cache.size(1);
+  s.bs = cache.size(2);
+  s.n_kv = cache.size(3);
+  s.D = cache.size(4);
+  s.max_blocks = tables.size(1);
+  s.row_elems = s.n_kv * s.D;
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == s.D && q.size(1) % s.n_kv == 0);
+  s.G = q.size(1) / s.n_kv;
+  return s;
+}
+
+template <typename T>
+void decode_impl(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
+                 const at::Tensor& seq_info, const at::Tensor& rows, double scale,
+                 at::Tensor& out, const Checks& checks, const Shape& s, int64_t num_splits) {
+  const int64_t num_rows = rows.numel(), D = s.D, bs = s.bs, H = s.n_kv * s.G;
+  const int64_t num_seqs = tables.size(0);
+  const int64_t* row_of = rows.data_ptr<int64_t>();
+  const int32_t* info = seq_info.data_ptr<int32_t>();  // (3, S)
+  const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+  T* op = reinterpret_cast<T*>(out.data_ptr());
+  const T* cp = reinterpret_cast<const T*>(cache.data_ptr());
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t elem = cache.element_size(), q_stride = q.stride(0);
+  const int64_t per_split = (s.max_blocks + num_splits - 1) / num_splits;
+  // Partial results of every (row, split) item: acc (H, D), m (H), l (H).
+  const int64_t items = num_rows * num_splits, part = H * D + 2 * H;
+  std::vector<float> parts(items * part);
+  std::atomic<int64_t> bad_block{0};
+  const int64_t buf_len = H * D + bs * s.row_elems + H * bs;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(buf_len);
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t split = it % num_splits, r = row_of[it / num_splits];
+      const int64_t n = int64_t(info[2 * num_seqs + r]) + 1;  // context + the new token
+      const int64_t lb0 = split * per_split;
+      const int64_t lb1 = std::max(lb0, std::min((n + bs - 1) / bs, lb0 + per_split));
+      float* acc = parts.data() + it * part;
+      const int64_t* table = tp + r * s.max_blocks;
+      attend_item<T>(qp + info[r] * q_stride, cp, table, s, float(scale), n, lb0, lb1, acc,
+                     acc + H * D, acc + H * D + H, buf.data(), bad_block);
+      for (int64_t lb = lb0; lb < lb1 && bad_block.load() == 0; ++lb) {
+        const int64_t blk = table[lb], p0 = lb * bs, p1 = std::min(n, p0 + bs);
+        if (checks.tag_faults) check_tags(checks, s, r, lb, blk, p0, p1);
+        if (checks.read_sums)
+          for (int64_t h = 0; h < s.n_kv; ++h)
+            add_checksum(checks, s, cp, elem, r, h, lb, blk, p1 - p0);
+      }
+    }
+  });
+  TORCH_CHECK(bad_block.load() == 0, "block table entry ", bad_block.load(),
+              " out of range [0, ", s.num_blocks, ")");
+  // Merge the splits of each (row, head) and normalise: a few hundred floats per row, so
+  // threads only for large batches (waking them costs more than a small merge).
+  at::parallel_for(0, num_rows * H, 256, [&](int64_t begin, int64_t end) {
+    std::vector<float> o(D);
+    for (int64_t ri = begin; ri < end; ++ri) {
+      const int64_t i = ri / H, head = ri % H;
+      const float* first = parts.data() + i * num_splits * part;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < num_splits; ++j) mx = std::max(mx, first[j * part + H * D + head]);
+      std::fill(o.begin(), o.end(), 0.f);
+      float total = 0.f;
+      for (int64_t j = 0; j < num_splits; ++j) {
+        const float* p = first + j * part;
+        const float l = p[H * D + H + head];
+        if (l == 0.f) continue;  // an empty split
+        const float w = exp_nonpos(p[H * D + head] - mx);
+        total += l * w;
+        for (int64_t d = 0; d < D; ++d) o[d] += w * p[head * D + d];
+      }
+      const float inv = 1.f / total;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      store(op + (info[row_of[i]] * H + head) * D, o.data(), D);
+    }
+  });
+}
+
+void decode_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
+                      const at::Tensor& seq_info, const at::Tensor& rows, double scale,
+                      at::Tensor out, const c10::optional<at::Tensor>& slot_tags,
+                      const c10::optional<at::Tensor>& expected,
+                      const c10::optional<at::Tensor>& tag_faults,
+                      const c10::optional<at::Tensor>& read_sums,
+                      const c10::optional<at::Tensor>& limb_keys,
+                      const c10::optional<at::Tensor>& offset_keys, int64_t num_splits) {
+  const Shape s = shape_of(q, cache, tables);
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q rows must be (n_heads, D) dense");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes());
+  TORCH_CHECK(q.scalar_type() == cache.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "q, out and cache must share a dtype");
+  TORCH_CHECK(seq_info.is_contiguous() && seq_info.scalar_type() == at::kInt &&
+              seq_info.size(0) == 3 && seq_info.size(1) == tables.size(0));
+  TORCH_CHECK(rows.is_contiguous() && rows.scalar_type() == at::kLong);
+  TORCH_CHECK(num_splits >= 1);
+  const Checks checks = read_checks(slot_tags, expected, tag_faults, read_sums, limb_keys,
+                                    offset_keys, s, tables.size(0), cache.element_size());
+  if (cache.scalar_type() == at::kFloat) {
+    decode_impl<float>(q, cache, tables, seq_info, rows, scale, out, checks, s, num_splits);
+  } else {
+    TORCH_CHECK(cache.scalar_type() == at::kBFloat16, "cache must be float32 or bfloat16");
+    decode_impl<bf16_bits>(q, cache, tables, seq_info, rows, scale, out, checks, s, num_splits);
+  }
+}
+
+// Tags of positions [0, context + query) and checksums of positions [0, context) of the
+// given rows, read through `tables` as decode_attention reads them (rows the torch path
+// attends for).
+void check_reads(const at::Tensor& cache, const at::Tensor& tables, const at::Tensor& seq_info,
+                 const at::Tensor& rows, const c10::optional<at::Tensor>& slot_tags,
+                 const c10::optional<at::Tensor>& expected,
+                 const c10::optional<at::Tensor>& tag_faults,
+                 const c10::optional<at::Tensor>& read_sums,
+                 const c10::optional<at::Tensor>& limb_keys,
+                 const c10::optional<at::Tensor>& offset_keys) {
+  const Shape s = shape_of(cache.new_empty({0, cache.size(3), cache.size(4)}), cache, tables);
+  const int64_t num_seqs = tables.size(0);
+  const Checks c = read_checks(slot_tags, expected, tag_faults, read_sums, limb_keys,
+                               offset_keys, s, num_seqs, cache.element_size());
+  const int32_t* info = seq_info.data_ptr<int32_t>();
+  const int64_t* row_of = rows.data_ptr<int64_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t elem = cache.element_size(), bs = s.bs;
+  std::atomic<int64_t> bad_block{0};
+  at::parallel_for(0, rows.numel() * s.n_kv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t r = row_of[it / s.n_kv], h = it % s.n_kv;
+      const int64_t ctx = info[2 * num_seqs + r], n = ctx + info[num_seqs + r];
+      for (int64_t lb = 0; lb * bs < n; ++lb) {
+        const int64_t blk = tp[r * s.max_blocks + lb], p0 = lb * bs;
+        if (blk < 0 || blk >= s.num_blocks) {
+          bad_block.store(blk);
+          return;
+        }
+        if (c.tag_faults && h == 0) check_tags(c, s, r, lb, blk, p0, std::min(n, p0 + bs));
+        if (c.read_sums && p0 < ctx)
+          add_checksum(c, s, cache.data_ptr(), elem, r, h, lb, blk, std::min(ctx, p0 + bs) - p0);
+      }
+    }
+  });
+  TORCH_CHECK(bad_block.load() == 0, "block table entry ", bad_block.load(),
+              " out of range [0, ", s.num_blocks, ")");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "paged decode attention with fused read checks");
+  m.def("check_reads", &check_reads, "the read checks of rows attended by the torch path");
+}

@@ -1,0 +1,218 @@
+"""The CPU attention backend: ``AttentionOps`` over the C++ kernel ``cpu_attention.cpp``.
+
+The extension is compiled on first use with ``torch.utils.cpp_extension.load`` (g++ and
+the ninja binary, ``-O3 -march=native``, so the loops vectorise for the CPU they run on)
+into a build directory keyed by the source's hash, and loaded from there afterwards.
+Where it cannot build (no compiler, no ninja, a compile error), ``load_extension``
+returns None and logs one line saying why; ``kernels/backend.check_backend`` reports the
+same reason to whoever asked for ``--attention-backend cpu``.
+
+What runs where in ``CpuAttention.attend``:
+
+    decode rows   the kernel: K/V read in place through ``meta.block_index``, tags (and in
+                  strict, checksums) checked in the same loop (``meta.read_checks``)
+    fresh prompts the torch path of ``models/paged_attention.py`` (``_fresh``, on the
+    chunked       step's own K/V; ``_chunked``, a gather through ``meta.block_index``),
+                  and the kernel's ``check_reads`` over the same rows of
+                  ``meta.block_index``: tags of every position [0, context + query),
+                  checksums of the cached context
+
+so every position any row reads is checked through the index it is read with, as the
+guard's ``fused_reads`` contract asks. K/V writes are the torch ``write_kv``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from pagewarden.kernels.backend import AttentionBackendError
+from pagewarden.models.paged_attention import (
+    AttentionMetadata,
+    _chunked,
+    _fresh,
+    read_new_kv,
+    write_kv,
+)
+
+logger = logging.getLogger("pagewarden.kernels")
+
+_SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# Work items (row, split) per thread below which each row's key range is split.
+_ITEMS_PER_THREAD = 4
+_MIN_BLOCKS_PER_SPLIT = 2
+
+_extension: ModuleType | None = None
+_error: str | None = None  # why the extension is unavailable; None: not tried or built
+
+
+def _build_directory() -> Path:
+    """A directory per (source, flags, torch version): a changed source never reuses a
+    stale build, and switching between checkouts never rebuilds."""
+    digest = hashlib.sha256(_SOURCE.read_bytes())
+    digest.update(" ".join(_CFLAGS + [torch.__version__]).encode())
+    root = os.environ.get("PAGEWARDEN_EXTENSIONS_DIR") or Path.home() / ".cache/pagewarden"
+    path = Path(root) / f"cpu_attention_{digest.hexdigest()[:12]}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def load_extension() -> ModuleType | None:
+    """The compiled kernel module, built on the first call; None where it cannot build."""
+    global _extension, _error
+    if _extension is not None or _error is not None:
+        return _extension
+    try:
+        from torch.utils import cpp_extension
+
+        if not cpp_extension.is_ninja_available():
+            raise RuntimeError("the ninja build tool is not on PATH (apt-get install ninja-build)")
+        _extension = cpp_extension.load(
+            name="pagewarden_cpu_attention",
+            sources=[str(_SOURCE)],
+            build_directory=str(_build_directory()),
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # a compiler's failure comes in many types; all mean "no"
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        _error = f"{type(exc).__name__}: {first_line}"
+        logger.warning("cpu attention extension unavailable, torch path instead (%s)", _error)
+    return _extension
+
+
+def unavailable_reason() -> str | None:
+    """Why the extension cannot run here (building it if not tried yet); None if it can."""
+    load_extension()
+    return _error
+
+
+def choose_num_splits(num_rows: int, max_blocks: int) -> int:
+    """Split each row's key range only when the rows alone leave threads idle."""
+    wanted = -(-_ITEMS_PER_THREAD * torch.get_num_threads() // num_rows)
+    return max(1, min(wanted, max_blocks // _MIN_BLOCKS_PER_SPLIT))
+
+
+class CpuAttention:
+    """``AttentionOps`` for CPU caches: decode through the C++ kernel, which checks what it
+    reads (``fused_reads``); fresh and chunked rows through the torch path, their reads
+    checked by the kernel's ``check_reads`` (see the module docstring)."""
+
+    fused_reads = True
+
+    def __init__(
+        self,
+        caches: list[torch.Tensor],
+        limb_keys: torch.Tensor | None = None,
+        offset_keys: torch.Tensor | None = None,
+    ) -> None:
+        # limb_keys (num_layers, 2, limbs per slot row) int64, offset_keys (block_size,)
+        # int64: the checksum keys of worker/integrity.py; None when checksums are off.
+        ext = load_extension()
+        if ext is None:
+            raise AttentionBackendError(f"the cpu attention extension is unavailable: {_error}")
+        dtype = caches[0].dtype
+        if dtype not in (torch.float32, torch.bfloat16) or caches[0].device.type != "cpu":
+            raise AttentionBackendError(
+                f"attention backend 'cpu' reads float32 or bfloat16 caches in host memory, "
+                f"not {dtype} on {caches[0].device}; use --attention-backend torch"
+            )
+        self._ext = ext
+        self._layer_of = {cache.data_ptr(): i for i, cache in enumerate(caches)}
+        self.limb_keys = limb_keys
+        self.offset_keys = offset_keys
+        # Row lists of the step being run, built once for all its layers.
+        self._rows: tuple[AttentionMetadata, torch.Tensor, torch.Tensor] | None = None
+
+    def write_kv(
+        self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        write_kv(cache, k, v, meta)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Attention (T, n_heads, D) of the step's queries over the paged cache."""
+        assert meta.seq_info is not None, "build the metadata with AttentionMetadata.build"
+        decode_rows, other_rows = self._step_rows(meta)
+        out = torch.empty_like(q)  # (T, n_heads, D)
+        if meta.decode is not None:
+            self._decode(q, cache, meta, decode_rows, scale, out)
+        if other_rows.numel():
+            self._check_reads(cache, meta, other_rows)
+            if meta.fresh and new_kv is None:
+                new_kv = read_new_kv(cache, meta.slot_mapping)
+            for batch in meta.fresh:
+                k, v = new_kv  # type: ignore[misc]
+                part = _fresh(q, k, v, cache.dtype, batch, scale)
+                _put(out, batch.token_index, part)
+            if meta.chunked is not None:
+                _put(out, meta.chunked.token_index, _chunked(q, cache, meta, meta.chunked, scale))
+        return out
+
+    def _step_rows(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows of the decode sequences, rows of all others), int64, cached per step."""
+        if self._rows is None or self._rows[0] is not meta:
+            decode = [i for i, n in enumerate(meta.query_lens) if n == 1]
+            other = [i for i, n in enumerate(meta.query_lens) if n != 1]
+            self._rows = (meta, _int64(decode), _int64(other))
+        return self._rows[1], self._rows[2]
+
+    def _decode(self, q, cache, meta: AttentionMetadata, rows, scale: float, out) -> None:
+        """Writes the decode tokens' rows of ``out`` (T, n_heads, D)."""
+        # A wider q is cast down to the cache's dtype, as the torch path does.
+        qc = q if q.dtype == cache.dtype else q.to(cache.dtype)
+        target = out if out.dtype == cache.dtype else torch.empty_like(qc)
+        tables = meta.block_index.view(meta.num_seqs, meta.max_blocks)  # (S, max_blocks)
+        splits = choose_num_splits(rows.numel(), meta.decode.max_blocks)
+        self._ext.decode_attention(
+            qc, cache, tables, meta.seq_info, rows, scale, target,
+            *self._check_args(cache, meta), splits,
+        )  # fmt: skip
+        if target is not out:
+            index = meta.decode.token_index
+            part = target if index is None else target.index_select(0, index)
+            _put(out, index, part.to(out.dtype))
+
+    def _check_reads(self, cache: torch.Tensor, meta: AttentionMetadata, rows) -> None:
+        if meta.read_checks is None:
+            return
+        tables = meta.block_index.view(meta.num_seqs, meta.max_blocks)
+        self._ext.check_reads(cache, tables, meta.seq_info, rows, *self._check_args(cache, meta))
+
+    def _check_args(self, cache: torch.Tensor, meta: AttentionMetadata) -> list:
+        """slot_tags, expected, tag_faults, read_sums, limb_keys, offset_keys (None: off)."""
+        checks = meta.read_checks
+        if checks is None:
+            return [None] * 6
+        assert meta.slot_tags is not None, "read checks compare the tags write_kv wrote"
+        args = [meta.slot_tags, checks.expected_tags, checks.tag_faults, None, None, None]
+        if checks.read_sums is not None:
+            assert self.limb_keys is not None, "checksums need their keys"
+            layer = self._layer_of[cache.data_ptr()]
+            args[3:] = [checks.read_sums, self.limb_keys[layer], self.offset_keys]
+        return args
+
+
+def _int64(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _put(out: torch.Tensor, index: torch.Tensor | None, part: torch.Tensor) -> None:
+    """Rows ``index`` of ``out`` = ``part``; every row when ``index`` is None."""
+    if index is None:
+        out.copy_(part)
+    else:
+        out.index_copy_(0, index, part)

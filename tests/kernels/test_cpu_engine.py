@@ -1,0 +1,104 @@
+"""End to end with the cpu backend: greedy tokens equal the torch backend's and
+transformers', and faults in what it reads are found by its own checks (found_by "read").
+
+Same approach as ``tests/engine/test_llm_vs_hf.py``: fresh prompts, chunked prefill over
+a cached prefix, decodes in one batch and a prefix-cache hit. In float32 only: on a tiny
+random model bf16 logits sit within rounding of each other, and the kernel (which keeps
+its probabilities in float32) and torch's bf16 SDPA (which rounds them to bf16) break
+such near-ties differently; ``test_cpu_attention.py`` bounds the bf16 error instead.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagewarden import LLM
+from pagewarden.faults.kv_faults import corrupt_tag, flip_bit
+from pagewarden.kernels import cpu_ops
+from tests.engine.test_llm_vs_hf import hf_greedy, random_prompts, run_engine
+
+transformers = pytest.importorskip("transformers")
+if cpu_ops.load_extension() is None:
+    pytest.skip(
+        f"cpu attention extension unavailable: {cpu_ops.unavailable_reason()}",
+        allow_module_level=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def vocab(tiny_llama_dir) -> int:
+    return transformers.AutoConfig.from_pretrained(tiny_llama_dir).vocab_size
+
+
+def _llm(model_dir, backend: str, dtype: str = "float32", **kw) -> LLM:
+    return LLM(
+        model=str(model_dir),
+        dtype=dtype,
+        num_kv_blocks=64,
+        block_size=kw.pop("block_size", 16),
+        max_num_batched_tokens=kw.pop("max_num_batched_tokens", 24),
+        integrity=kw.pop("integrity", "strict"),
+        device="cpu",
+        attention_backend=backend,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_cpu_tokens_equal_torch_and_transformers(tiny_llama_dir, vocab, block_size):
+    """Strict: the kernel checks every tag it reads and re-checksums every sealed block."""
+    prompts = random_prompts(4, vocab, 5, 30, seed=3)
+    prompts.append(prompts[0][:16] + [5, 6])  # shares a full block with prompt 0
+    llm = _llm(tiny_llama_dir, "cpu", block_size=block_size)
+    assert llm.engine.runner.guard.fused_reads
+    got = run_engine(llm, prompts, 12)
+    assert got == run_engine(_llm(tiny_llama_dir, "torch", block_size=block_size), prompts, 12)
+    assert got == hf_greedy(tiny_llama_dir, prompts, 12)
+    counters = llm.engine.runner.guard.counters
+    assert counters.tag_checks > 0 and not counters.failures
+    assert counters.block_verifies > 0  # sealed context blocks, checked by the kernel
+
+
+@pytest.fixture(scope="module")
+def prefix(vocab) -> list[int]:
+    return random_prompts(1, vocab, 32, 32, seed=5)[0]  # two full blocks of 16
+
+
+def _with_cached_prefix(tiny_llama_dir, prefix) -> tuple[LLM, list[int]]:
+    llm = _llm(tiny_llama_dir, "cpu", scrub_blocks_per_step=0)  # leave it to the kernel
+    run_engine(llm, [prefix + [7]], 1)
+    pool = llm.engine.scheduler.kv.pool
+    cached = [b.block_id for b in pool.blocks if b.block_hash is not None]
+    assert len(cached) == 2
+    return llm, cached
+
+
+def test_flipped_bit_in_a_reused_block_is_caught_by_the_kernels_checksum(tiny_llama_dir, prefix):
+    llm, cached = _with_cached_prefix(tiny_llama_dir, prefix)
+    flip_bit(llm.engine.kv_store.caches, cached[1], 1, random.Random(0))
+    prompt = prefix + [9, 10]
+    assert run_engine(llm, [prompt], 3) == hf_greedy(tiny_llama_dir, [prompt], 3)
+    assert llm.stats().integrity.failures == {("checksum", "read"): 1}
+
+
+def test_wrong_slot_tag_in_a_reused_block_is_caught_by_the_kernels_tag_check(
+    tiny_llama_dir, prefix
+):
+    llm, cached = _with_cached_prefix(tiny_llama_dir, prefix)
+    corrupt_tag(llm.engine.runner.guard.tags, cached[0], 5)
+    prompt = prefix + [9, 10]
+    assert run_engine(llm, [prompt], 3) == hf_greedy(tiny_llama_dir, [prompt], 3)
+    assert llm.stats().integrity.failures == {("slot_tag", "read"): 1}
+
+
+def test_the_cli_flag_selects_the_cpu_backend():
+    import argparse
+
+    from pagewarden.engine.args import add_engine_args, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    cfg = engine_config(parser.parse_args(["--attention-backend", "cpu", "--device", "cpu"]))
+    assert cfg.resolved_attention_backend == "cpu"
