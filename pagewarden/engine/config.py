@@ -188,7 +188,9 @@ class EngineConfig:
         except ProfileError as exc:
             raise EngineConfigError(str(exc)) from None
         try:
-            check_backend(self.resolved_attention_backend, self.resolved_device.type)
+            device_type = self.resolved_device.type
+            if self.attention_backend is not None:  # asked for: it must run here
+                check_backend(self.attention_backend, device_type)
         except (DeviceError, AttentionBackendError) as exc:
             raise EngineConfigError(str(exc)) from None
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -223,7 +225,8 @@ class EngineConfig:
 
     @property
     def resolved_attention_backend(self) -> str:
-        """The attention backend in force (triton on cuda, torch on cpu, unless told)."""
+        """The attention backend asked for, else the device's default (``default_backend``:
+        triton on cuda, cpu on a CPU with a C++ toolchain, else torch)."""
         return self.attention_backend or default_backend(self.resolved_device.type)
 
     @property

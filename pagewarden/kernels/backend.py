@@ -5,13 +5,15 @@
 through Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is imported),
 which is for tests: it is orders of magnitude slower than the torch path.
 ``cpu``: the C++ kernel of ``cpu_attention.cpp`` for decode on CPU caches (``cpu_ops.py``),
-compiled on first use; it needs a C++ compiler and the ninja build tool.
+compiled on first use; it needs a C++ compiler and the ninja build tool. The default on
+the CPU where both are found (``PAGEWARDEN_NO_CPU_EXT=1`` keeps the torch path).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 
 ATTENTION_BACKENDS: tuple[str, ...] = ("torch", "triton", "cpu")
 
@@ -21,10 +23,23 @@ class AttentionBackendError(ValueError):
 
 
 def default_backend(device_type: str) -> str:
-    """``triton`` on CUDA (where Triton is installed, as it is with torch's CUDA wheels),
-    ``torch`` elsewhere."""
-    has_triton = importlib.util.find_spec("triton") is not None
-    return "triton" if device_type == "cuda" and has_triton else "torch"
+    """``triton`` on CUDA (where Triton is installed, as it is with torch's CUDA wheels);
+    ``cpu`` on the CPU where a C++ compiler and ninja are found (the build itself happens
+    in the engine, which keeps the torch path if it fails); ``torch`` elsewhere."""
+    if device_type == "cuda":
+        return "triton" if importlib.util.find_spec("triton") is not None else "torch"
+    if device_type == "cpu" and cpu_toolchain_found():
+        return "cpu"
+    return "torch"
+
+
+def cpu_toolchain_found() -> bool:
+    """A C++ compiler and ninja are on PATH, and ``PAGEWARDEN_NO_CPU_EXT`` is not set (a
+    cheap check: nothing is built here)."""
+    if os.environ.get("PAGEWARDEN_NO_CPU_EXT", "").strip() not in ("", "0"):
+        return False
+    compiler = os.environ.get("CXX", "c++")
+    return shutil.which(compiler) is not None and shutil.which("ninja") is not None
 
 
 def check_backend(name: str, device_type: str) -> None:

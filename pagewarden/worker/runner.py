@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from pagewarden.models.llama import LlamaForCausalLM
@@ -13,6 +15,8 @@ from pagewarden.worker.kv_guard import KVGuard
 from pagewarden.worker.kv_store import KVStore
 from pagewarden.worker.sampler import Sampler, SamplingRow
 from pagewarden.worker.step_hooks import StepHooks
+
+logger = logging.getLogger("pagewarden.worker")
 
 
 class ModelRunner:
@@ -74,8 +78,13 @@ class ModelRunner:
     def _use_cpu(self) -> None:
         """Decode attention through the C++ kernel, which checks tags (and, strict,
         checksums) as it reads; the other rows' reads are checked by the backend too."""
-        from pagewarden.kernels.cpu_ops import CpuAttention  # compiles on first use
+        from pagewarden.kernels import cpu_ops  # compiles on first use
 
+        reason = cpu_ops.unavailable_reason()
+        if reason is not None:  # only a defaulted backend: the config checks one asked for
+            logger.warning("attention backend cpu unavailable (%s); using torch", reason)
+            return
+        CpuAttention = cpu_ops.CpuAttention
         caches = self.kv_store.caches
         keys = None
         if self.guard.sums_on:

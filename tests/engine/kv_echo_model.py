@@ -98,6 +98,9 @@ def echo_engine(tokenizer_dir, **config) -> EngineCore:
         name="kv-echo",
         path=tokenizer_dir,
     )
+    # The echo model reads the cache itself (through meta.block_index, as the torch
+    # backend does); the guard checks its reads after the forward pass.
+    config.setdefault("attention_backend", "torch")
     engine = EngineCore(EngineConfig(dtype="float32", **config), loaded)
     execute = engine.runner.execute
 

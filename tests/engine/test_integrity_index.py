@@ -136,8 +136,7 @@ def test_block_index_redirect_in_a_decode_step_is_caught_by_the_cpu_kernel(loade
     the tags there in the same loop; the fault is the kernel's (no after-step re-check)."""
     from pagewarden.kernels import cpu_ops
 
-    if cpu_ops.load_extension() is None:
-        pytest.skip(f"cpu attention extension unavailable: {cpu_ops.unavailable_reason()}")
+    assert cpu_ops.load_extension() is not None, cpu_ops.unavailable_reason()
     engine, hooks, outputs = _run(loaded, level, at=4, which="block_index", backend="cpu")
     assert engine.runner.guard.fused_reads
     assert all(r.positions.start > 0 and len(r.positions) == 1 for r in hooks.decode_step)

@@ -18,11 +18,11 @@ from pagewarden.worker.fused_checks import allocate_read_checks, limb_keys, offs
 from pagewarden.worker.integrity import block_checksums
 from tests.kernels.kernel_step import make_step
 
-if cpu_ops.load_extension() is None:
-    pytest.skip(
-        f"cpu attention extension unavailable: {cpu_ops.unavailable_reason()}",
-        allow_module_level=True,
-    )
+# The C++ extension must build where the tests run (CI installs g++; ninja is a
+# dependency): a missing toolchain fails here, it does not skip.
+assert cpu_ops.load_extension() is not None, (
+    f"cpu attention extension unavailable: {cpu_ops.unavailable_reason()}; install g++"
+)
 
 # Decodes of ragged lengths (one block exactly full, one a single key), a chunk over a
 # cached prefix and a fresh prompt, in one step.

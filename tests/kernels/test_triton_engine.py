@@ -51,8 +51,8 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
 def test_backend_defaults_and_errors():
     from pagewarden.kernels.backend import AttentionBackendError, check_backend, default_backend
 
-    assert default_backend("cpu") == "torch"
     assert default_backend("cuda") == "triton"  # Triton is installed here
+    assert default_backend("mps") == "torch"
     with pytest.raises(AttentionBackendError, match="not one of"):
         check_backend("flash", "cuda")
     with pytest.raises(AttentionBackendError, match="runs on cuda"):
