@@ -36,7 +36,7 @@ def default_backend(device_type: str) -> str:
 def cpu_toolchain_found() -> bool:
     """A C++ compiler and ninja are on PATH, and ``PAGEWARDEN_NO_CPU_EXT`` is not set (a
     cheap check: nothing is built here)."""
-    if os.environ.get("PAGEWARDEN_NO_CPU_EXT", "").strip() not in ("", "0"):
+    if os.environ.get("PAGEWARDEN_NO_CPU_EXT", "").strip().lower() in ("1", "true", "yes"):
         return False
     compiler = os.environ.get("CXX", "c++")
     return shutil.which(compiler) is not None and shutil.which("ninja") is not None
