@@ -10,9 +10,12 @@ of this process's CPU. Every other route passes through untouched.
 
 - capacity: what the engine can hold at once, ``min(max_num_seqs, KV pool tokens /
   min(TYPICAL_REQUEST_TOKENS, max_model_len))``, from the ``EngineInfo`` the core sent at start-up;
-- the limit starts at a quarter of that and moves AIMD-style on the time requests wait
-  for their first token: a window whose worst queue time exceeds ``target_queue_s``
-  cuts it by a quarter; a saturated window under the target raises it by one;
+- the limit starts at that capacity (a client running as many requests at once as the
+  engine batches is served, not shed: a benchmark at concurrency 32 must see no 429) and
+  moves AIMD-style on the time requests wait for their first token: a window whose worst
+  queue time exceeds ``target_queue_s`` (default 2 s, about what a CPU engine needs to
+  prefill a full batch) cuts it by a quarter; a saturated window under the target raises
+  it by one;
 - ``fixed_limit`` pins it (``--max-inflight-requests``); ``enabled=False`` turns the gate
   off (``--no-admission-control``).
 
@@ -31,6 +34,8 @@ import random
 import threading
 import time
 
+#: Default of ``target_queue_s`` (``--admission-target-queue-time``).
+DEFAULT_TARGET_QUEUE_S = 2.0
 #: Prompt + output tokens of a typical request, to turn the KV pool into a request count.
 TYPICAL_REQUEST_TOKENS = 512
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -46,7 +51,7 @@ class AdmissionController:
         self,
         capacity: int,
         *,
-        target_queue_s: float = 0.5,
+        target_queue_s: float = DEFAULT_TARGET_QUEUE_S,
         fixed_limit: int | None = None,
         enabled: bool = True,
         min_limit: int = 2,
@@ -59,7 +64,7 @@ class AdmissionController:
         self.min_limit = min(min_limit, capacity)
         self.enabled = enabled
         self.fixed = fixed_limit is not None
-        self.limit = fixed_limit if fixed_limit is not None else max(self.min_limit, capacity // 4)
+        self.limit = fixed_limit if fixed_limit is not None else capacity
         self.target_queue_s = target_queue_s
         self.window_s = window_s
         self.in_flight = 0

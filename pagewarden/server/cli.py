@@ -48,6 +48,8 @@ def add_serve_parser(subparsers) -> None:
 
 def _add_limit_args(p) -> None:
     """Front-door limits and admission control (see server/admission.py)."""
+    from pagewarden.server.admission import DEFAULT_TARGET_QUEUE_S
+
     p.add_argument(
         "--admission-control",
         action=argparse.BooleanOptionalAction,
@@ -64,7 +66,7 @@ def _add_limit_args(p) -> None:
     p.add_argument(
         "--admission-target-queue-time",
         type=float,
-        default=0.5,
+        default=DEFAULT_TARGET_QUEUE_S,
         metavar="SECONDS",
         help="the adaptive limit shrinks when requests wait longer than this for a first token",
     )

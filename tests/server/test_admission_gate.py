@@ -27,14 +27,22 @@ def test_limit_counts_in_flight_requests():
 def test_limit_adapts_to_queue_time():
     ctl = AdmissionController(40, target_queue_s=0.5, window_s=0.0)
     start = ctl.limit
-    assert start == 10  # a quarter of capacity
+    assert start == 40  # the engine's capacity
     ctl.first_token(2.0)  # a window over the target: cut by a quarter
-    assert ctl.limit == 7
+    assert ctl.limit == 30
+    ctl.first_token(2.0)
+    ctl.first_token(2.0)
+    ctl.first_token(2.0)
+    assert ctl.limit == 12
+    ctl.first_token(2.0)
+    assert ctl.limit == 9
+    ctl.first_token(2.0)
+    assert ctl.limit == 6
     for _ in range(ctl.limit):
         assert ctl.try_enter()
     assert not ctl.try_enter()  # saturated ...
     ctl.first_token(0.1)  # ... and under the target: one more
-    assert ctl.limit == 8
+    assert ctl.limit == 7
     for _ in range(100):
         ctl.first_token(10.0)
     assert ctl.limit == ctl.min_limit == 2
