@@ -23,15 +23,14 @@ guard's ``fused_reads`` contract asks. K/V writes are the torch ``write_kv``.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from pagewarden.kernels.backend import AttentionBackendError
+from pagewarden.models.cpp_build import build_directory
 from pagewarden.models.paged_attention import (
     AttentionMetadata,
     _chunked,
@@ -52,17 +51,6 @@ _extension: ModuleType | None = None
 _error: str | None = None  # why the extension is unavailable; None: not tried or built
 
 
-def _build_directory() -> Path:
-    """A directory per (source, flags, torch version): a changed source never reuses a
-    stale build, and switching between checkouts never rebuilds."""
-    digest = hashlib.sha256(_SOURCE.read_bytes())
-    digest.update(" ".join(_CFLAGS + [torch.__version__]).encode())
-    root = os.environ.get("PAGEWARDEN_EXTENSIONS_DIR") or Path.home() / ".cache/pagewarden"
-    path = Path(root) / f"cpu_attention_{digest.hexdigest()[:12]}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def load_extension() -> ModuleType | None:
     """The compiled kernel module, built on the first call; None where it cannot build."""
     global _extension, _error
@@ -76,7 +64,7 @@ def load_extension() -> ModuleType | None:
         _extension = cpp_extension.load(
             name="pagewarden_cpu_attention",
             sources=[str(_SOURCE)],
-            build_directory=str(_build_directory()),
+            build_directory=str(build_directory("cpu_attention", _SOURCE, _CFLAGS)),
             extra_cflags=_CFLAGS,
             extra_ldflags=["-fopenmp"],
             verbose=False,

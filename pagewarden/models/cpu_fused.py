@@ -11,8 +11,8 @@ each op: SiLU*mul is within one bf16 ulp of it, and RoPE closer to the exact res
 where torch's first rounding (x * cos) loses digits that the sum then cancels down to.
 ``*_reference`` are those torch paths; the tests compare each op with its reference.
 
-The build needs a C++ compiler and the ``ninja`` executable; it is cached (torch's
-extensions directory, keyed by the source and the flags) and takes about a minute the
+The build needs a C++ compiler and the ``ninja`` executable; it is cached
+(``cpp_build.build_directory``: keyed by the source and the flags) and takes about a minute the
 first time on a machine. Where it cannot be built, or ``PAGEWARDEN_NO_CPU_EXT=1``,
 ``load()`` returns None after logging why once, and callers keep the torch path.
 """
@@ -27,6 +27,8 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+
+from pagewarden.models.cpp_build import build_directory
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +81,14 @@ def _build() -> ModuleType | None:
         from torch.utils import cpp_extension
 
         isa, flags = _capability_flags()
+        # -ffp-contract=off: a * b + c rounds twice, as torch's separate ops round it.
+        cflags = ["-O3", "-fopenmp", "-ffp-contract=off", *flags]
         log.info("loading the fused CPU ops (compiled once per machine: about a minute)")
         return cpp_extension.load(
             name=f"pagewarden_cpu_fused_{isa}",
             sources=[str(_SOURCE)],
-            # -ffp-contract=off: a * b + c rounds twice, as torch's separate ops round it.
-            extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *flags],
+            build_directory=str(build_directory(f"cpu_fused_{isa}", _SOURCE, cflags)),
+            extra_cflags=cflags,
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

@@ -1,0 +1,25 @@
+"""Where the C++ extensions built at first use (``cpu_fused``, ``kernels/cpu_ops``) live.
+
+One directory per (extension, source, flags, torch version), under
+``$PAGEWARDEN_EXTENSIONS_DIR`` or ``~/.cache/pagewarden``: a changed source never reuses
+a stale build, and two checkouts of the same source (or two processes starting at once,
+such as Ray replicas) share one build instead of rebuilding over each other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+
+def build_directory(name: str, source: Path, flags: list[str]) -> Path:
+    """The build directory of extension ``name`` compiled from ``source`` with ``flags``."""
+    digest = hashlib.sha256(source.read_bytes())
+    digest.update(" ".join([*flags, torch.__version__]).encode())
+    root = os.environ.get("PAGEWARDEN_EXTENSIONS_DIR") or Path.home() / ".cache/pagewarden"
+    path = Path(root) / f"{name}_{digest.hexdigest()[:12]}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
