@@ -68,28 +68,29 @@ class ModelRunner:
         """Attention and KV writes through the Triton kernels, which check their reads."""
         from pagewarden.kernels.ops import TritonAttention  # imports triton: only if asked
 
-        caches = self.kv_store.caches
-        keys = None
-        if self.guard.sums_on:
-            keys = (element_keys(caches), offset_keys(self.kv_store.shape.block_size, self.device))
-        self.model.set_attention_ops(TritonAttention(caches, *(keys or (None, None))))
-        self.guard.fused_reads = self.guard.tags_on
+        self._use_checking_ops(TritonAttention, element_keys)
 
     def _use_cpu(self) -> None:
         """Decode attention through the C++ kernel, which checks tags (and, strict,
-        checksums) as it reads; the other rows' reads are checked by the backend too."""
+        checksums) as it reads; the other rows' reads are checked by the backend too.
+        Where it cannot run (no build, a float16 cache) the torch path stays, logged: a
+        backend asked for explicitly was checked by the config already."""
         from pagewarden.kernels import cpu_ops  # compiles on first use
+        from pagewarden.kernels.backend import AttentionBackendError
 
-        reason = cpu_ops.unavailable_reason()
-        if reason is not None:  # only a defaulted backend: the config checks one asked for
-            logger.warning("attention backend cpu unavailable (%s); using torch", reason)
-            return
-        CpuAttention = cpu_ops.CpuAttention
+        try:
+            self._use_checking_ops(cpu_ops.CpuAttention, limb_keys)
+        except AttentionBackendError as exc:
+            logger.warning("attention backend cpu unavailable (%s); using torch", exc)
+
+    def _use_checking_ops(self, make_ops, sum_keys) -> None:
+        """Install ops that check what they read (``fused_reads``); strict's checksum keys
+        come from ``sum_keys(caches)``."""
         caches = self.kv_store.caches
-        keys = None
+        keys = (None, None)
         if self.guard.sums_on:
-            keys = (limb_keys(caches), offset_keys(self.kv_store.shape.block_size, self.device))
-        self.model.set_attention_ops(CpuAttention(caches, *(keys or (None, None))))
+            keys = (sum_keys(caches), offset_keys(self.kv_store.shape.block_size, self.device))
+        self.model.set_attention_ops(make_ops(caches, *keys))
         self.guard.fused_reads = self.guard.tags_on
 
     @torch.inference_mode()

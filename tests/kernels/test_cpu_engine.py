@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from pagewarden import LLM
+from pagewarden import LLM, SamplingParams
 from pagewarden.faults.kv_faults import corrupt_tag, flip_bit
 from pagewarden.kernels import cpu_ops
 from tests.engine.test_llm_vs_hf import hf_greedy, random_prompts, run_engine
@@ -115,3 +115,11 @@ def test_cpu_is_the_default_backend_where_a_toolchain_is_found(monkeypatch) -> N
     monkeypatch.delenv("PAGEWARDEN_NO_CPU_EXT")
     monkeypatch.setenv("PATH", "/nonexistent")
     assert backend.default_backend("cpu") == "torch"
+
+
+def test_a_float16_cache_keeps_the_torch_path_under_the_default_backend(tiny_llama_dir) -> None:
+    llm = LLM(model=str(tiny_llama_dir), dtype="float16", num_kv_blocks=32)
+    assert llm.engine.config.resolved_attention_backend == "cpu"
+    assert not llm.engine.runner.guard.fused_reads  # torch path: the guard checks reads
+    out = llm.generate(["hello"], SamplingParams(temperature=0.0, max_tokens=3))
+    assert len(out[0].outputs[0].token_ids) == 3
