@@ -299,3 +299,57 @@ def test_greedy_picks_first_of_tied_maxima() -> None:
     logits[1, [0, V - 1]] = 5.0
     out = Sampler(V)(logits, [row(SamplingParams(temperature=0.0))] * 2)
     assert out.token_ids == [4, 0]
+
+
+def test_truncation_over_candidates_matches_reference_and_falls_back() -> None:
+    """A vocabulary wider than the sorted candidates: rows whose cut falls inside them,
+    rows that need the full sort (a flat row with top_p near 1, a top_k above the
+    candidate count), and a row with nothing to cut, all equal the per-row reference."""
+    vocab = 2000
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, vocab, generator=gen)
+    logits[0] *= 8.0  # peaked: top_p 0.9 is decided by a few tokens
+    logits[1] *= 0.1  # nearly flat: top_p 0.99 needs most of the vocabulary
+    top_ks = [vocab, vocab, 300, vocab, vocab, 40]
+    top_p = [0.9, 0.99, 1.0, 1.0, 1.0, 0.5]
+    min_p = [0.0, 0.0, 0.0, 0.2, 0.0, 0.0]
+    got = apply_top_k_top_p_min_p(
+        logits, torch.tensor(top_ks), torch.tensor(top_p), torch.tensor(min_p)
+    )
+    for i in range(6):
+        want = _truncate_one_row(logits[i], top_ks[i], top_p[i], min_p[i])
+        assert torch.equal(got[i].isinf(), want.isinf()), f"row {i}"
+        torch.testing.assert_close(got[i][~got[i].isinf()], want[~want.isinf()])
+    assert int((~got[1].isinf()).sum()) > 256, "the flat row must have used the full sort"
+    assert torch.equal(got[4], logits[4]), "a row with nothing to cut passes through"
+
+
+def test_inverse_cdf_never_draws_a_masked_token() -> None:
+    from pagewarden.worker.sampler import _inverse_cdf
+
+    probs = torch.zeros(3, 8)
+    probs[:, 2] = 0.25
+    probs[:, 5] = 0.75
+    u = torch.tensor([0.0, 0.5, 1.0 - 2.0**-53], dtype=torch.float64)
+    assert _inverse_cdf(probs, u).tolist() == [2, 5, 5]
+    probs = torch.zeros(1, 8)
+    probs[0, 0] = 1.0  # all mass on the first token, zeros after: the last u must not
+    assert _inverse_cdf(probs, torch.tensor([1.0 - 2.0**-53], dtype=torch.float64)).tolist() == [0]
+
+
+def test_inverse_cdf_stratified_draws_hit_each_token_in_proportion() -> None:
+    """Evenly spaced u over [0, 1) must land on each token about p * N times (within 1):
+    the two-level search (block sums, then inside one block) loses no mass at block
+    edges, including the padded last block of a vocabulary that is not a block multiple."""
+    from pagewarden.worker.sampler import _inverse_cdf
+
+    vocab, draws = 1000, 20000
+    gen = torch.Generator().manual_seed(2)
+    probs = torch.rand(vocab, generator=gen) ** 4
+    probs[torch.randperm(vocab, generator=gen)[:300]] = 0.0  # masked tokens
+    probs /= probs.sum()
+    u = (torch.arange(draws, dtype=torch.float64) + 0.5) / draws
+    ids = _inverse_cdf(probs.expand(draws, vocab), u)
+    counts = torch.bincount(ids, minlength=vocab).double()
+    assert counts[probs == 0].sum() == 0
+    assert (counts - probs.double() * draws).abs().max() <= 1.0 + 1e-6
