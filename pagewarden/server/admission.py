@@ -12,10 +12,13 @@ of this process's CPU. Every other route passes through untouched.
   min(TYPICAL_REQUEST_TOKENS, max_model_len))``, from the ``EngineInfo`` the core sent at start-up;
 - the limit starts at that capacity (a client running as many requests at once as the
   engine batches is served, not shed: a benchmark at concurrency 32 must see no 429) and
-  moves AIMD-style on the time requests wait for their first token: a window whose worst
-  queue time exceeds ``target_queue_s`` (default 2 s, about what a CPU engine needs to
-  prefill a full batch) cuts it by a quarter; a saturated window under the target raises
-  it by one;
+  moves AIMD-style on the time requests wait for their first token, in windows where
+  the limit binds (the gate was full): such a window whose worst queue time exceeds
+  ``target_queue_s`` (default 2 s, about what a CPU engine needs to prefill a full
+  batch) cuts it by a quarter; one under the target raises it by one. A window where the
+  limit did not bind leaves it alone: a slow first token there comes from a burst the
+  engine is already holding (32 prompts arriving at once take about 2.5 s to prefill on
+  2 cores), and a lower limit would only turn away requests the engine serves;
 - ``fixed_limit`` pins it (``--max-inflight-requests``); ``enabled=False`` turns the gate
   off (``--no-admission-control``).
 
@@ -121,9 +124,11 @@ class AdmissionController:
             return
         self._drain_rate = self._done_in_window / elapsed
         if not self.fixed:
-            if self._window_max_queue > self.target_queue_s:
+            if not self._window_saturated:
+                pass
+            elif self._window_max_queue > self.target_queue_s:
                 self.limit = max(self.min_limit, math.floor(self.limit * 0.75))
-            elif self._window_saturated:
+            else:
                 self.limit = min(self.capacity, self.limit + 1)
         self._window_start = now
         self._window_max_queue = 0.0

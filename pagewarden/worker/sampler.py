@@ -6,7 +6,8 @@ Order of operations for each row (as vLLM v1 does it)::
       -> repetition / presence / frequency penalties
       -> logprobs (log_softmax of the penalized, untempered logits), when asked
       -> greedy rows: max(dim=-1).indices (the first maximum, as argmax; faster on CPU)
-      -> other rows: / temperature -> top_k -> top_p -> min_p -> softmax
+      -> other rows: / temperature -> top_k -> top_p -> min_p (a truncated row keeps
+                     only its candidates, at most a few hundred tokens) -> softmax
                      -> inverse CDF: the first token whose cumulative probability
                         exceeds u * total, one uniform u per row
 
@@ -119,48 +120,69 @@ def apply_penalties(
     return logits - freq * out_counts.to(logits) - pres * (out_counts > 0).to(logits)
 
 
-def apply_top_k_top_p_min_p(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
-    """Mask (to -inf) tokens outside each row's top_k / top_p / min_p set.
+@dataclass(frozen=True)
+class Candidates:
+    """Rows ``rows`` (C,) of a batch, truncated: each row's surviving tokens are among
+    ``token_ids`` (C, W), with their logits in ``logits`` (C, W) and -inf where a
+    candidate was cut. Sampling from ``logits.softmax`` and mapping back through
+    ``token_ids`` samples the truncated distribution without touching the rest of the
+    vocabulary."""
+
+    rows: Tensor
+    token_ids: Tensor
+    logits: Tensor
+
+
+def truncate_top_k_top_p_min_p(
+    logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor
+) -> list[Candidates]:
+    """Each row's top_k / top_p / min_p set as candidates, in at most three groups.
 
     ``logits`` is (S, V) already divided by temperature; ``top_k`` is (S,) int64 with
-    ``V`` meaning "off", ``top_p`` and ``min_p`` are (S,) float. The most likely token is
-    never masked, so every row keeps at least one candidate.
+    ``V`` meaning "off", ``top_p`` and ``min_p`` are (S,) float. The most likely token
+    always survives. Rows with nothing to cut are not in any group.
 
     Only the best tokens of each row are sorted (``topk``), never the whole vocabulary
     when that can be avoided (a full sort of a (32, 49152) batch costs about 60 ms on a
-    2-core CPU, a top-256 about 3 ms): when every row has a top_k below V, the
-    ``max(top_k)`` best; otherwise the best ``_CANDIDATES``, which decide the row when its
-    top_k, top_p or min_p cut falls inside them (every token below the candidates is then
-    removed too), and a full sort only for the rows where none does.
+    2-core CPU, a top-256 about 3 ms): the ``max(top_k)`` best when every row has a
+    top_k below ``_CANDIDATES``; otherwise the best ``_CANDIDATES``, which decide a row
+    when its top_k, top_p or min_p cut falls inside them (every token below them is then
+    cut too), and a full sort only for the rows where none does.
     """
     num_rows, vocab_size = logits.shape
     active = (top_k < vocab_size) | (top_p < 1.0) | (min_p > 0.0)  # (S,)
-    if not bool(active.all()):
-        # Rows with nothing to cut pass through untouched (and cost nothing).
-        out = logits.clone()
-        rows = active.nonzero().squeeze(1)  # (A,)
-        if len(rows):
-            out[rows] = apply_top_k_top_p_min_p(logits[rows], top_k[rows], top_p[rows], min_p[rows])
-        return out
-    k_max = int(top_k.max()) if num_rows else vocab_size
-    if k_max < vocab_size:
-        mask, _ = _truncation_mask(logits, top_k, top_p, min_p, k_max)
-        return logits.masked_fill(mask, _MASK)
-    width = min(_CANDIDATES, vocab_size)
-    mask, decided = _truncation_mask(logits, top_k, top_p, min_p, width)
-    if not bool(decided.all()):
-        rows = (~decided).nonzero().squeeze(1)  # (U,)
-        mask[rows], _ = _truncation_mask(
-            logits[rows], top_k[rows], top_p[rows], min_p[rows], vocab_size
-        )
-    return logits.masked_fill(mask, _MASK)
+    if not bool(active.any()):
+        return []
+    rows = active.nonzero().squeeze(1)  # (A,)
+    if len(rows) < num_rows:
+        logits, top_k, top_p, min_p = logits[rows], top_k[rows], top_p[rows], min_p[rows]
+    k_max = int(top_k.max())
+    width = min(k_max if k_max <= _CANDIDATES else _CANDIDATES, vocab_size)
+    ids, kept, decided = _truncate(logits, top_k, top_p, min_p, width)
+    if bool(decided.all()):
+        return [Candidates(rows, ids, kept)]
+    ok, rest = decided.nonzero().squeeze(1), (~decided).nonzero().squeeze(1)
+    groups = [Candidates(rows[ok], ids[ok], kept[ok])] if len(ok) else []
+    ids, kept, _ = _truncate(logits[rest], top_k[rest], top_p[rest], min_p[rest], vocab_size)
+    return groups + [Candidates(rows[rest], ids, kept)]
 
 
-def _truncation_mask(
+def apply_top_k_top_p_min_p(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
+    """``logits`` (S, V) with every token outside the row's top_k / top_p / min_p set
+    masked to -inf (see ``truncate_top_k_top_p_min_p``)."""
+    out = logits.clone()
+    for group in truncate_top_k_top_p_min_p(logits, top_k, top_p, min_p):
+        masked = torch.full_like(logits[group.rows], _MASK)  # (C, V)
+        out[group.rows] = masked.scatter_(1, group.token_ids, group.logits)
+    return out
+
+
+def _truncate(
     logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, width: int
-) -> tuple[Tensor, Tensor]:
-    """The removal mask (S, V) from the ``width`` best tokens of each row, and which rows
-    it decides exactly, (S,) bool: those whose cut falls inside the ``width`` candidates.
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The ``width`` best tokens of each row (S, W), their logits with the cut ones at
+    -inf (S, W), and which rows this decides exactly (S,) bool: those whose cut falls
+    inside the candidates.
 
     A row's probabilities are its top_k-filtered softmax (top_k runs first, so top_p and
     min_p see the renormalised distribution); a row with no top_k cut among the
@@ -187,10 +209,7 @@ def _truncation_mask(
     remove |= probs < floor.unsqueeze(1)
     remove[:, 0] = False
     decided = k_inside | (cum[:, -1] >= top_p) | (probs[:, -1] < floor)
-    # Back to vocab order; tokens outside the sorted candidates are removed.
-    mask = torch.full_like(logits, width < vocab_size, dtype=torch.bool)  # (S, V)
-    mask.scatter_(1, sorted_idx, remove)
-    return mask, decided
+    return sorted_idx, sorted_logits.masked_fill(remove, _MASK), decided
 
 
 def compute_logprobs(
@@ -268,16 +287,26 @@ class Sampler:
             sub = [params[i] for i in random_rows]
             temps = torch.tensor([p.temperature for p in sub], device=device)
             picked = logits if len(random_rows) == len(rows) else logits[idx]  # (R, V)
-            scaled = picked / temps.unsqueeze(1)  # (R, V)
-            scaled = apply_top_k_top_p_min_p(
+            scaled = picked if bool((temps == 1.0).all()) else picked / temps.unsqueeze(1)
+            u = self._uniforms([rows[i] for i in random_rows], device)  # (R,) float64
+            drawn = torch.empty(len(random_rows), dtype=torch.int64, device=device)  # (R,)
+            cut = torch.zeros(len(random_rows), dtype=torch.bool, device=device)  # (R,)
+            groups = truncate_top_k_top_p_min_p(
                 scaled,
                 torch.tensor([p.top_k or self.vocab_size for p in sub], device=device),
                 torch.tensor([p.top_p for p in sub], device=device),
                 torch.tensor([p.min_p for p in sub], device=device),
             )
-            probs = scaled.softmax(dim=-1)  # (R, V)
-            u = self._uniforms([rows[i] for i in random_rows], device)  # (R,) float64
-            token_ids[idx] = _inverse_cdf(probs, u)
+            for g in groups:  # truncated rows: draw among their candidates only
+                pick = _inverse_cdf(g.logits.softmax(dim=-1), u[g.rows])  # (C,)
+                drawn[g.rows] = g.token_ids.gather(1, pick.unsqueeze(1)).squeeze(1)
+                cut[g.rows] = True
+            if not groups:
+                drawn = _inverse_cdf(scaled.softmax(dim=-1), u)
+            elif not bool(cut.all()):
+                whole = (~cut).nonzero().squeeze(1)  # (R - C,)
+                drawn[whole] = _inverse_cdf(scaled[whole].softmax(dim=-1), u[whole])
+            token_ids[idx] = drawn
 
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:

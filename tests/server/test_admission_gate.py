@@ -28,7 +28,13 @@ def test_limit_adapts_to_queue_time():
     ctl = AdmissionController(40, target_queue_s=0.5, window_s=0.0)
     start = ctl.limit
     assert start == 40  # the engine's capacity
-    ctl.first_token(2.0)  # a window over the target: cut by a quarter
+    for _ in range(32):  # a burst below the limit: slow first tokens move nothing
+        assert ctl.try_enter()
+    ctl.first_token(2.0)
+    assert ctl.limit == 40
+    for _ in range(8):  # the gate is full ...
+        assert ctl.try_enter()
+    ctl.first_token(2.0)  # ... and a window over the target: cut by a quarter
     assert ctl.limit == 30
     ctl.first_token(2.0)
     ctl.first_token(2.0)
@@ -38,11 +44,14 @@ def test_limit_adapts_to_queue_time():
     assert ctl.limit == 9
     ctl.first_token(2.0)
     assert ctl.limit == 6
+    for _ in range(40):
+        ctl.leave()
     for _ in range(ctl.limit):
         assert ctl.try_enter()
     assert not ctl.try_enter()  # saturated ...
     ctl.first_token(0.1)  # ... and under the target: one more
     assert ctl.limit == 7
+    assert ctl.try_enter()  # full again: sustained slow first tokens cut to the floor
     for _ in range(100):
         ctl.first_token(10.0)
     assert ctl.limit == ctl.min_limit == 2

@@ -193,18 +193,22 @@ def test_unseeded_rows_use_sampler_generator() -> None:
 
 
 @pytest.mark.parametrize("seeded", [True, False])
-def test_distribution_matches_softmax(seeded: bool) -> None:
+@pytest.mark.parametrize("top_k", [0, 4])  # the whole row; candidates from a top_k
+def test_distribution_matches_softmax(seeded: bool, top_k: int) -> None:
     vocab = 6
     base = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0, 2.0])
     n = 6000
     logits = base.expand(n, vocab).contiguous()  # (n, V)
-    params = SamplingParams(temperature=1.0)
+    params = SamplingParams(temperature=1.0, top_k=top_k)
     rows = [row(params, seed=(i if seeded else None)) for i in range(n)]
     tokens = torch.tensor(Sampler(vocab, torch.Generator().manual_seed(11))(logits, rows).token_ids)
     observed = torch.bincount(tokens, minlength=vocab).double()
-    expected = base.double().softmax(-1) * n
-    chi2 = float(((observed - expected) ** 2 / expected).sum())
-    # 5 degrees of freedom: P(chi2 > 30) ~ 1.5e-5; deterministic given the seeds anyway.
+    kept = base.double() if not top_k else base.double().masked_fill(base < 0.0, -math.inf)
+    expected = kept.softmax(-1) * n
+    assert observed[expected == 0].sum() == 0
+    live = expected > 0
+    chi2 = float(((observed[live] - expected[live]) ** 2 / expected[live]).sum())
+    # <= 5 degrees of freedom: P(chi2 > 30) ~ 1.5e-5; deterministic given the seeds anyway.
     assert chi2 < 30.0, (observed.tolist(), expected.tolist())
 
 
