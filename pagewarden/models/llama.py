@@ -295,9 +295,13 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits (S, vocab) in float32 for hidden states (S, hidden)."""
-        return linear(self.lm_head, hidden).float()
+    def compute_logits(
+        self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32
+    ) -> torch.Tensor:
+        """Logits (S, vocab) for hidden states (S, hidden), in ``dtype`` (None: the GEMM's
+        own dtype, which the sampler widens only where it needs to)."""
+        logits = linear(self.lm_head, hidden)
+        return logits if dtype is None else logits.to(dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors, fusing q/k/v and gate/up; raises KeyError on unknown or missing names.

@@ -158,7 +158,7 @@ class ModelRunner:
                 sampled = [sampled[i] for i in keep]
         if not sampled:
             return ModelRunnerOutput(sampled_token_ids={}, faults=faults)
-        logits = self.model.compute_logits(hidden[sample_rows])  # (S, vocab) float32
+        logits = self.model.compute_logits(hidden[sample_rows], dtype=None)  # (S, vocab)
         rows = [
             SamplingRow(
                 params=r.sampling_params,

@@ -247,20 +247,23 @@ class Sampler:
         self.generator = generator
 
     def __call__(self, logits: Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """Sample a token for each row of ``logits`` (S, V >= vocab_size)."""
+        """Sample a token for each row of ``logits`` (S, V >= vocab_size), any float dtype
+        (widened to float32 except on the all-greedy fast path)."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (
             f"logits {tuple(logits.shape)} does not match {len(rows)} rows"
         )
         assert logits.shape[1] >= self.vocab_size, (
             f"logits have {logits.shape[1]} columns, fewer than vocab_size {self.vocab_size}"
         )
-        logits = logits[:, : self.vocab_size].float()  # (S, V)
+        logits = logits[:, : self.vocab_size]  # (S, V)
         if not rows:
             return SamplerOutput(token_ids=[], logprobs=[])
         params = [r.params for r in rows]
         if all(p.greedy and not _has_penalties(p) and p.logprobs is None for p in params):
+            # On the logits' own dtype: widening is exact, so the first maximum is the same.
             greedy_ids = logits.max(dim=-1).indices.tolist()  # (S,)
             return SamplerOutput(token_ids=greedy_ids, logprobs=[None] * len(rows))
+        logits = logits.float()
 
         device = logits.device
         if any(_has_penalties(p) for p in params):

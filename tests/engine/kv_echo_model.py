@@ -67,7 +67,9 @@ class KVEchoModel:
             row += n
         return digests.unsqueeze(1)  # (T, 1)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """One-hot logits at a token picked by hashing the digest's exact bits."""
         logits = torch.zeros(hidden.shape[0], VOCAB, dtype=torch.float32)
         for i, d in enumerate(hidden[:, 0].tolist()):

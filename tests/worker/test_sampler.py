@@ -357,3 +357,15 @@ def test_inverse_cdf_stratified_draws_hit_each_token_in_proportion() -> None:
     counts = torch.bincount(ids, minlength=vocab).double()
     assert counts[probs == 0].sum() == 0
     assert (counts - probs.double() * draws).abs().max() <= 1.0 + 1e-6
+
+
+def test_bfloat16_logits_sample_as_their_float32_widening() -> None:
+    """The greedy fast path runs on the logits' own dtype; every other path widens them."""
+    logits = random_logits(8, seed=4).to(torch.bfloat16)
+    logits[0, [3, 9]] = 7.0  # a tie: the first maximum either way
+    wide = logits.float()
+    greedy = [row(SamplingParams(temperature=0.0))] * 8
+    assert Sampler(V)(logits, greedy).token_ids == Sampler(V)(wide, greedy).token_ids
+    assert Sampler(V)(logits, greedy).token_ids[0] == 3
+    seeded = [row(SamplingParams(temperature=0.9, top_k=5), seed=i) for i in range(8)]
+    assert Sampler(V)(logits, seeded).token_ids == Sampler(V)(wide, seeded).token_ids
