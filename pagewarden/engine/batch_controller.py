@@ -18,6 +18,11 @@ scheduler only admits fewer until the running batch fits under the new limit.
 
 The latency target is ``target_itl_s`` when given; otherwise it is derived from the
 first full window: ``baseline_factor`` times that window's median inter-token latency.
+The engine feeds the latencies of all-decode steps only: those grow with the batch,
+which is what this controller sets. A step that also prefills is as slow as the token
+budget lets it be; cutting the batch for it only spread new prompts over more mixed
+steps (measured with vLLM's serving client at concurrency 32: ITL p99 186-248 ms with
+those samples, 147 ms without the controller).
 
 No torch, no engine imports: the engine feeds it plain numbers.
 """

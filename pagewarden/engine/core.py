@@ -320,7 +320,10 @@ class EngineCore:
             self.hooks.after_step(sched_out, result, updates)
         self.integrity.after_step()
         if self.batch is not None:
-            self._adapt_batch(start, sum(len(r.positions) == 1 for r in sched_out.requests))
+            decodes = sum(len(r.positions) == 1 for r in sched_out.requests)
+            # Only all-decode steps say how the batch size sets inter-token latency; a
+            # step that also prefills is as slow as the token budget lets it be.
+            self._adapt_batch(start, decodes if decodes == len(sched_out.requests) else 0)
         self.safe_mode.after_step()
         self.generation_tokens += len(updates)  # one entry per sampled token
         changed, stopped = self.outputs.process(updates)

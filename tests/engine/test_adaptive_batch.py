@@ -110,3 +110,36 @@ def test_a_lowered_seat_limit_keeps_running_requests_and_admits_nobody_new():
         sched.set_batch_limits(5, 2048)  # above the configured maximum
     with pytest.raises(ValueError):
         sched.set_batch_limits(2, 0)
+
+
+def test_latency_rule_reads_all_decode_steps_only(loaded):
+    """A step that prefills beside running decodes is slow by its token budget, not by
+    the batch size: it feeds no inter-token samples, so a tight target does not cut the
+    batch for it; all-decode steps still do."""
+    config = EngineConfig(
+        model="tiny",
+        dtype="float32",
+        block_size=BLOCK,
+        num_kv_blocks=96,
+        enable_prefix_caching=False,
+        max_num_seqs=8,
+        adaptive_batch=True,
+        target_itl_ms=1e-6,  # every sample is over it
+    )
+    engine = EngineCore(config, loaded)
+    assert engine.batch is not None
+    fed: list[int] = []
+    observe = engine.batch.observe
+    engine.batch.observe = lambda s: fed.append(len(s.inter_token_latencies_s)) or observe(s)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    rng = random.Random(2)
+    for i in range(4):
+        engine.add_request(str(i), [rng.randrange(3, 500) for _ in range(8)], params)
+    engine.step()  # prefill only
+    engine.step()  # 4 decodes
+    engine.add_request("late", [rng.randrange(3, 500) for _ in range(8)], params)
+    engine.step()  # 4 decodes + one prefill
+    assert fed == [0, 4, 0]
+    for _ in range(30):
+        engine.step()
+    assert engine.batch.changes.get("latency", 0) >= 1  # decode steps still count
