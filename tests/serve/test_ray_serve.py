@@ -124,6 +124,20 @@ def test_routes_and_concurrent_answers_equal_a_single_engine(cluster, client, re
     assert "pagewarden:prompt_tokens_total" in metrics
 
 
+def _settled(cluster: str) -> dict[str, dict]:
+    """The replicas once their published counters stop moving: a digest still carrying
+    an earlier request's stats would make its replica look like this request's holder."""
+    deadline = time.monotonic() + 10
+    last = _replicas(cluster)
+    while time.monotonic() < deadline:
+        time.sleep(0.6)  # longer than the digest period (0.5 s)
+        now = _replicas(cluster)
+        if all(now[r]["prompt_tokens"] == last.get(r, {}).get("prompt_tokens") for r in now):
+            return now
+        last = now
+    raise AssertionError("the replicas' counters never settled")
+
+
 def _holder(cluster: str, before: dict[str, dict]) -> str:
     """The one replica whose prompt-token counter moved since ``before``."""
     deadline = time.monotonic() + 10
@@ -148,19 +162,19 @@ def _learned(cluster: str, holder: str) -> None:
 
 
 def test_router_sends_a_shared_prefix_to_its_holder(cluster, client):
-    before = _replicas(cluster)
+    before = _settled(cluster)
     _complete(client, SYSTEM + "First tenant question?", 2)
     holder = _holder(cluster, before)
     _learned(cluster, holder)
     for i in range(4):
-        before = _replicas(cluster)
+        before = _settled(cluster)
         _complete(client, SYSTEM + f"Follow-up question number {i}?", 2)
         assert _holder(cluster, before) == holder
 
 
 def test_stream_survives_the_death_of_its_replica(cluster, client, reference):
     prompt = SYSTEM + "Tell a long story."
-    before = _replicas(cluster)
+    before = _settled(cluster)
     _complete(client, prompt, 1)
     holder = _holder(cluster, before)  # the stream below goes there (test above)
     _learned(cluster, holder)
