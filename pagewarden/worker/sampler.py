@@ -13,10 +13,11 @@ Order of operations for each row (as vLLM v1 does it)::
 
 One uniform per row (not one Exp(1) or Gumbel draw per vocabulary entry: 1.6 M
 logarithms per step at batch 32 cost about 30 ms on a 2-core CPU, the two-level
-cumulative sum about 1 ms)
-lets each row own its randomness: a seeded row's u is a pure function of
-``(seed, sample_index)``, so the same request samples the same tokens whatever else is
-in the batch, and again after preemption and recomputation.
+cumulative sum about 1 ms) lets each row own its randomness: a seeded row's u is a pure
+function of ``(seed, sample_index)``, so the same request samples the same tokens
+whatever else is in the batch, and again after preemption and recomputation. A
+truncated row (top_k, top_p, min_p) draws among its candidates only, with a full sort
+of the vocabulary only when its cut lies beyond the best 256.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pagewarden.sched.output import TokenLogprobs
 _MASK = float("-inf")
 _MIX_MULT = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
-# Candidates sorted per row for top_p / min_p without a top_k (see apply_top_k_top_p_min_p).
+# Candidates sorted per row for top_p / min_p without a small top_k (truncate_top_k_top_p_min_p).
 _CANDIDATES = 256
 # Tokens per block of the two-level inverse-CDF draw (see _inverse_cdf).
 _CDF_BLOCK = 256
@@ -324,8 +325,10 @@ class Sampler:
         unseeded = [i for i, r in enumerate(rows) if r.seed is None]
         if unseeded:
             # One draw for all unseeded rows: they are independent anyway.
-            draw = torch.rand(len(unseeded), dtype=torch.float64, generator=self.generator)
-            u[torch.tensor(unseeded, device=device)] = draw.to(device)
+            draw = torch.rand(
+                len(unseeded), dtype=torch.float64, generator=self.generator, device=device
+            )
+            u[torch.tensor(unseeded, device=device)] = draw
         for i, row in enumerate(rows):
             if row.seed is not None:
                 gen = torch.Generator().manual_seed(mix_seed(row.seed, row.sample_index))
