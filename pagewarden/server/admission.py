@@ -123,10 +123,8 @@ class AdmissionController:
         if elapsed < self.window_s:
             return
         self._drain_rate = self._done_in_window / elapsed
-        if not self.fixed:
-            if not self._window_saturated:
-                pass
-            elif self._window_max_queue > self.target_queue_s:
+        if not self.fixed and self._window_saturated:  # the limit only moves where it binds
+            if self._window_max_queue > self.target_queue_s:
                 self.limit = max(self.min_limit, math.floor(self.limit * 0.75))
             else:
                 self.limit = min(self.capacity, self.limit + 1)
