@@ -50,8 +50,12 @@ class AdmissionObserver(Protocol):
     """What the front door's admission controller wants to hear about requests."""
 
     rejected: int  # 429s it sent itself (counted in the admission_rejections metric)
+    limit: int  # its current in-flight limit
+    in_flight: int  # requests it admitted and that are not answered yet
 
     def first_token(self, queue_time_s: float) -> None: ...
+
+    def inter_token(self, gap_s: float, tokens: int = 1) -> None: ...
 
     def finished(self) -> None: ...
 
@@ -242,9 +246,12 @@ class AsyncEngine:
         self.client.send(msg)
 
     def stats(self) -> FrontendStats:
+        gate = self.observer
         return self.frontend_stats.snapshot(
             engine_restarts=self.client.restarts,
-            gate_rejections=self.observer.rejected if self.observer is not None else 0,
+            gate_rejections=gate.rejected if gate is not None else 0,
+            admission_limit=gate.limit if gate is not None else 0,
+            admission_in_flight=gate.in_flight if gate is not None else 0,
         )
 
     @property
@@ -293,6 +300,9 @@ class AsyncEngine:
                         self.observer.first_token(now - tracker.arrival)
                 else:
                     self.frontend_stats.inter_token(now - tracker.last_token)
+                    if self.observer is not None:
+                        gap, new = now - tracker.last_token, num_tokens - tracker.num_tokens
+                        self.observer.inter_token(gap, new)
                 tracker.last_token = now
                 tracker.num_tokens = num_tokens
             if out.finished:

@@ -91,6 +91,18 @@ class PagewardenCollector:
             f.admission_rejections,
             m,
         )
+        yield _gauge(
+            "admission_limit",
+            "Generation requests admission control lets in at once (adapts; 0: no gate).",
+            f.admission_limit,
+            m,
+        )
+        yield _gauge(
+            "admission_in_flight",
+            "Generation requests admitted by the gate and not answered yet.",
+            f.admission_in_flight,
+            m,
+        )
         yield _counter(
             "engine_restarts",
             "Engine-core processes restarted after a crash or a stall.",

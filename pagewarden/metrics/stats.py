@@ -91,6 +91,8 @@ class FrontendStats:
         default_factory=lambda: Histogram(TOKEN_BUCKETS).snapshot()
     )
     request_migrations: int = 0  # requests re-submitted after their replica died (serve/)
+    admission_limit: int = 0  # the admission gate's current in-flight limit (0: no gate)
+    admission_in_flight: int = 0  # generation requests the gate admitted, not yet answered
 
 
 class FrontendStatsRecorder:
@@ -137,7 +139,12 @@ class FrontendStatsRecorder:
                 self._generation_tokens.observe(generation_tokens)
 
     def snapshot(
-        self, engine_restarts: int = 0, gate_rejections: int = 0, request_migrations: int = 0
+        self,
+        engine_restarts: int = 0,
+        gate_rejections: int = 0,
+        request_migrations: int = 0,
+        admission_limit: int = 0,
+        admission_in_flight: int = 0,
     ) -> FrontendStats:
         """``gate_rejections``: 429s the server's admission gate sent before parsing."""
         with self._lock:
@@ -152,4 +159,6 @@ class FrontendStatsRecorder:
                 request_prompt_tokens=self._prompt_tokens.snapshot(),
                 request_generation_tokens=self._generation_tokens.snapshot(),
                 request_migrations=request_migrations,
+                admission_limit=admission_limit,
+                admission_in_flight=admission_in_flight,
             )

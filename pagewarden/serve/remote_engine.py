@@ -135,10 +135,13 @@ class RemoteEngine:
         return self.cluster().engine_stats
 
     def stats(self) -> FrontendStats:
+        gate = self.observer
         return self.frontend_stats.snapshot(
             engine_restarts=self.cluster().engine_restarts,
-            gate_rejections=self.observer.rejected if self.observer is not None else 0,
+            gate_rejections=gate.rejected if gate is not None else 0,
             request_migrations=self.migrations,
+            admission_limit=gate.limit if gate is not None else 0,
+            admission_in_flight=gate.in_flight if gate is not None else 0,
         )
 
 
@@ -285,6 +288,9 @@ class MigratingStream:
                 self.engine.observer.first_token(now - arrival)
         else:
             self.engine.frontend_stats.inter_token(now - self._last_token_at)
+            if self.engine.observer is not None:
+                gap, new = now - self._last_token_at, len(now_out.token_ids) - had
+                self.engine.observer.inter_token(gap, new)
         self._last_token_at = now
 
     def _done(

@@ -12,13 +12,23 @@ of this process's CPU. Every other route passes through untouched.
   min(TYPICAL_REQUEST_TOKENS, max_model_len))``, from the ``EngineInfo`` the core sent at start-up;
 - the limit starts at that capacity (a client running as many requests at once as the
   engine batches is served, not shed: a benchmark at concurrency 32 must see no 429) and
-  moves AIMD-style on the time requests wait for their first token, in windows where
-  the limit binds (the gate was full): such a window whose worst queue time exceeds
-  ``target_queue_s`` (default 2 s, about what a CPU engine needs to prefill a full
-  batch) cuts it by a quarter; one under the target raises it by one. A window where the
-  limit did not bind leaves it alone: a slow first token there comes from a burst the
-  engine is already holding (32 prompts arriving at once take about 2.5 s to prefill on
-  2 cores), and a lower limit would only turn away requests the engine serves;
+  moves AIMD-style in windows where the limit binds (the gate was full), on two signals
+  of what admitted requests live through:
+
+  - the time they wait for their first token: over ``target_queue_s`` (default 2 s,
+    about what a CPU engine needs to prefill a full batch);
+  - the time between their tokens (the window's mean time per token, which is what a
+    stream's length multiplies): over ``target_itl_ratio`` (default 2) times the
+    lowest window mean seen, which is what a token costs on a lightly loaded engine. A spike that fills the batch slows
+    every admitted stream by the batch's size (a step at batch 180 takes several times
+    one at batch 4); this keeps admitted requests near their unloaded speed and turns
+    the rest away instead of letting every stream crawl.
+
+  Either over its target cuts the limit by a quarter; both under raise it by one. A
+  window where the limit did not bind leaves it alone: a slow first token there comes
+  from a burst the engine is already holding (32 prompts arriving at once take about
+  2.5 s to prefill on 2 cores), and a lower limit would only turn away requests the
+  engine serves;
 - ``fixed_limit`` pins it (``--max-inflight-requests``); ``enabled=False`` turns the gate
   off (``--no-admission-control``).
 
@@ -39,6 +49,11 @@ import time
 
 #: Default of ``target_queue_s`` (``--admission-target-queue-time``).
 DEFAULT_TARGET_QUEUE_S = 2.0
+#: Default of ``target_itl_ratio`` (``--admission-target-itl-ratio``).
+DEFAULT_TARGET_ITL_RATIO = 2.0
+#: Tokens a window needs before its mean time per token counts (as the baseline or
+#: against it).
+MIN_ITL_TOKENS = 8
 #: Prompt + output tokens of a typical request, to turn the KV pool into a request count.
 TYPICAL_REQUEST_TOKENS = 512
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -55,6 +70,7 @@ class AdmissionController:
         capacity: int,
         *,
         target_queue_s: float = DEFAULT_TARGET_QUEUE_S,
+        target_itl_ratio: float = DEFAULT_TARGET_ITL_RATIO,
         fixed_limit: int | None = None,
         enabled: bool = True,
         min_limit: int = 2,
@@ -63,12 +79,16 @@ class AdmissionController:
     ) -> None:
         if capacity < 1 or target_queue_s <= 0 or (fixed_limit is not None and fixed_limit < 1):
             raise ValueError("admission: capacity, target and fixed limit must be positive")
+        if target_itl_ratio <= 1:
+            raise ValueError("admission: the inter-token latency ratio must be above 1")
         self.capacity = capacity
         self.min_limit = min(min_limit, capacity)
         self.enabled = enabled
         self.fixed = fixed_limit is not None
         self.limit = fixed_limit if fixed_limit is not None else capacity
         self.target_queue_s = target_queue_s
+        self.target_itl_ratio = target_itl_ratio
+        self.base_itl_s: float | None = None  # lowest window mean time per token seen
         self.window_s = window_s
         self.in_flight = 0
         self.rejected = 0
@@ -77,6 +97,8 @@ class AdmissionController:
         self._window_start = time.monotonic()
         self._window_max_queue = 0.0
         self._window_saturated = False
+        self._window_token_time = 0.0  # seconds streams waited for the window's tokens
+        self._window_tokens = 0
         self._done_in_window = 0
         self._drain_rate = 0.0  # answers per second, last full window
 
@@ -115,6 +137,13 @@ class AdmissionController:
                 self._window_saturated = True
             self._roll_window(time.monotonic())
 
+    def inter_token(self, gap_s: float, tokens: int = 1) -> None:
+        """An admitted stream received ``tokens`` more tokens ``gap_s`` after its last."""
+        with self._lock:
+            self._window_token_time += gap_s
+            self._window_tokens += tokens
+            self._roll_window(time.monotonic())
+
     def finished(self) -> None:
         """The engine finished a request (the gate counts answers in ``leave``)."""
 
@@ -123,14 +152,21 @@ class AdmissionController:
         if elapsed < self.window_s:
             return
         self._drain_rate = self._done_in_window / elapsed
+        itl = None
+        if self._window_tokens >= MIN_ITL_TOKENS:
+            itl = self._window_token_time / self._window_tokens
+            self.base_itl_s = itl if self.base_itl_s is None else min(self.base_itl_s, itl)
         if not self.fixed and self._window_saturated:  # the limit only moves where it binds
-            if self._window_max_queue > self.target_queue_s:
+            slow_itl = itl is not None and itl > self.target_itl_ratio * self.base_itl_s
+            if self._window_max_queue > self.target_queue_s or slow_itl:
                 self.limit = max(self.min_limit, math.floor(self.limit * 0.75))
             else:
                 self.limit = min(self.capacity, self.limit + 1)
         self._window_start = now
         self._window_max_queue = 0.0
         self._window_saturated = False
+        self._window_token_time = 0.0
+        self._window_tokens = 0
         self._done_in_window = 0
 
 

@@ -48,7 +48,7 @@ def add_serve_parser(subparsers) -> None:
 
 def _add_limit_args(p) -> None:
     """Front-door limits and admission control (see server/admission.py)."""
-    from pagewarden.server.admission import DEFAULT_TARGET_QUEUE_S
+    from pagewarden.server.admission import DEFAULT_TARGET_ITL_RATIO, DEFAULT_TARGET_QUEUE_S
 
     p.add_argument(
         "--admission-control",
@@ -69,6 +69,14 @@ def _add_limit_args(p) -> None:
         default=DEFAULT_TARGET_QUEUE_S,
         metavar="SECONDS",
         help="the adaptive limit shrinks when requests wait longer than this for a first token",
+    )
+    p.add_argument(
+        "--admission-target-itl-ratio",
+        type=float,
+        default=DEFAULT_TARGET_ITL_RATIO,
+        metavar="RATIO",
+        help="the adaptive limit shrinks when admitted streams' tokens come this many times "
+        "slower than on a lightly loaded engine",
     )
     p.add_argument(
         "--max-waiting-requests",
@@ -104,6 +112,8 @@ def _check_limits(args: argparse.Namespace) -> None:
             raise SystemExit(f"--{name.replace('_', '-')} is out of range: {value}")
     if args.engine_stall_timeout <= 0 or args.admission_target_queue_time <= 0:
         raise SystemExit("--engine-stall-timeout and --admission-target-queue-time must be > 0")
+    if args.admission_target_itl_ratio <= 1:
+        raise SystemExit("--admission-target-itl-ratio must be > 1")
 
 
 def _graceful_server(config):
@@ -153,6 +163,7 @@ def _build_app(args: argparse.Namespace, engine, name: str):
     admission = default_admission(
         engine,
         target_queue_s=args.admission_target_queue_time,
+        target_itl_ratio=args.admission_target_itl_ratio,
         fixed_limit=args.max_inflight_requests,
         enabled=args.admission_control,
     )

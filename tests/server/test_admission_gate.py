@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import types
 
+from pagewarden.server import admission
 from pagewarden.server.admission import AdmissionController, AdmissionGate, engine_capacity
 
 
@@ -55,6 +57,39 @@ def test_limit_adapts_to_queue_time():
     for _ in range(100):
         ctl.first_token(10.0)
     assert ctl.limit == ctl.min_limit == 2
+
+
+def test_limit_adapts_to_inter_token_latency(monkeypatch):
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(admission.time, "monotonic", lambda: clock.now)
+    ctl = AdmissionController(40, target_itl_ratio=2.5, window_s=1.0)
+
+    def window(gap: float, n: int) -> None:
+        """n token gaps of `gap` seconds in one window, then the window closes."""
+        for _ in range(n):
+            ctl.inter_token(gap)
+        clock.now += 1.0
+        ctl.inter_token(gap)  # rolls the window (and opens the next with this gap)
+
+    window(0.02, 8)  # a light load: the baseline token gap, 20 ms
+    assert ctl.base_itl_s == 0.02 and ctl.limit == 40
+    window(0.2, 39)  # slow tokens where the limit does not bind move nothing
+    assert ctl.limit == 40
+    for _ in range(40):
+        assert ctl.try_enter()
+    assert not ctl.try_enter()  # the gate is full ...
+    window(0.06, 8)  # ... and tokens come 3x slower than the baseline: cut
+    assert ctl.limit == 30
+    assert not ctl.try_enter()
+    window(0.5, 5)  # too few tokens for a mean: the queue-time rule alone (+1)
+    assert ctl.limit == 31
+    assert not ctl.try_enter()
+    window(0.04, 8)  # 2x the baseline is within the target: +1
+    assert ctl.limit == 32 and ctl.base_itl_s == 0.02
+    assert not ctl.try_enter()
+    ctl.inter_token(0.2, tokens=4)  # one gap that brought 4 tokens counts as 4 tokens
+    window(0.1, 3)  # 0.6 s for 8 tokens: 75 ms a token, over 2.5 x 20 ms
+    assert ctl.limit == 24
 
 
 def test_disabled_or_pinned_limit_does_not_move():

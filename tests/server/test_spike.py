@@ -82,6 +82,8 @@ def test_scaled_down_spike(spike, tiny_llama_dir):
         assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
         assert spike.metric(url, "engine_restarts_total") == 0
         assert spike.metric(url, "admission_rejections_total") >= codes.count(429)
+        assert 2 <= spike.metric(url, "admission_limit") <= 3  # 63 blocks * 16 / 256 tokens
+        assert spike.metric(url, "admission_in_flight") == 0
     finally:
         proc.terminate()
         proc.wait(60)
