@@ -59,6 +59,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -592,6 +593,149 @@ void decode_attention(const at::Tensor& q, const at::Tensor& cache, const at::Te
   }
 }
 
+// fresh_attention: causal attention of n prompts of Q tokens each over their own K/V
+// (bfloat16 with AVX512-BF16 only; models/paged_attention.py's _fresh elsewhere).
+// q, out (T, n_heads, D) and k, v (T, n_kv, D) rows may be strided (views of the qkv
+// projection); prompt s's token t is flat token tokens[s * Q + t] (or s * Q + t).
+// Work items are (prompt, kv head). Per item K and V are packed once into the pair
+// layout vdpbf16ps multiplies (two bf16 per 32-bit lane):
+//     kp[kt][p][j]  = (K[16 kt + j][2p], K[16 kt + j][2p + 1])   16 keys x D/2 pairs a tile
+//     vp[jp][d]     = (V[2 jp][d], V[2 jp + 1][d])               key pairs x D columns
+// then for each of the kv head's G query heads and each tile of 16 queries, over the key
+// tiles up to the diagonal: S (16 x 16) in 16 registers, one per query, summed over the
+// D/2 pairs; the diagonal tile masked; an online softmax per query row in float32; P
+// rounded to bf16 (as torch's bf16 SDPA rounds it) and O (16 x D, float32) += P V over
+// key pairs; at the end O / l, rounded once. The packing is 2 of the item's ~70 passes
+// over its K/V, and every loop after it runs on registers and L1.
+#ifdef PW_BF16_KERNEL
+template <int NC>  // NC = D / 16
+void fresh_item(const bf16_bits* q, int64_t qs, const bf16_bits* k, int64_t ks,
+                const bf16_bits* v, int64_t vs, bf16_bits* out, int64_t os, const int64_t* rows,
+                int64_t Q, int64_t G, int64_t h, float scale, uint32_t* kp, uint32_t* vp,
+                uint32_t* qw, float* o) {
+  constexpr int64_t D = NC * 16, P2 = D / 2;
+  const int64_t KT = (Q + 15) / 16;
+  std::fill(kp, kp + KT * 16 * P2, 0u);
+  std::fill(vp, vp + KT * 8 * D, 0u);
+  for (int64_t t = 0; t < Q; ++t) {
+    const uint32_t* kr = reinterpret_cast<const uint32_t*>(k + rows[t] * ks + h * D);
+    for (int64_t p = 0; p < P2; ++p) kp[((t / 16) * P2 + p) * 16 + t % 16] = kr[p];
+    const bf16_bits* vr = v + rows[t] * vs + h * D;
+    bf16_bits* dst = reinterpret_cast<bf16_bits*>(vp + (t / 2) * D) + t % 2;
+    for (int64_t d = 0; d < D; ++d) dst[2 * d] = vr[d];
+  }
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t head = h * G + g;
+    for (int64_t qt = 0; qt < KT; ++qt) {
+      const int64_t r = std::min<int64_t>(16, Q - qt * 16);
+      std::fill(qw, qw + 16 * P2, 0u);
+      for (int64_t i = 0; i < r; ++i)
+        std::memcpy(qw + i * P2, q + rows[qt * 16 + i] * qs + head * D, D * sizeof(bf16_bits));
+      std::fill(o, o + 16 * D, 0.f);
+      float m[16], l[16], alpha[16];
+      std::fill(m, m + 16, -std::numeric_limits<float>::infinity());
+      std::fill(l, l + 16, 0.f);
+      alignas(64) bf16_bits pb[16][16];
+      for (int64_t kt = 0; kt <= qt; ++kt) {
+        __m512 sc[16];
+        for (int i = 0; i < 16; ++i) sc[i] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < P2; ++p) {
+          const __m512bh kv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(kp + (kt * P2 + p) * 16));
+          for (int i = 0; i < 16; ++i)
+            sc[i] = _mm512_dpbf16_ps(
+                sc[i], kv, reinterpret_cast<__m512bh>(_mm512_set1_epi32(int(qw[i * P2 + p]))));
+        }
+        for (int64_t i = 0; i < r; ++i) {  // online softmax of query qt * 16 + i
+          const int64_t valid = std::min<int64_t>(16, qt * 16 + i - kt * 16 + 1);
+          const __mmask16 keep = __mmask16((1u << valid) - 1);
+          const __m512 x = _mm512_mask_blend_ps(keep, neg_inf, _mm512_mul_ps(sc[i], _mm512_set1_ps(scale)));
+          const float mx = std::max(m[i], _mm512_reduce_max_ps(x));
+          alpha[i] = exp_nonpos(m[i] - mx);
+          m[i] = mx;
+          f32x16 e = exp_nonpos(reinterpret_cast<const f32x16&>(x) - mx);
+          const __m512 pe = _mm512_maskz_mov_ps(keep, reinterpret_cast<const __m512&>(e));
+          l[i] = l[i] * alpha[i] + _mm512_reduce_add_ps(pe);
+          const __m256bh b = _mm512_cvtneps_pbh(pe);
+          std::memcpy(pb[i], &b, sizeof b);
+        }
+        const uint32_t* vt = vp + kt * 8 * D;
+        for (int64_t i = 0; i < r; ++i) {  // O[i] = alpha O[i] + P[i] V, by key pairs
+          __m512 a[NC];
+          const __m512 al = _mm512_set1_ps(alpha[i]);
+          for (int c = 0; c < NC; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(o + i * D + c * 16), al);
+          const uint32_t* pw = reinterpret_cast<const uint32_t*>(pb[i]);
+          for (int jp = 0; jp < 8; ++jp) {
+            const __m512bh pp = reinterpret_cast<__m512bh>(_mm512_set1_epi32(int(pw[jp])));
+            for (int c = 0; c < NC; ++c)
+              a[c] = _mm512_dpbf16_ps(
+                  a[c], reinterpret_cast<__m512bh>(_mm512_loadu_si512(vt + jp * D + c * 16)), pp);
+          }
+          for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + i * D + c * 16, a[c]);
+        }
+      }
+      for (int64_t i = 0; i < r; ++i) {
+        const float inv = 1.f / l[i];
+        for (int64_t d = 0; d < D; ++d) o[i * D + d] *= inv;
+        store(out + rows[qt * 16 + i] * os + head * D, o + i * D, D);
+      }
+    }
+  }
+}
+#endif
+
+bool has_fresh_attention(int64_t head_dim) {
+#ifdef PW_BF16_KERNEL
+  return head_dim == 64 || head_dim == 128;
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
+void fresh_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor out,
+                     const c10::optional<at::Tensor>& tokens, int64_t num_prompts,
+                     int64_t query_len, double scale) {
+  const int64_t D = q.size(2), n_kv = k.size(1);
+  TORCH_CHECK(has_fresh_attention(D), "fresh_attention needs AVX512-BF16 and head dim 64 or 128");
+  for (const at::Tensor* x : std::initializer_list<const at::Tensor*>{&q, &k, &v, &out})
+    TORCH_CHECK(x->dim() == 3 && x->scalar_type() == at::kBFloat16 && x->stride(2) == 1 &&
+                    x->stride(1) == D && x->size(2) == D,
+                "fresh_attention: bf16 (T, heads, D) rows with dense heads");
+  TORCH_CHECK(q.size(1) % n_kv == 0 && v.size(1) == n_kv && out.sizes() == q.sizes());
+  const int64_t T = num_prompts * query_len;
+  std::vector<int64_t> rows(T);
+  if (tokens.has_value()) {
+    TORCH_CHECK(tokens->is_contiguous() && tokens->scalar_type() == at::kLong &&
+                tokens->numel() == T);
+    std::memcpy(rows.data(), tokens->data_ptr<int64_t>(), T * sizeof(int64_t));
+  } else {
+    for (int64_t t = 0; t < T; ++t) rows[t] = t;
+  }
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(rows[t] >= 0 && rows[t] < q.size(0) && rows[t] < k.size(0), "token out of range");
+#ifdef PW_BF16_KERNEL
+  const int64_t G = q.size(1) / n_kv, KT = (query_len + 15) / 16;
+  const auto* qp = reinterpret_cast<const bf16_bits*>(q.data_ptr());
+  const auto* kp = reinterpret_cast<const bf16_bits*>(k.data_ptr());
+  const auto* vp = reinterpret_cast<const bf16_bits*>(v.data_ptr());
+  auto* op = reinterpret_cast<bf16_bits*>(out.data_ptr());
+  at::parallel_for(0, num_prompts * n_kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> kbuf(KT * 16 * D / 2), vbuf(KT * 8 * D), qbuf(16 * D / 2);
+    std::vector<float> obuf(16 * D);
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t s = it / n_kv, h = it % n_kv;
+      const int64_t* r = rows.data() + s * query_len;
+      auto run = D == 64 ? fresh_item<4> : fresh_item<8>;
+      run(qp, q.stride(0), kp, k.stride(0), vp, v.stride(0), op, out.stride(0), r, query_len, G,
+          h, float(scale), kbuf.data(), vbuf.data(), qbuf.data(), obuf.data());
+    }
+  });
+#else
+  (void)scale;
+#endif
+}
+
 // Tags of positions [0, context + query) and checksums of positions [0, context) of the
 // given rows, read through `tables` as decode_attention reads them (rows the torch path
 // attends for).
@@ -636,4 +780,6 @@ void check_reads(const at::Tensor& cache, const at::Tensor& tables, const at::Te
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention with fused read checks");
   m.def("check_reads", &check_reads, "the read checks of rows attended by the torch path");
+  m.def("fresh_attention", &fresh_attention, "causal attention of fresh bf16 prompts");
+  m.def("has_fresh_attention", &has_fresh_attention, "whether fresh_attention runs here");
 }

@@ -11,13 +11,15 @@ What runs where in ``CpuAttention.attend``:
 
     decode rows   the kernel: K/V read in place through ``meta.block_index``, tags (and in
                   strict, checksums) checked in the same loop (``meta.read_checks``)
-    fresh prompts the torch path of ``models/paged_attention.py`` (``_fresh``, on the
-    chunked       step's own K/V; ``_chunked``, a gather through ``meta.block_index``),
-                  and the kernel's ``check_reads`` over the same rows of
-                  ``meta.block_index``: tags of every position [0, context + query),
-                  checksums of the cached context
+    fresh prompts causal attention on the step's own K/V: the kernel's ``fresh_attention``
+                  for bf16 where the CPU has AVX512-BF16 (P rounded to bf16, as torch's
+                  bf16 SDPA rounds it), else ``_fresh`` of ``models/paged_attention.py``
+    chunked       ``_chunked`` of ``models/paged_attention.py``, a gather through
+                  ``meta.block_index``
 
-so every position any row reads is checked through the index it is read with, as the
+and for the fresh and chunked rows the kernel's ``check_reads`` over the same rows of
+``meta.block_index``: tags of every position [0, context + query), checksums of the
+cached context; so every position any row reads is checked through the index it is read with, as the
 guard's ``fused_reads`` contract asks. K/V writes are the torch ``write_kv``.
 """
 
@@ -142,13 +144,31 @@ class CpuAttention:
             self._check_reads(cache, meta, other_rows)
             if meta.fresh and new_kv is None:
                 new_kv = read_new_kv(cache, meta.slot_mapping)
-            for batch in meta.fresh:
+            if meta.fresh:
                 k, v = new_kv  # type: ignore[misc]
-                part = _fresh(q, k, v, cache.dtype, batch, scale)
-                _put(out, batch.token_index, part)
+                fused = self._fresh_kernel_fits(q, k, v, cache)
+            for batch in meta.fresh:
+                if fused:  # writes its rows of out itself
+                    self._ext.fresh_attention(
+                        q, k, v, out, batch.token_index, batch.num_seqs, batch.query_len, scale
+                    )
+                else:
+                    _put(out, batch.token_index, _fresh(q, k, v, cache.dtype, batch, scale))
             if meta.chunked is not None:
                 _put(out, meta.chunked.token_index, _chunked(q, cache, meta, meta.chunked, scale))
         return out
+
+    def _fresh_kernel_fits(self, q, k, v, cache) -> bool:
+        """Fresh prompts go through the kernel's ``fresh_attention`` (bf16 on AVX512-BF16,
+        head dim 64 or 128) when the step's q, K, V and cache are all bf16 rows with dense
+        heads; elsewhere through torch's causal SDPA."""
+        head_dim = q.shape[2]
+        if cache.dtype != torch.bfloat16 or not self._ext.has_fresh_attention(head_dim):
+            return False
+        return all(
+            x.dtype == torch.bfloat16 and x.stride(2) == 1 and x.stride(1) == head_dim
+            for x in (q, k, v)
+        )
 
     def _step_rows(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows of the decode sequences, rows of all others), int64, cached per step."""
