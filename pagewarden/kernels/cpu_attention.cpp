@@ -252,6 +252,24 @@ inline __m512 reduce16(const __m512* v) {
                        _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
 }
 
+// exp(x) for x <= 0 (or -inf: 0), 16 lanes: x = n ln2 + r, exp(r) by the degree-6
+// Taylor polynomial of exp_nonpos, 2^n applied by vscalefps.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
 inline __m512bh load_bh(const bf16_bits* p) {
   return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p));
 }
@@ -633,10 +651,10 @@ void fresh_item(const bf16_bits* q, int64_t qs, const bf16_bits* k, int64_t ks,
       for (int64_t i = 0; i < r; ++i)
         std::memcpy(qw + i * P2, q + rows[qt * 16 + i] * qs + head * D, D * sizeof(bf16_bits));
       std::fill(o, o + 16 * D, 0.f);
-      float m[16], l[16], alpha[16];
+      alignas(64) float m[16], l[16], alpha[16] = {};
       std::fill(m, m + 16, -std::numeric_limits<float>::infinity());
       std::fill(l, l + 16, 0.f);
-      alignas(64) bf16_bits pb[16][16];
+      alignas(64) bf16_bits pb[16][16] = {};
       for (int64_t kt = 0; kt <= qt; ++kt) {
         __m512 sc[16];
         for (int i = 0; i < 16; ++i) sc[i] = _mm512_setzero_ps();
@@ -646,32 +664,52 @@ void fresh_item(const bf16_bits* q, int64_t qs, const bf16_bits* k, int64_t ks,
             sc[i] = _mm512_dpbf16_ps(
                 sc[i], kv, reinterpret_cast<__m512bh>(_mm512_set1_epi32(int(qw[i * P2 + p]))));
         }
-        for (int64_t i = 0; i < r; ++i) {  // online softmax of query qt * 16 + i
-          const int64_t valid = std::min<int64_t>(16, qt * 16 + i - kt * 16 + 1);
-          const __mmask16 keep = __mmask16((1u << valid) - 1);
-          const __m512 x = _mm512_mask_blend_ps(keep, neg_inf, _mm512_mul_ps(sc[i], _mm512_set1_ps(scale)));
-          const float mx = std::max(m[i], _mm512_reduce_max_ps(x));
-          alpha[i] = exp_nonpos(m[i] - mx);
-          m[i] = mx;
-          f32x16 e = exp_nonpos(reinterpret_cast<const f32x16&>(x) - mx);
-          const __m512 pe = _mm512_maskz_mov_ps(keep, reinterpret_cast<const __m512&>(e));
-          l[i] = l[i] * alpha[i] + _mm512_reduce_add_ps(pe);
+        // Online softmax of the 16 query rows (rows past r compute on zeros, unused), in
+        // three passes of 16 independent rows each, so the rows' dependency chains
+        // (max, exp, sum) overlap instead of running one after another.
+        __mmask16 keep[16];
+        alignas(64) float row_max[16], row_sum[16];
+        for (int i = 0; i < 16; ++i) {
+          const int64_t valid = kt < qt ? 16 : i + 1;
+          keep[i] = __mmask16(valid == 16 ? 0xFFFFu : (1u << valid) - 1);
+          sc[i] = _mm512_mask_blend_ps(keep[i], neg_inf, _mm512_mul_ps(sc[i], _mm512_set1_ps(scale)));
+          row_max[i] = _mm512_reduce_max_ps(sc[i]);
+        }
+        const f32x16 m_old = load16(m), m_new = load16(row_max) > m_old ? load16(row_max) : m_old;
+        store16(alpha, exp_nonpos(m_old - m_new));  // 0 on the first tile (m = -inf)
+        store16(m, m_new);
+        for (int i = 0; i < 16; ++i) {
+          const __m512 pe =
+              _mm512_maskz_mov_ps(keep[i], exp16(_mm512_sub_ps(sc[i], _mm512_set1_ps(m[i]))));
+          row_sum[i] = _mm512_reduce_add_ps(pe);
           const __m256bh b = _mm512_cvtneps_pbh(pe);
           std::memcpy(pb[i], &b, sizeof b);
         }
+        store16(l, load16(l) * load16(alpha) + load16(row_sum));
+        // O[i] = alpha O[i] + P[i] V by key pairs, R rows at a time: R * NC = 16
+        // independent accumulators hide vdpbf16ps's latency.
+        constexpr int R = 16 / NC;
         const uint32_t* vt = vp + kt * 8 * D;
-        for (int64_t i = 0; i < r; ++i) {  // O[i] = alpha O[i] + P[i] V, by key pairs
-          __m512 a[NC];
-          const __m512 al = _mm512_set1_ps(alpha[i]);
-          for (int c = 0; c < NC; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(o + i * D + c * 16), al);
-          const uint32_t* pw = reinterpret_cast<const uint32_t*>(pb[i]);
-          for (int jp = 0; jp < 8; ++jp) {
-            const __m512bh pp = reinterpret_cast<__m512bh>(_mm512_set1_epi32(int(pw[jp])));
+        for (int64_t i0 = 0; i0 < r; i0 += R) {
+          __m512 a[R][NC];
+          for (int i = 0; i < R; ++i) {
+            const __m512 al = _mm512_set1_ps(alpha[i0 + i]);  // rows past r: harmless
             for (int c = 0; c < NC; ++c)
-              a[c] = _mm512_dpbf16_ps(
-                  a[c], reinterpret_cast<__m512bh>(_mm512_loadu_si512(vt + jp * D + c * 16)), pp);
+              a[i][c] = _mm512_mul_ps(_mm512_loadu_ps(o + (i0 + i) * D + c * 16), al);
           }
-          for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + i * D + c * 16, a[c]);
+          for (int jp = 0; jp < 8; ++jp) {
+            __m512bh vv[NC];
+            for (int c = 0; c < NC; ++c)
+              vv[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(vt + jp * D + c * 16));
+            for (int i = 0; i < R; ++i) {
+              uint32_t pair;
+              std::memcpy(&pair, &pb[i0 + i][2 * jp], sizeof pair);
+              const __m512bh pp = reinterpret_cast<__m512bh>(_mm512_set1_epi32(int(pair)));
+              for (int c = 0; c < NC; ++c) a[i][c] = _mm512_dpbf16_ps(a[i][c], vv[c], pp);
+            }
+          }
+          for (int i = 0; i < R; ++i)
+            for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + (i0 + i) * D + c * 16, a[i][c]);
         }
       }
       for (int64_t i = 0; i < r; ++i) {
