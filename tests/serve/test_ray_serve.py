@@ -101,8 +101,19 @@ def _complete(client, prompt: str, max_tokens: int) -> str:
     return r.choices[0].text
 
 
+def _healthy(cluster: str, timeout_s: float = 60.0) -> int:
+    """/health's status once some replica has published a live digest (right after
+    ``serve.run`` none may have yet: 503 until then), or the last status at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    status = httpx.get(cluster + "/health", timeout=10).status_code
+    while status != 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        status = httpx.get(cluster + "/health", timeout=10).status_code
+    return status
+
+
 def test_routes_and_concurrent_answers_equal_a_single_engine(cluster, client, reference):
-    assert httpx.get(cluster + "/health", timeout=10).status_code == 200
+    assert _healthy(cluster) == 200
     assert [m.id for m in client.models.list().data] == [MODEL]
     prompts = [f"Question {i}: the quick brown fox" for i in range(6)]
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
