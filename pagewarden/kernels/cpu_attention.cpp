@@ -615,32 +615,32 @@ void decode_attention(const at::Tensor& q, const at::Tensor& cache, const at::Te
 // (bfloat16 with AVX512-BF16 only; models/paged_attention.py's _fresh elsewhere).
 // q, out (T, n_heads, D) and k, v (T, n_kv, D) rows may be strided (views of the qkv
 // projection); prompt s's token t is flat token tokens[s * Q + t] (or s * Q + t).
-// Work items are (prompt, kv head). Per item K and V are packed once into the pair
-// layout vdpbf16ps multiplies (two bf16 per 32-bit lane):
+// Work items are (prompt, kv head). Per item K is packed once into the pair layout
+// vdpbf16ps multiplies (two bf16 per 32-bit lane) and V widened once to float32:
 //     kp[kt][p][j]  = (K[16 kt + j][2p], K[16 kt + j][2p + 1])   16 keys x D/2 pairs a tile
-//     vp[jp][d]     = (V[2 jp][d], V[2 jp + 1][d])               key pairs x D columns
+//     vf[j][d]      = float(V[j][d])                             keys x D columns
 // then for each of the kv head's G query heads and each tile of 16 queries, over the key
 // tiles up to the diagonal: S (16 x 16) in 16 registers, one per query, summed over the
-// D/2 pairs; the diagonal tile masked; an online softmax per query row in float32; P
-// rounded to bf16 (as torch's bf16 SDPA rounds it) and O (16 x D, float32) += P V over
-// key pairs; at the end O / l, rounded once. The packing is 2 of the item's ~70 passes
-// over its K/V, and every loop after it runs on registers and L1.
+// D/2 pairs (exact bf16 products, float32 sums, as torch's bf16 GEMM); the diagonal tile
+// masked; an online softmax of the 16 rows in float32; O (16 x D, float32) += P V with P
+// kept in float32 (torch's bf16 SDPA rounds P to bf16 first; that rounding flipped a
+// near-tie of the default model's first answer token); at the end O / l, rounded once.
+// The packing is 2 of the item's ~70 passes over its K/V; every loop after it runs on
+// registers and L1.
 #ifdef PW_BF16_KERNEL
 template <int NC>  // NC = D / 16
 void fresh_item(const bf16_bits* q, int64_t qs, const bf16_bits* k, int64_t ks,
                 const bf16_bits* v, int64_t vs, bf16_bits* out, int64_t os, const int64_t* rows,
-                int64_t Q, int64_t G, int64_t h, float scale, uint32_t* kp, uint32_t* vp,
+                int64_t Q, int64_t G, int64_t h, float scale, uint32_t* kp, float* vf,
                 uint32_t* qw, float* o) {
   constexpr int64_t D = NC * 16, P2 = D / 2;
   const int64_t KT = (Q + 15) / 16;
   std::fill(kp, kp + KT * 16 * P2, 0u);
-  std::fill(vp, vp + KT * 8 * D, 0u);
+  std::fill(vf + Q * D, vf + KT * 16 * D, 0.f);
   for (int64_t t = 0; t < Q; ++t) {
     const uint32_t* kr = reinterpret_cast<const uint32_t*>(k + rows[t] * ks + h * D);
     for (int64_t p = 0; p < P2; ++p) kp[((t / 16) * P2 + p) * 16 + t % 16] = kr[p];
-    const bf16_bits* vr = v + rows[t] * vs + h * D;
-    bf16_bits* dst = reinterpret_cast<bf16_bits*>(vp + (t / 2) * D) + t % 2;
-    for (int64_t d = 0; d < D; ++d) dst[2 * d] = vr[d];
+    to_float(v + rows[t] * vs + h * D, vf + t * D, D);
   }
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t g = 0; g < G; ++g) {
@@ -654,7 +654,7 @@ void fresh_item(const bf16_bits* q, int64_t qs, const bf16_bits* k, int64_t ks,
       alignas(64) float m[16], l[16], alpha[16] = {};
       std::fill(m, m + 16, -std::numeric_limits<float>::infinity());
       std::fill(l, l + 16, 0.f);
-      alignas(64) bf16_bits pb[16][16] = {};
+      alignas(64) float pf[16][16] = {};
       for (int64_t kt = 0; kt <= qt; ++kt) {
         __m512 sc[16];
         for (int i = 0; i < 16; ++i) sc[i] = _mm512_setzero_ps();
@@ -682,14 +682,13 @@ void fresh_item(const bf16_bits* q, int64_t qs, const bf16_bits* k, int64_t ks,
           const __m512 pe =
               _mm512_maskz_mov_ps(keep[i], exp16(_mm512_sub_ps(sc[i], _mm512_set1_ps(m[i]))));
           row_sum[i] = _mm512_reduce_add_ps(pe);
-          const __m256bh b = _mm512_cvtneps_pbh(pe);
-          std::memcpy(pb[i], &b, sizeof b);
+          _mm512_store_ps(pf[i], pe);
         }
         store16(l, load16(l) * load16(alpha) + load16(row_sum));
-        // O[i] = alpha O[i] + P[i] V by key pairs, R rows at a time: R * NC = 16
-        // independent accumulators hide vdpbf16ps's latency.
+        // O[i] = alpha O[i] + P[i] V in float32, R rows at a time: R * NC = 16
+        // independent accumulators hide the FMA latency.
         constexpr int R = 16 / NC;
-        const uint32_t* vt = vp + kt * 8 * D;
+        const float* vt = vf + kt * 16 * D;
         for (int64_t i0 = 0; i0 < r; i0 += R) {
           __m512 a[R][NC];
           for (int i = 0; i < R; ++i) {
@@ -697,15 +696,12 @@ void fresh_item(const bf16_bits* q, int64_t qs, const bf16_bits* k, int64_t ks,
             for (int c = 0; c < NC; ++c)
               a[i][c] = _mm512_mul_ps(_mm512_loadu_ps(o + (i0 + i) * D + c * 16), al);
           }
-          for (int jp = 0; jp < 8; ++jp) {
-            __m512bh vv[NC];
-            for (int c = 0; c < NC; ++c)
-              vv[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(vt + jp * D + c * 16));
+          for (int j = 0; j < 16; ++j) {
+            __m512 vv[NC];
+            for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(vt + j * D + c * 16);
             for (int i = 0; i < R; ++i) {
-              uint32_t pair;
-              std::memcpy(&pair, &pb[i0 + i][2 * jp], sizeof pair);
-              const __m512bh pp = reinterpret_cast<__m512bh>(_mm512_set1_epi32(int(pair)));
-              for (int c = 0; c < NC; ++c) a[i][c] = _mm512_dpbf16_ps(a[i][c], vv[c], pp);
+              const __m512 pj = _mm512_set1_ps(pf[i0 + i][j]);
+              for (int c = 0; c < NC; ++c) a[i][c] = _mm512_fmadd_ps(pj, vv[c], a[i][c]);
             }
           }
           for (int i = 0; i < R; ++i)
@@ -759,7 +755,8 @@ void fresh_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const auto* vp = reinterpret_cast<const bf16_bits*>(v.data_ptr());
   auto* op = reinterpret_cast<bf16_bits*>(out.data_ptr());
   at::parallel_for(0, num_prompts * n_kv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> kbuf(KT * 16 * D / 2), vbuf(KT * 8 * D), qbuf(16 * D / 2);
+    std::vector<uint32_t> kbuf(KT * 16 * D / 2), qbuf(16 * D / 2);
+    std::vector<float> vbuf(KT * 16 * D);
     std::vector<float> obuf(16 * D);
     for (int64_t it = begin; it < end; ++it) {
       const int64_t s = it / n_kv, h = it % n_kv;

@@ -41,10 +41,8 @@ def _check(got: torch.Tensor, q, cache, meta, scale: float) -> None:
       bf16 K/V, rounded once), and no further from the torch path than that path is from
       the exact result plus one ulp (torch's bf16 SDPA rounds its probabilities to bf16
       before the V product; the decode kernel does not);
-    - fresh rows (the kernel's fresh_attention where the CPU has AVX512-BF16; it rounds
-      its probabilities to bf16 as torch does, at other places): each (token, head)
-      row's largest error at most twice the torch path's in that row plus one ulp of
-      the row's largest value;
+    - fresh rows (the kernel's fresh_attention where the CPU has AVX512-BF16, which also
+      keeps its probabilities in float32): the same two bounds;
     - chunked rows (and fresh rows elsewhere) run the torch path itself: equal."""
     ref = paged_attention(q, cache, meta, scale)
     assert got.dtype == ref.dtype and got.shape == ref.shape
@@ -58,12 +56,10 @@ def _check(got: torch.Tensor, q, cache, meta, scale: float) -> None:
     torch_rows = ~decode & ~fresh
     assert torch.equal(got[torch_rows], ref[torch_rows])
     exact = paged_attention(q.to(cache.dtype).float(), cache.float(), meta, scale)
-    g, r, e = got[decode].float(), ref[decode].float(), exact[decode]
+    kernel = decode | fresh
+    g, r, e = got[kernel].float(), ref[kernel].float(), exact[kernel]
     assert ((g - e).abs() <= _ulp(e)).all()
     assert ((g - r).abs() <= (r - e).abs() + _ulp(e)).all()
-    g, r, e = got[fresh].float(), ref[fresh].float(), exact[fresh]  # (T_f, heads, D)
-    err, ref_err = (g - e).abs().amax(-1), (r - e).abs().amax(-1)  # (T_f, heads)
-    assert (err <= 2 * ref_err + _ulp(e.abs().amax(-1))).all()
 
 
 def _context_lens(meta) -> list[int]:
@@ -105,8 +101,10 @@ def test_fresh_prompts_in_bf16(num_kv_heads, group, head_dim):
 
 def test_fresh_kernel_is_as_accurate_as_torch_sdpa():
     """Two 128-token prompts: the kernel's median and largest errors against the exact
-    result are no worse than torch's bf16 SDPA's (10% and 2x slack). Where the CPU lacks
-    AVX512-BF16 the torch path runs instead, and the output is torch's exactly."""
+    result are no worse than torch's bf16 SDPA's (which rounds its probabilities to bf16;
+    the kernel does not: that rounding flipped a near-tie of the default model's first
+    answer token). Where the CPU lacks AVX512-BF16 the torch path runs instead, and the
+    output is torch's exactly."""
     step = make_step([128, 128], [0, 0], num_kv_heads=3, group=3, head_dim=64,
                      dtype=torch.bfloat16)  # fmt: skip
     got = cpu_ops.CpuAttention(step.caches).attend(step.q, step.caches[0], step.meta, 0.125)
@@ -117,7 +115,7 @@ def test_fresh_kernel_is_as_accurate_as_torch_sdpa():
     exact = paged_attention(step.q.float(), step.caches[0].float(), step.meta, 0.125)
     assert not torch.equal(got, ref)  # the kernel ran, not the torch path
     err, ref_err = (got.float() - exact).abs(), (ref.float() - exact).abs()
-    assert err.median() <= ref_err.median() * 1.1 and err.max() <= ref_err.max() * 2
+    assert err.median() <= ref_err.median() and err.max() <= ref_err.max()
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
