@@ -12,8 +12,8 @@ What runs where in ``CpuAttention.attend``:
     decode rows   the kernel: K/V read in place through ``meta.block_index``, tags (and in
                   strict, checksums) checked in the same loop (``meta.read_checks``)
     fresh prompts causal attention on the step's own K/V: the kernel's ``fresh_attention``
-                  for bf16 where the CPU has AVX512-BF16 (P rounded to bf16, as torch's
-                  bf16 SDPA rounds it), else ``_fresh`` of ``models/paged_attention.py``
+                  for bf16 where the CPU has AVX512-BF16 (probabilities kept in float32),
+                  else ``_fresh`` of ``models/paged_attention.py``
     chunked       ``_chunked`` of ``models/paged_attention.py``, a gather through
                   ``meta.block_index``
 
