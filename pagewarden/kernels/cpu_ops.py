@@ -19,8 +19,8 @@ What runs where in ``CpuAttention.attend``:
 
 and for the fresh and chunked rows the kernel's ``check_reads`` over the same rows of
 ``meta.block_index``: tags of every position [0, context + query), checksums of the
-cached context; so every position any row reads is checked through the index it is read with, as the
-guard's ``fused_reads`` contract asks. K/V writes are the torch ``write_kv``.
+cached context; so every position any row reads is checked through the index it is read
+with, as the guard's ``fused_reads`` contract asks. K/V writes are the torch ``write_kv``.
 """
 
 from __future__ import annotations

@@ -19,10 +19,12 @@ of this process's CPU. Every other route passes through untouched.
     about what a CPU engine needs to prefill a full batch);
   - the time between their tokens (the window's mean time per token, which is what a
     stream's length multiplies): over ``target_itl_ratio`` (default 2) times the
-    lowest window mean seen, which is what a token costs on a lightly loaded engine. A spike that fills the batch slows
-    every admitted stream by the batch's size (a step at batch 180 takes several times
-    one at batch 4); this keeps admitted requests near their unloaded speed and turns
-    the rest away instead of letting every stream crawl.
+    lowest window mean seen, which is what a token costs on a lightly loaded engine.
+    A spike that fills the batch slows every admitted stream by the batch's size (a
+    step at batch 180 takes several times one at batch 4); this keeps admitted
+    requests near their unloaded speed and turns the rest away instead of letting
+    every stream crawl. The baseline never rises: on a machine that became slower for
+    good, raise the ratio.
 
   Either over its target cuts the limit by a quarter; both under raise it by one. A
   window where the limit did not bind leaves it alone: a slow first token there comes
