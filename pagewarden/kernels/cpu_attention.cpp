@@ -252,24 +252,6 @@ inline __m512 reduce16(const __m512* v) {
                        _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
 }
 
-// exp(x) for x <= 0 (or -inf: 0), 16 lanes: x = n ln2 + r, exp(r) by the degree-6
-// Taylor polynomial of exp_nonpos, 2^n applied by vscalefps.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
 inline __m512bh load_bh(const bf16_bits* p) {
   return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p));
 }
@@ -679,8 +661,8 @@ void fresh_item(const bf16_bits* q, int64_t qs, const bf16_bits* k, int64_t ks,
         store16(alpha, exp_nonpos(m_old - m_new));  // 0 on the first tile (m = -inf)
         store16(m, m_new);
         for (int i = 0; i < 16; ++i) {
-          const __m512 pe =
-              _mm512_maskz_mov_ps(keep[i], exp16(_mm512_sub_ps(sc[i], _mm512_set1_ps(m[i]))));
+          const f32x16 e = exp_nonpos(reinterpret_cast<const f32x16&>(sc[i]) - m[i]);
+          const __m512 pe = _mm512_maskz_mov_ps(keep[i], reinterpret_cast<const __m512&>(e));
           row_sum[i] = _mm512_reduce_add_ps(pe);
           _mm512_store_ps(pf[i], pe);
         }
