@@ -11,7 +11,8 @@ functions that implement them with wall clocks (CPU torch ops are synchronous):
     attention     paged_attention (reads K/V, SDPA or the kernel)
     kv write      write_kv (the K/V scatter)
     GEMMs         every nn.Linear of the decoder (qkv, o, gate_up, down; o and down
-                  with their residual add folded in)
+                  with their residual add folded in, gate_up with SiLU*mul where the
+                  bf16 kernel fuses it)
     lm_head       compute_logits
     elementwise   the rest of the forward: embedding, RMSNorm, RoPE, SiLU*mul, residuals,
                   Python between ops
@@ -89,6 +90,7 @@ def instrument(engine: EngineCore, clock: PhaseClock) -> None:
     plain, gemm = llama.linear, clock.wrap("GEMMs", llama.linear)
     llama.linear = lambda layer, x: plain(layer, x) if layer is model.lm_head else gemm(layer, x)
     llama.linear_add = clock.wrap("GEMMs", llama.linear_add)
+    llama.linear_silu_mul = clock.wrap("GEMMs", llama.linear_silu_mul)
     # The attention backend's ops (torch or triton), wrapped once per distinct object.
     ops = {id(m.ops): m.ops for m in model.modules() if isinstance(m, llama.LlamaAttention)}
     for op in ops.values():

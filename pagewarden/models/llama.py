@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from pagewarden.models import cpu_fused, packed_linear
-from pagewarden.models.packed_linear import linear, linear_add
+from pagewarden.models.packed_linear import linear, linear_add, linear_silu_mul
 from pagewarden.models.paged_attention import AttentionMetadata, AttentionOps, TorchAttention
 
 
@@ -175,8 +175,9 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = c.intermediate_size
 
     def act(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up (T, intermediate), before down_proj."""
-        return cpu_fused.silu_mul(linear(self.gate_up_proj, x))  # from (T, 2 * intermediate)
+        """silu(gate) * up (T, intermediate), before down_proj (fused into the GEMM where
+        packed_linear can, else from its (T, 2 * intermediate) output)."""
+        return linear_silu_mul(self.gate_up_proj, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(self.down_proj, self.act(x))
@@ -244,10 +245,13 @@ class LlamaForCausalLM(nn.Module):
                 p.data = p.data.to(dtype)
             # Weights packed once for the GEMM library (see packed_linear.py).
             packing = packed_linear.pick_packing(dtype, self.model.norm.weight.device)
-            wide = {id(self.lm_head)} | {id(layer.mlp.gate_up_proj) for layer in self.model.layers}
+            gate_up = {id(layer.mlp.gate_up_proj) for layer in self.model.layers}
+            wide = {id(self.lm_head)} | gate_up
             for module in self.modules():
                 if isinstance(module, nn.Linear):
-                    packed_linear.pack(module, packing, wide=id(module) in wide)
+                    packed_linear.pack(
+                        module, packing, wide=id(module) in wide, gate_up=id(module) in gate_up
+                    )
         if self.model.norm.weight.device.type == "cpu":
             cpu_fused.load()  # built now (once per machine), not in the first request
         self._rope_cache = None
