@@ -107,7 +107,7 @@ async def _full_response(job: _Job, request: Request) -> JSONResponse:
 
 async def _events(job: _Job) -> AsyncIterator[str]:
     n, tok = job.req.n, job.ctx.tokenizer
-    sent_text, sent_lp, done = [0] * n, [0] * n, [False] * n
+    sent_text, sent_lp, sent_tokens, done = [0] * n, [0] * n, [0] * n, [False] * n
     n_gen = 0
     try:
         yield job.chunk(
@@ -126,8 +126,12 @@ async def _events(job: _Job) -> AsyncIterator[str]:
                 if done[c.index]:
                     continue
                 delta = c.text[sent_text[c.index] :]
-                if not delta and c.finish_reason is None:
+                # A chunk for every step that generated tokens, even with no text yet
+                # (see completions._events).
+                new_tokens = len(c.token_ids) > sent_tokens[c.index]
+                if not delta and not new_tokens and c.finish_reason is None:
                     continue
+                sent_tokens[c.index] = len(c.token_ids)
                 choice = {
                     "index": c.index,
                     "delta": {"content": delta} if delta else {},

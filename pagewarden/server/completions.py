@@ -105,6 +105,7 @@ async def _full_response(job: _Job, request: Request) -> JSONResponse:
 async def _events(job: _Job) -> AsyncIterator[str]:
     sent_text: dict[int, int] = {}
     sent_lp: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
     done: set[int] = set()
     n_gen = 0
     try:
@@ -115,8 +116,13 @@ async def _events(job: _Job) -> AsyncIterator[str]:
                     continue
                 first = idx not in sent_text
                 delta = (job.prefix[i] if first else "") + c.text[sent_text.get(idx, 0) :]
-                if not delta and c.finish_reason is None:
+                # One chunk per step that generated tokens, even when their text is held
+                # back (an incomplete UTF-8 character, a possible stop string), as vLLM
+                # does: a client timing tokens by chunks would see two steps as one gap.
+                new_tokens = len(c.token_ids) > sent_tokens.get(idx, 0)
+                if not delta and not new_tokens and c.finish_reason is None:
                     continue
+                sent_tokens[idx] = len(c.token_ids)
                 choice = job.choice(i, c, delta, sent_lp.get(idx, 0), sent_text.get(idx, 0))
                 sent_text[idx], sent_lp[idx] = len(c.text), len(c.logprobs or [])
                 if c.finish_reason is not None:

@@ -72,9 +72,21 @@ def test_slow_tokens_lower_the_batch_once_per_window():
     assert ctl.limits.max_num_seqs == 16
 
 
+def test_slow_tokens_change_nothing_where_the_lower_limit_would_not_bind():
+    ctl = make()  # 32 -> 16 on a decrease
+    small = StepSignals(inter_token_latencies_s=(0.5,) * 16)  # a batch of 16: fits in 16
+    assert [ctl.observe(small) for _ in range(6)] == [None] * 6
+    assert ctl.limits == BatchLimits(32, 2048) and "latency" not in ctl.changes
+    # A batch of 17 would be cut by the lower limit: now it decreases.
+    change = ctl.observe(StepSignals(inter_token_latencies_s=(0.5,) * 17))
+    assert change is not None and change.reason == "latency"
+    assert ctl.limits == BatchLimits(16, 1024)
+
+
 def test_latency_needs_enough_samples():
-    ctl = make(min_latency_samples=16)
-    assert ctl.observe(StepSignals(inter_token_latencies_s=(9.0,) * 15)) is None
+    ctl = make(min_latency_samples=40)
+    assert ctl.observe(StepSignals(inter_token_latencies_s=(9.0,) * 20)) is None
+    assert ctl.observe(StepSignals(inter_token_latencies_s=(9.0,) * 19)) is None
     assert ctl.observe(StepSignals(inter_token_latencies_s=(9.0,))) is not None
 
 

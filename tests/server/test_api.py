@@ -91,6 +91,9 @@ def test_completion_stream_equals_nonstream(client):
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == full.choices[0].text
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    # One chunk per generated token, including tokens whose text is held back (an
+    # incomplete UTF-8 character): clients time tokens by chunks, as vLLM's bench does.
+    assert len([c for c in chunks if c.choices]) == 12
 
 
 def test_chat_and_n_and_seed(client):
@@ -266,6 +269,7 @@ def test_chat_stream_stop_and_logprobs(client):
     assert all(t.logprob >= max(x.logprob for x in t.top_logprobs) - 1e-4 for t in content)
     chunks = list(client.chat.completions.create(stream=True, **kw))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert len(chunks) == 1 + 40  # the role chunk, then one per token
     stop, want = _stop_from(text)
     r = client.chat.completions.create(stop=stop, **kw)
     assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
