@@ -16,8 +16,8 @@
 //                   alternate gate, up, gate, up (see packed_linear.py).
 //     out           (M, N) or (M, N / 2) for silu_mul, bf16, contiguous
 //
-// Loop order: threads split the column tiles in groups of NR = 6 (silu_mul: 3 gate/up
-// pairs); a thread walks its groups, and for each group every MR = 4 rows of x; the
+// Loop order: threads take the column tiles in groups of NR = 6 (silu_mul: 3 gate/up
+// pairs) from a shared counter; and for each group every MR = 4 rows of x; the
 // micro-kernel holds the MR x NR accumulators (24 registers) over all of K, one k pair a
 // step: NR 64-byte loads of W, MR broadcasts of a 32-bit x pair, MR x NR vdpbf16ps. A
 // group's W panel (K/2 x 6 x 64 bytes, 110-295 KB) stays in L2 while every row block
@@ -30,6 +30,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 namespace {
@@ -181,9 +183,13 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const 
     a.ldres = res.stride(0);
   }
   if (m == 0) return out;
+  // Groups are handed out one at a time from a shared counter, not split in equal
+  // halves: a sleeping OpenMP thread (OMP_WAIT_POLICY=PASSIVE) takes 30-60 us to wake,
+  // about a third of a decode-sized call, and the thread already running takes its share.
   const int64_t groups = (tiles + NR - 1) / NR;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), groups), 1, [&](int64_t, int64_t) {
+    for (int64_t g; (g = next.fetch_add(1, std::memory_order_relaxed)) < groups;) {
       const int64_t t0 = g * NR;
       group(a, m, t0, std::min<int64_t>(NR, tiles - t0));
     }

@@ -5,7 +5,8 @@ library reorders it into its blocked layout again on every call. Packing once at
 time and calling the library with the packed copy removes that cost, which is most of a
 decode step's GEMM time at small batches. Three packings, chosen by ``pick_packing``:
 
-    tiles    our own bf16 GEMM (``cpu_gemm``, AVX512-BF16): bf16 layers without a bias,
+    tiles    our own bf16 GEMM (``cpu_gemm``, AVX512-BF16 without AMX, where oneDNN keeps
+             the AMX kernels): bf16 layers without a bias,
              o_proj and down_proj with the residual add fused, gate_up_proj with
              silu(gate) * up fused (``linear_silu_mul``); faster than oneDNN at every
              decode batch size on the machines measured. Layers it cannot take (a bias,
@@ -46,7 +47,7 @@ def pick_packing(dtype: torch.dtype, device: torch.device) -> Packing | None:
     if device.type != "cpu":
         return None
     onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    if dtype == torch.bfloat16 and cpu_gemm.available():
+    if dtype == torch.bfloat16 and cpu_gemm.available() and not _has_amx():
         return "tiles"
     if dtype in (torch.bfloat16, torch.float16):
         return "onednn" if onednn else None
@@ -57,6 +58,29 @@ def pick_packing(dtype: torch.dtype, device: torch.device) -> Packing | None:
     if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"):
         return "mkl"
     return None
+
+
+def _has_amx() -> bool:
+    """AMX tiles: oneDNN's bf16 GEMMs run on them there (our kernel has no AMX path and
+    was not measured against them), so such CPUs keep the oneDNN packing."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe and probe())
+
+
+def packing_of(layer: nn.Linear) -> Packing | None:
+    """The packing ``layer`` computes with (None: plain ``F.linear``)."""
+    keys = {_TILES: "tiles", _GATE_UP: "tiles", _ONEDNN: "onednn", _MKL: "mkl"}
+    for key, packing in keys.items():
+        if key in layer.__dict__:
+            return packing  # type: ignore[return-value]
+    return None
+
+
+def uses_tiles(model: object) -> bool:
+    """Whether any linear layer of ``model`` (an ``nn.Module``) runs on ``cpu_gemm``."""
+    if not isinstance(model, nn.Module):
+        return False
+    return any(packing_of(m) == "tiles" for m in model.modules() if isinstance(m, nn.Linear))
 
 
 def pack(
