@@ -19,8 +19,11 @@ median time per call and each row's ratio to ``torch`` measured in the same run.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the engine's default, before torch loads
 
 import torch
 

@@ -42,6 +42,8 @@ def per_call_us(fn: Callable[[], object], reps: int) -> float:
 
 def ops(t: int, dtype: Any, args: argparse.Namespace, ext: Any) -> dict[str, tuple]:
     """name -> (fused call, torch call) on fresh inputs of `t` rows."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the engine's default, before torch loads
+
     import torch
 
     from pagewarden.models import cpu_fused

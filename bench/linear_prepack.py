@@ -41,6 +41,8 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--gemm-only", action="store_true", help="time the linear layers alone")
     args = ap.parse_args()
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the engine's default, before torch loads
+
     from torch import nn
 
     from pagewarden import LLM, SamplingParams

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import os
 import random
 import sys
 import time
@@ -36,6 +37,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the engine's default, before torch loads
 
 import torch  # noqa: E402
 

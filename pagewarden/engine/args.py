@@ -227,8 +227,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="CPU steps of at most N tokens run on one thread: with OpenMP threads asleep "
         "between parallel regions, waking them costs a tiny step more than a second core "
-        "gains where oneDNN or MKL run the GEMMs (0: always all threads; default: 0 with "
-        "the bf16 GEMM kernel, else 2)",
+        "gains (0: always all threads)",
     )
 
 

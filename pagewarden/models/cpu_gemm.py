@@ -5,9 +5,10 @@ AVX512-BF16 (``available()``): weights packed once into vdpbf16ps column tiles
 (``pack_tiles``), o_proj and down_proj with their residual add fused, gate_up_proj with
 silu(gate) * up fused (its tiles interleaved gate, up, gate, up: ``pack_tiles(...,
 gate_up=True)``), so the (T, 2I) gate_up output is never written. Measured on a 2-core
-Zen 4 (``bench/linear_prepack.py --gemm``): the decoder's GEMMs of one decode step at
-batch 64 in 37.9 ms where oneDNN's prepacked bf16 GEMM takes 47.7, at batch 1 in 10.6
-where oneDNN takes 16.1, equal at 2048 rows.
+Zen 4 with the engine's ``OMP_WAIT_POLICY=PASSIVE`` (``bench/linear_prepack.py --packings
+tiles onednn --gemm-only``): the decoder's GEMMs of one step (with SiLU*mul) take 9.0 ms
+at 1 row where oneDNN's prepacked bf16 GEMM takes 18.5, 39.9 against 45.8 at 64 rows,
+1,048 against 1,075 at 2048. Not picked on CPUs with AMX (``packed_linear``).
 
 Built at first use like the other extensions (``cpp_build``); None from ``load()`` where
 it cannot build, where the build has no AVX512-BF16 kernel (the CPU lacks it), or with

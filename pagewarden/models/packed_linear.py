@@ -67,22 +67,6 @@ def _has_amx() -> bool:
     return bool(probe and probe())
 
 
-def packing_of(layer: nn.Linear) -> Packing | None:
-    """The packing ``layer`` computes with (None: plain ``F.linear``)."""
-    keys = {_TILES: "tiles", _GATE_UP: "tiles", _ONEDNN: "onednn", _MKL: "mkl"}
-    for key, packing in keys.items():
-        if key in layer.__dict__:
-            return packing  # type: ignore[return-value]
-    return None
-
-
-def uses_tiles(model: object) -> bool:
-    """Whether any linear layer of ``model`` (an ``nn.Module``) runs on ``cpu_gemm``."""
-    if not isinstance(model, nn.Module):
-        return False
-    return any(packing_of(m) == "tiles" for m in model.modules() if isinstance(m, nn.Linear))
-
-
 def pack(
     layer: nn.Linear, packing: Packing | None, wide: bool = False, gate_up: bool = False
 ) -> None:

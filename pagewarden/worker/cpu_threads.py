@@ -10,13 +10,8 @@ which inherit it) to a set of cores given as a Linux cpu list, e.g. ``"0-3,8"``;
 
 That default makes every parallel region wake the sleeping threads (a futex wake, tens
 of microseconds in a VM), about as much as a one-token step's small GEMMs gain from a
-second core when the GEMM library splits the work in equal shares (oneDNN, MKL). So
-there a CPU step of at most ``serial_step_tokens`` tokens runs on one thread
-(``StepThreads``); larger steps use them all. Where our bf16 GEMM runs the model
-(``models/cpu_gemm.py``), its threads take work from a shared counter, the thread that
-is awake does what the waking one has not started, and two threads win at every batch
-size (a 2-core Zen 4: 13.4 against 16.8 ms a step at batch 1, 48.4 against 75.5 at 32),
-so there no step is serial. Measured: ``bench/step_threads.py``.
+second core. So a CPU step of at most ``serial_step_tokens`` tokens runs on one thread
+(``StepThreads``); larger steps use them all. Measured: ``bench/step_threads.py``.
 """
 
 from __future__ import annotations
@@ -25,14 +20,8 @@ import os
 
 import torch
 
-#: ``serial_step_tokens`` where oneDNN or MKL run the GEMMs (bench/step_threads.py).
+#: Default of ``EngineConfig.serial_step_tokens`` (bench/step_threads.py).
 SERIAL_STEP_TOKENS = 2
-
-
-def default_serial_step_tokens(work_sharing_gemms: bool) -> int:
-    """``EngineConfig.serial_step_tokens=None``: 0 (never serial) where the GEMMs share
-    work between threads as they wake (``cpu_gemm``), else ``SERIAL_STEP_TOKENS``."""
-    return 0 if work_sharing_gemms else SERIAL_STEP_TOKENS
 
 
 class StepThreads:

@@ -72,20 +72,3 @@ def test_step_threads_runs_tiny_steps_on_one_thread() -> None:
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(full)
-
-
-def test_serial_steps_by_default_only_where_the_gemms_split_work_evenly(tiny_llama_dir) -> None:
-    from pagewarden.engine.core import EngineCore
-    from pagewarden.models import cpu_gemm
-
-    def serial_tokens(**kw) -> int:
-        engine = EngineCore(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=16, **kw))
-        threads = engine.runner.threads
-        return 0 if threads is None else threads.serial_tokens
-
-    # float32: oneDNN/MKL GEMMs, tiny steps on one thread.
-    assert serial_tokens(dtype="float32") == 2
-    # bf16 through our work-sharing GEMM (where the CPU has it): never serial.
-    kernel = cpu_gemm.available() and not torch.cpu._is_amx_tile_supported()
-    assert serial_tokens(dtype="bfloat16") == (0 if kernel else 2)
-    assert serial_tokens(dtype="bfloat16", serial_step_tokens=3) == 3  # asked for
