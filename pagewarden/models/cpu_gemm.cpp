@@ -17,7 +17,7 @@
 //     out           (M, N) or (M, N / 2) for silu_mul, bf16, contiguous
 //
 // Loop order: threads take the column tiles in groups of NR = 6 (silu_mul: 3 gate/up
-// pairs) from a shared counter; and for each group every MR = 4 rows of x; the
+// pairs) from a shared counter, and run each group over every MR = 4 rows of x; the
 // micro-kernel holds the MR x NR accumulators (24 registers) over all of K, one k pair a
 // step: NR 64-byte loads of W, MR broadcasts of a 32-bit x pair, MR x NR vdpbf16ps. A
 // group's W panel (K/2 x 6 x 64 bytes, 110-295 KB) stays in L2 while every row block
@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
@@ -99,8 +100,9 @@ void micro(const Args& a, int64_t m0, int64_t t0) {
     for (int j = 0; j < C; ++j)
       b[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(wt + (j * a.pairs + p) * 32));
     for (int i = 0; i < R; ++i) {
-      const __m512bh xv = reinterpret_cast<__m512bh>(
-          _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr[i] + 2 * p)));
+      int32_t pair;  // x[m, 2p] and x[m, 2p + 1] (a 4-byte load; rows need no alignment)
+      std::memcpy(&pair, xr[i] + 2 * p, sizeof pair);
+      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
       for (int j = 0; j < C; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, b[j]);
     }
   }

@@ -5,12 +5,12 @@ library reorders it into its blocked layout again on every call. Packing once at
 time and calling the library with the packed copy removes that cost, which is most of a
 decode step's GEMM time at small batches. Three packings, chosen by ``pick_packing``:
 
-    tiles    our own bf16 GEMM (``cpu_gemm``, AVX512-BF16 without AMX, where oneDNN keeps
-             the AMX kernels): bf16 layers without a bias,
-             o_proj and down_proj with the residual add fused, gate_up_proj with
-             silu(gate) * up fused (``linear_silu_mul``); faster than oneDNN at every
-             decode batch size on the machines measured. Layers it cannot take (a bias,
-             an odd K) get the oneDNN packing.
+    tiles    our own bf16 GEMM (``cpu_gemm``; AVX512-BF16 without AMX, where oneDNN
+             keeps its AMX kernels): bf16 layers without a bias, o_proj and down_proj
+             with the residual add fused, gate_up_proj with silu(gate) * up fused
+             (``linear_silu_mul``); faster than oneDNN from 1 to 2048 rows on the
+             machine measured (a 2-core Zen 4). Layers it cannot take (a bias, an odd
+             K) get the oneDNN packing.
     onednn   ``torch.ops.mkldnn._linear_pointwise`` over ``_reorder_linear_weight``: every
              layer, any number of rows; the residual add of o_proj and down_proj is fused
              into the GEMM (``linear_add``). Used for bf16/fp16, and for float32 where the
