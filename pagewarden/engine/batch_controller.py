@@ -22,8 +22,8 @@ a single decode step; its only effect would be the smaller token budget, which s
 arriving prompts into more mixed steps that stall every running stream (measured with
 vLLM's serving client at concurrency 32 under a 256-sequence limit: a target derived
 from the warm-up's single-stream steps cut the budget to 1,024 and then 512 tokens, and
-the client's ITL p99 went from about 140 ms to 350-520 ms). Such a window is dropped
-instead, and judged afresh.
+the client's ITL p99 went from about 140 ms to 350-520 ms). Such steps count as calm:
+they neither lower the limits nor keep them from climbing back.
 
 The latency target is ``target_itl_s`` when given; otherwise it is derived from the
 first full window: ``baseline_factor`` times that window's median inter-token latency.
@@ -153,14 +153,13 @@ class AdaptiveBatchController:
                 "preemption_storm", f"{self._preemptions} preemptions in the window"
             )
         p90 = self._window_p90()
-        if p90 is not None and self.target_itl_s is not None and p90 > self.target_itl_s:
-            if self._largest_batch <= self._decreased_seqs():  # would not bind
-                self._reset_window()
-                return None
+        slow = p90 is not None and self.target_itl_s is not None and p90 > self.target_itl_s
+        if slow and self._largest_batch > self._decreased_seqs():
             return self._decrease(
                 "latency",
                 f"inter-token p90 {p90 * 1e3:.1f} ms > target {self.target_itl_s * 1e3:.1f} ms",
             )
+        # Slow tokens that a lower limit could not speed up count as calm here.
         self._clean_steps += 1
         if self._clean_steps < self.config.window_steps:
             return None

@@ -32,7 +32,7 @@ from types import ModuleType
 import torch
 
 from pagewarden.kernels.backend import AttentionBackendError
-from pagewarden.models.cpp_build import build_directory
+from pagewarden.models.cpp_build import compile_extension
 from pagewarden.models.paged_attention import (
     AttentionMetadata,
     _chunked,
@@ -63,14 +63,7 @@ def load_extension() -> ModuleType | None:
 
         if not cpp_extension.is_ninja_available():
             raise RuntimeError("the ninja build tool is not on PATH (apt-get install ninja-build)")
-        _extension = cpp_extension.load(
-            name="pagewarden_cpu_attention",
-            sources=[str(_SOURCE)],
-            build_directory=str(build_directory("cpu_attention", _SOURCE, _CFLAGS)),
-            extra_cflags=_CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        _extension = compile_extension("cpu_attention", _SOURCE, _CFLAGS)
     except Exception as exc:  # a compiler's failure comes in many types; all mean "no"
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         _error = f"{type(exc).__name__}: {first_line}"

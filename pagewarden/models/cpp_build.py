@@ -1,4 +1,5 @@
-"""Where the C++ extensions built at first use (``cpu_fused``, ``kernels/cpu_ops``) live.
+"""How the C++ extensions built at first use (``cpu_fused``, ``cpu_gemm``,
+``kernels/cpu_ops``) are compiled (``compile_extension``) and where they live.
 
 One directory per (extension, source, flags, torch version), under
 ``$PAGEWARDEN_EXTENSIONS_DIR`` or ``~/.cache/pagewarden``: a changed source never reuses
@@ -11,8 +12,24 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from types import ModuleType
 
 import torch
+
+
+def compile_extension(name: str, source: Path, cflags: list[str]) -> ModuleType:
+    """Build (or load the cached build of) the OpenMP extension ``pagewarden_<name>``
+    from ``source`` with ``cflags``; raises whatever the compiler or loader raises."""
+    from torch.utils import cpp_extension
+
+    return cpp_extension.load(
+        name=f"pagewarden_{name}",
+        sources=[str(source)],
+        build_directory=str(build_directory(name, source, cflags)),
+        extra_cflags=cflags,
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
 
 
 def build_directory(name: str, source: Path, flags: list[str]) -> Path:

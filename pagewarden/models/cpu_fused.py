@@ -28,7 +28,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from pagewarden.models.cpp_build import build_directory
+from pagewarden.models.cpp_build import compile_extension
 
 log = logging.getLogger(__name__)
 
@@ -78,20 +78,11 @@ def load() -> ModuleType | None:
 
 def _build() -> ModuleType | None:
     try:
-        from torch.utils import cpp_extension
-
         isa, flags = _capability_flags()
         # -ffp-contract=off: a * b + c rounds twice, as torch's separate ops round it.
         cflags = ["-O3", "-fopenmp", "-ffp-contract=off", *flags]
         log.info("loading the fused CPU ops (compiled once per machine: about a minute)")
-        return cpp_extension.load(
-            name=f"pagewarden_cpu_fused_{isa}",
-            sources=[str(_SOURCE)],
-            build_directory=str(build_directory(f"cpu_fused_{isa}", _SOURCE, cflags)),
-            extra_cflags=cflags,
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        return compile_extension(f"cpu_fused_{isa}", _SOURCE, cflags)
     except Exception as e:  # no compiler, no ninja, a failed build: the torch path runs
         reason = " ".join(str(e).split())[:300]
         log.warning(

@@ -25,7 +25,7 @@ from types import ModuleType
 
 import torch
 
-from pagewarden.models.cpp_build import build_directory
+from pagewarden.models.cpp_build import compile_extension
 from pagewarden.models.cpu_fused import DISABLE_ENV
 
 log = logging.getLogger(__name__)
@@ -54,16 +54,7 @@ def _build() -> ModuleType | None:
     if os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes"):
         return None
     try:
-        from torch.utils import cpp_extension
-
-        ext = cpp_extension.load(
-            name="pagewarden_cpu_gemm",
-            sources=[str(_SOURCE)],
-            build_directory=str(build_directory("cpu_gemm", _SOURCE, _CFLAGS)),
-            extra_cflags=_CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        ext = compile_extension("cpu_gemm", _SOURCE, _CFLAGS)
     except Exception as e:  # no compiler, no ninja, a failed build: oneDNN runs
         reason = " ".join(str(e).split())[:300]
         log.warning("bf16 GEMM kernel unavailable, oneDNN runs: %s: %s", type(e).__name__, reason)

@@ -81,6 +81,10 @@ def test_slow_tokens_change_nothing_where_the_lower_limit_would_not_bind():
     change = ctl.observe(StepSignals(inter_token_latencies_s=(0.5,) * 17))
     assert change is not None and change.reason == "latency"
     assert ctl.limits == BatchLimits(16, 1024)
+    # Slow again, but with a batch the next cut (8) would not bind: calm, so it climbs.
+    small = StepSignals(inter_token_latencies_s=(0.5,) * 8)
+    changes = [c for c in (ctl.observe(small) for _ in range(4)) if c is not None]
+    assert [(c.reason, c.new.max_num_seqs) for c in changes] == [("recovery", 20)]
 
 
 def test_latency_needs_enough_samples():
