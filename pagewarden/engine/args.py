@@ -227,7 +227,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="CPU steps of at most N tokens run on one thread: with OpenMP threads asleep "
         "between parallel regions, waking them costs a tiny step more than a second core "
-        "gains (0: always all threads)",
+        "gains (0: always all threads; default: 0 where the GEMMs run on pagewarden's "
+        "own kernel pool, else 2)",
     )
 
 

@@ -11,7 +11,7 @@ import torch
 from pagewarden.engine.profiles import ProfileError, SafeModePolicy
 from pagewarden.kernels.backend import AttentionBackendError, check_backend, default_backend
 from pagewarden.sched.config import MIN_MAX_MODEL_LEN
-from pagewarden.worker.cpu_threads import SERIAL_STEP_TOKENS, CpuBindError, parse_cpu_list
+from pagewarden.worker.cpu_threads import CpuBindError, parse_cpu_list
 from pagewarden.worker.device import DeviceError, resolve_device
 from pagewarden.worker.kv_guard import INTEGRITY_LEVELS
 
@@ -65,9 +65,9 @@ class EngineConfig:
     # list such as "0-3" (None: no binding); see worker/cpu_threads.py.
     cpu_threads: int | None = None
     cpu_bind: str | None = None
-    # CPU steps of at most this many tokens run on one thread (0: never); see
-    # worker/cpu_threads.py.
-    serial_step_tokens: int = SERIAL_STEP_TOKENS
+    # CPU steps of at most this many tokens run on one thread (0: never; None: 0 where
+    # the GEMMs run on the kernels' pool, else 2); see worker/cpu_threads.py.
+    serial_step_tokens: int | None = None
     # Adaptive batch size (engine/batch_controller.py): lower the batch on integrity
     # faults, preemption storms or slow tokens; raise it back after a clean window.
     adaptive_batch: bool = True
@@ -152,7 +152,9 @@ class EngineConfig:
             raise EngineConfigError(
                 f"cpu_threads must be a positive integer, got {self.cpu_threads!r}"
             )
-        if not isinstance(self.serial_step_tokens, int) or self.serial_step_tokens < 0:
+        if self.serial_step_tokens is not None and (
+            not isinstance(self.serial_step_tokens, int) or self.serial_step_tokens < 0
+        ):
             raise ValueError(
                 f"serial_step_tokens must be a non-negative integer, got "
                 f"{self.serial_step_tokens!r}"

@@ -46,7 +46,7 @@ class LLM:
         preemption_mode: str | None = None,
         cpu_threads: int | None = None,
         cpu_bind: str | None = None,
-        serial_step_tokens: int = EngineConfig.serial_step_tokens,
+        serial_step_tokens: int | None = EngineConfig.serial_step_tokens,
         adaptive_batch: bool = True,
         target_itl_ms: float | None = None,
         kv_events_endpoint: str | None = None,

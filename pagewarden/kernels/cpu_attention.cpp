@@ -64,6 +64,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_pool.h"
+
 namespace {
 
 using bf16_bits = uint16_t;
@@ -518,36 +520,34 @@ void decode_impl(const at::Tensor& q, const at::Tensor& cache, const at::Tensor&
   std::vector<float> parts(items * part);
   std::atomic<int64_t> bad_block{0};
   const int64_t buf_len = H * D + bs * s.row_elems + H * bs + W;
-  // Items are handed out one at a time from a shared counter: rows differ in length, and
-  // a sleeping OpenMP thread (OMP_WAIT_POLICY=PASSIVE) starts 30-60 us late, so the
-  // thread already running takes more of them instead of waiting at the end.
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
-    std::vector<float> buf(buf_len);
-    for (int64_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-      const int64_t split = it % num_splits, r = row_of[it / num_splits];
-      const int64_t n = int64_t(info[2 * num_seqs + r]) + 1;  // context + the new token
-      const int64_t lb0 = split * per_split;
-      const int64_t lb1 = std::max(lb0, std::min((n + bs - 1) / bs, lb0 + per_split));
-      float* acc = parts.data() + it * part;
-      const int64_t* table = tp + r * s.max_blocks;
-      attend_item<T>(qp + info[r] * q_stride, cp, table, s, float(scale), n, lb0, lb1, acc,
-                     acc + H * D, acc + H * D + H, buf.data(), bad_block);
-      for (int64_t lb = lb0; lb < lb1 && bad_block.load() == 0; ++lb) {
-        const int64_t blk = table[lb], p0 = lb * bs, p1 = std::min(n, p0 + bs);
-        if (checks.tag_faults) check_tags(checks, s, r, lb, blk, p0, p1);
-        if (checks.read_sums)
-          for (int64_t h = 0; h < s.n_kv; ++h)
-            add_checksum(checks, s, cp, elem, r, h, lb, blk, p1 - p0);
-      }
+  // Items are claimed one at a time (cpu_pool.h): rows differ in length, and a thread
+  // that starts late (woken from sleep) takes fewer instead of being waited for.
+  std::vector<std::vector<float>> bufs(pw::max_threads());
+  pw::parallel_items(items, [&](int64_t it, int thread) {
+    std::vector<float>& buf = bufs[thread];
+    if (buf.empty()) buf.resize(buf_len);
+    const int64_t split = it % num_splits, r = row_of[it / num_splits];
+    const int64_t n = int64_t(info[2 * num_seqs + r]) + 1;  // context + the new token
+    const int64_t lb0 = split * per_split;
+    const int64_t lb1 = std::max(lb0, std::min((n + bs - 1) / bs, lb0 + per_split));
+    float* acc = parts.data() + it * part;
+    const int64_t* table = tp + r * s.max_blocks;
+    attend_item<T>(qp + info[r] * q_stride, cp, table, s, float(scale), n, lb0, lb1, acc,
+                   acc + H * D, acc + H * D + H, buf.data(), bad_block);
+    for (int64_t lb = lb0; lb < lb1 && bad_block.load() == 0; ++lb) {
+      const int64_t blk = table[lb], p0 = lb * bs, p1 = std::min(n, p0 + bs);
+      if (checks.tag_faults) check_tags(checks, s, r, lb, blk, p0, p1);
+      if (checks.read_sums)
+        for (int64_t h = 0; h < s.n_kv; ++h)
+          add_checksum(checks, s, cp, elem, r, h, lb, blk, p1 - p0);
     }
   });
   TORCH_CHECK(bad_block.load() == 0, "block table entry ", bad_block.load(),
               " out of range [0, ", s.num_blocks, ")");
   // Merge the splits of each (row, head) and normalise: a few hundred floats per row, so
-  // threads only for large batches (waking them costs more than a small merge: at batch
-  // 64 x 9 heads the merge takes a few microseconds, a wake 30-60).
-  at::parallel_for(0, num_rows * H, 8192, [&](int64_t begin, int64_t end) {
+  // threads only for large batches (at batch 64 x 9 heads the merge takes a few
+  // microseconds, waking a sleeping thread 30-60).
+  pw::parallel_ranges(0, num_rows * H, 8192, [&](int64_t begin, int64_t end) {
     std::vector<float> o(D);
     for (int64_t ri = begin; ri < end; ++ri) {
       const int64_t i = ri / H, head = ri % H;
@@ -741,17 +741,24 @@ void fresh_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const auto* kp = reinterpret_cast<const bf16_bits*>(k.data_ptr());
   const auto* vp = reinterpret_cast<const bf16_bits*>(v.data_ptr());
   auto* op = reinterpret_cast<bf16_bits*>(out.data_ptr());
-  at::parallel_for(0, num_prompts * n_kv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> kbuf(KT * 16 * D / 2), qbuf(16 * D / 2);
-    std::vector<float> vbuf(KT * 16 * D);
-    std::vector<float> obuf(16 * D);
-    for (int64_t it = begin; it < end; ++it) {
-      const int64_t s = it / n_kv, h = it % n_kv;
-      const int64_t* r = rows.data() + s * query_len;
-      auto run = D == 64 ? fresh_item<4> : fresh_item<8>;
-      run(qp, q.stride(0), kp, k.stride(0), vp, v.stride(0), op, out.stride(0), r, query_len, G,
-          h, float(scale), kbuf.data(), vbuf.data(), qbuf.data(), obuf.data());
+  struct Scratch {
+    std::vector<uint32_t> kbuf, qbuf;
+    std::vector<float> vbuf, obuf;
+  };
+  std::vector<Scratch> scratch(pw::max_threads());
+  pw::parallel_items(num_prompts * n_kv, [&](int64_t it, int thread) {
+    auto& [kbuf, qbuf, vbuf, obuf] = scratch[thread];
+    if (kbuf.empty()) {
+      kbuf.resize(KT * 16 * D / 2);
+      qbuf.resize(16 * D / 2);
+      vbuf.resize(KT * 16 * D);
+      obuf.resize(16 * D);
     }
+    const int64_t s = it / n_kv, h = it % n_kv;
+    const int64_t* r = rows.data() + s * query_len;
+    auto run = D == 64 ? fresh_item<4> : fresh_item<8>;
+    run(qp, q.stride(0), kp, k.stride(0), vp, v.stride(0), op, out.stride(0), r, query_len, G,
+        h, float(scale), kbuf.data(), vbuf.data(), qbuf.data(), obuf.data());
   });
 #else
   (void)scale;
@@ -777,20 +784,18 @@ void check_reads(const at::Tensor& cache, const at::Tensor& tables, const at::Te
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t elem = cache.element_size(), bs = s.bs;
   std::atomic<int64_t> bad_block{0};
-  at::parallel_for(0, rows.numel() * s.n_kv, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t it = begin; it < end; ++it) {
-      const int64_t r = row_of[it / s.n_kv], h = it % s.n_kv;
-      const int64_t ctx = info[2 * num_seqs + r], n = ctx + info[num_seqs + r];
-      for (int64_t lb = 0; lb * bs < n; ++lb) {
-        const int64_t blk = tp[r * s.max_blocks + lb], p0 = lb * bs;
-        if (blk < 0 || blk >= s.num_blocks) {
-          bad_block.store(blk);
-          return;
-        }
-        if (c.tag_faults && h == 0) check_tags(c, s, r, lb, blk, p0, std::min(n, p0 + bs));
-        if (c.read_sums && p0 < ctx)
-          add_checksum(c, s, cache.data_ptr(), elem, r, h, lb, blk, std::min(ctx, p0 + bs) - p0);
+  pw::parallel_items(rows.numel() * s.n_kv, [&](int64_t it, int) {
+    const int64_t r = row_of[it / s.n_kv], h = it % s.n_kv;
+    const int64_t ctx = info[2 * num_seqs + r], n = ctx + info[num_seqs + r];
+    for (int64_t lb = 0; lb * bs < n; ++lb) {
+      const int64_t blk = tp[r * s.max_blocks + lb], p0 = lb * bs;
+      if (blk < 0 || blk >= s.num_blocks) {
+        bad_block.store(blk);
+        return;
       }
+      if (c.tag_faults && h == 0) check_tags(c, s, r, lb, blk, p0, std::min(n, p0 + bs));
+      if (c.read_sums && p0 < ctx)
+        add_checksum(c, s, cache.data_ptr(), elem, r, h, lb, blk, std::min(ctx, p0 + bs) - p0);
     }
   });
   TORCH_CHECK(bad_block.load() == 0, "block table entry ", bad_block.load(),
@@ -800,6 +805,7 @@ void check_reads(const at::Tensor& cache, const at::Tensor& tables, const at::Te
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("set_pool", &pw::set_pool, "hand work items to the pool behind a cpu_pool capsule");
   m.def("decode_attention", &decode_attention, "paged decode attention with fused read checks");
   m.def("check_reads", &check_reads, "the read checks of rows attended by the torch path");
   m.def("fresh_attention", &fresh_attention, "causal attention of fresh bf16 prompts");

@@ -32,6 +32,7 @@ from types import ModuleType
 import torch
 
 from pagewarden.kernels.backend import AttentionBackendError
+from pagewarden.models import cpu_pool
 from pagewarden.models.cpp_build import compile_extension
 from pagewarden.models.paged_attention import (
     AttentionMetadata,
@@ -64,6 +65,7 @@ def load_extension() -> ModuleType | None:
         if not cpp_extension.is_ninja_available():
             raise RuntimeError("the ninja build tool is not on PATH (apt-get install ninja-build)")
         _extension = compile_extension("cpu_attention", _SOURCE, _CFLAGS)
+        cpu_pool.bind(_extension)
     except Exception as exc:  # a compiler's failure comes in many types; all mean "no"
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         _error = f"{type(exc).__name__}: {first_line}"

@@ -1,5 +1,6 @@
 """How the C++ extensions built at first use (``cpu_fused``, ``cpu_gemm``,
-``kernels/cpu_ops``) are compiled (``compile_extension``) and where they live.
+``kernels/cpu_ops``, ``cpu_pool``) are compiled (``compile_extension``) and where they
+live. Every one may include ``cpu_pool.h`` (the item pool's interface).
 
 One directory per (extension, source, flags, torch version), under
 ``$PAGEWARDEN_EXTENSIONS_DIR`` or ``~/.cache/pagewarden``: a changed source never reuses
@@ -16,6 +17,8 @@ from types import ModuleType
 
 import torch
 
+_POOL_HEADER = Path(__file__).with_name("cpu_pool.h")
+
 
 def compile_extension(name: str, source: Path, cflags: list[str]) -> ModuleType:
     """Build (or load the cached build of) the OpenMP extension ``pagewarden_<name>``
@@ -27,6 +30,7 @@ def compile_extension(name: str, source: Path, cflags: list[str]) -> ModuleType:
         sources=[str(source)],
         build_directory=str(build_directory(name, source, cflags)),
         extra_cflags=cflags,
+        extra_include_paths=[str(_POOL_HEADER.parent)],
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )
@@ -34,7 +38,7 @@ def compile_extension(name: str, source: Path, cflags: list[str]) -> ModuleType:
 
 def build_directory(name: str, source: Path, flags: list[str]) -> Path:
     """The build directory of extension ``name`` compiled from ``source`` with ``flags``."""
-    digest = hashlib.sha256(source.read_bytes())
+    digest = hashlib.sha256(source.read_bytes() + _POOL_HEADER.read_bytes())
     digest.update(" ".join([*flags, torch.__version__]).encode())
     root = os.environ.get("PAGEWARDEN_EXTENSIONS_DIR") or Path.home() / ".cache/pagewarden"
     path = Path(root) / f"{name}_{digest.hexdigest()[:12]}"

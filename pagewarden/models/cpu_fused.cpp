@@ -25,10 +25,10 @@ runs four to nine small ops (each its own OpenMP region). Layouts and loop order
       rounded once. exp is torch's vectorised one (Sleef, 1 ulp) on whole 2-vector chunks
       of a row and std::exp on the rest, as torch's silu kernel does on a strided row.
 
-All loops run over rows (tokens) outermost; rows go to threads through at::parallel_for,
-and a call whose estimated serial time is under serial_us stays on the calling thread:
-waking sleeping OpenMP threads (OMP_WAIT_POLICY=PASSIVE, about 50 us on 2 cores) costs
-more than splitting such a call saves. The estimate is rows x row elements x a per-op
+All loops run over rows (tokens) outermost; runs of rows are the work items of the
+kernels' pool (cpu_pool.h), and a call whose estimated serial time is under serial_us
+stays on the calling thread: handing items to a sleeping thread (a futex wake, about 50
+us on 2 cores) costs more than splitting such a call saves. The estimate is rows x row elements x a per-op
 cost per element measured on a Zen 4 core (kNs* below; a decode batch of 64 stays serial). Inputs
 are checked (dtype, shape, strides) with TORCH_CHECK; the Python wrappers only call here
 when the layouts hold.
@@ -45,6 +45,8 @@ when the layouts hold.
 #include <cmath>
 #include <cstdint>
 
+#include "cpu_pool.h"
+
 namespace {
 
 using at::BFloat16;
@@ -58,7 +60,7 @@ double serial_us = 100.0;
 // Serial cost per output element (ns), measured on one Zen 4 core for bf16 and float32.
 constexpr double kNsRmsNorm = 0.3, kNsRope = 0.5, kNsSiluMul = 0.6;
 
-// at::parallel_for's grain: rows per task, so that a call under serial_us stays serial.
+// Rows per work item, so that a call under serial_us stays serial.
 int64_t grain_rows(int64_t row_elems, double ns_per_elem) {
   const double row_us = std::max<double>(1, row_elems) * ns_per_elem * 1e-3;
   return std::max<int64_t>(1, static_cast<int64_t>(serial_us / row_us));
@@ -162,7 +164,7 @@ float cascade_sum_sq(const T* x, int64_t n) {
 
 template <typename T>
 void rms_norm_rows(const T* x, int64_t x_stride, const T* w, T* out, int64_t T_, int64_t H, float eps) {
-  at::parallel_for(0, T_, grain_rows(H, kNsRmsNorm), [&](int64_t begin, int64_t end) {
+  pw::parallel_ranges(0, T_, grain_rows(H, kNsRmsNorm), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* xr = x + t * x_stride;
       T* yr = out + t * H;
@@ -198,7 +200,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 template <typename T>
 void rope_rows(T* qk, int64_t row_stride, const T* cos, const T* sin, int64_t T_, int64_t NH, int64_t D) {
   const int64_t half = D / 2;
-  at::parallel_for(0, T_, grain_rows(NH * D, kNsRope), [&](int64_t begin, int64_t end) {
+  pw::parallel_ranges(0, T_, grain_rows(NH * D, kNsRope), [&](int64_t begin, int64_t end) {
     alignas(64) float c[kMaxHeadDim + V], s[kMaxHeadDim + V];  // this row's cos, sin_signed
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t j = 0; j < D; ++j) {
@@ -252,7 +254,7 @@ template <typename T>
 void silu_mul_rows(const T* gu, int64_t gu_stride, T* out, int64_t T_, int64_t I) {
   const fVec one(1.f);
   const int64_t body = I - I % (2 * V);  // torch's vectorised loop covers 2 vectors a step
-  at::parallel_for(0, T_, grain_rows(I, kNsSiluMul), [&](int64_t begin, int64_t end) {
+  pw::parallel_ranges(0, T_, grain_rows(I, kNsSiluMul), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* g = gu + t * gu_stride;
       const T* u = g + I;
@@ -287,6 +289,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("set_pool", &pw::set_pool, "hand work items to the pool behind a cpu_pool capsule");
   m.def("rms_norm", &rms_norm, "RMSNorm of x (T, H) by weight (H,), bitwise the torch path");
   m.def("rope_", &rope_, "rotate-half RoPE of qk (T, NH, D) in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of gate_up (T, 2I) -> (T, I)");

@@ -28,6 +28,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from pagewarden.models import cpu_pool
 from pagewarden.models.cpp_build import compile_extension
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,9 @@ def _build() -> ModuleType | None:
         # -ffp-contract=off: a * b + c rounds twice, as torch's separate ops round it.
         cflags = ["-O3", "-fopenmp", "-ffp-contract=off", *flags]
         log.info("loading the fused CPU ops (compiled once per machine: about a minute)")
-        return compile_extension(f"cpu_fused_{isa}", _SOURCE, cflags)
+        ext = compile_extension(f"cpu_fused_{isa}", _SOURCE, cflags)
+        cpu_pool.bind(ext)
+        return ext
     except Exception as e:  # no compiler, no ninja, a failed build: the torch path runs
         reason = " ".join(str(e).split())[:300]
         log.warning(

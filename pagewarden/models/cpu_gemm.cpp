@@ -17,8 +17,8 @@
 //     out           (M, N) or (M, N / 2) for silu_mul, bf16, contiguous
 //
 // Loop order: threads take the column tiles in groups of NR = 6 (silu_mul: 3 gate/up
-// pairs) from a shared counter, and run each group over every MR = 4 rows of x; the
-// micro-kernel holds the MR x NR accumulators (24 registers) over all of K, one k pair a
+// pairs), work items of the kernels' pool (cpu_pool.h), and run each group over every
+// MR = 4 rows of x; the micro-kernel holds the MR x NR accumulators (24 registers) over all of K, one k pair a
 // step: NR 64-byte loads of W, MR broadcasts of a 32-bit x pair, MR x NR vdpbf16ps. A
 // group's W panel (K/2 x 6 x 64 bytes, 110-295 KB) stays in L2 while every row block
 // reuses it, so W is read from memory once per call. Sums are float32 (each vdpbf16ps
@@ -34,6 +34,8 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+
+#include "cpu_pool.h"
 
 namespace {
 
@@ -185,22 +187,19 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const 
     a.ldres = res.stride(0);
   }
   if (m == 0) return out;
-  // Groups are handed out one at a time from a shared counter, not split in equal
-  // halves: a sleeping OpenMP thread (OMP_WAIT_POLICY=PASSIVE) takes 30-60 us to wake,
-  // about a third of a decode-sized call, and the thread already running takes its share.
+  // Groups are claimed one at a time, not split in equal halves: a thread that starts
+  // late (woken from sleep) takes fewer.
   const int64_t groups = (tiles + NR - 1) / NR;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), groups), 1, [&](int64_t, int64_t) {
-    for (int64_t g; (g = next.fetch_add(1, std::memory_order_relaxed)) < groups;) {
-      const int64_t t0 = g * NR;
-      group(a, m, t0, std::min<int64_t>(NR, tiles - t0));
-    }
+  pw::parallel_items(groups, [&](int64_t g, int) {
+    const int64_t t0 = g * NR;
+    group(a, m, t0, std::min<int64_t>(NR, tiles - t0));
   });
 #endif
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("set_pool", &pw::set_pool, "hand work items to the pool behind a cpu_pool capsule");
   m.def("has_kernel", &has_kernel, "whether this build has the AVX512-BF16 GEMM");
   m.def("gemm", &gemm, "bf16 GEMM against a vdpbf16ps-packed weight, fused epilogues");
 }

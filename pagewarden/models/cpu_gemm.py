@@ -25,6 +25,7 @@ from types import ModuleType
 
 import torch
 
+from pagewarden.models import cpu_pool
 from pagewarden.models.cpp_build import compile_extension
 from pagewarden.models.cpu_fused import DISABLE_ENV
 
@@ -59,7 +60,10 @@ def _build() -> ModuleType | None:
         reason = " ".join(str(e).split())[:300]
         log.warning("bf16 GEMM kernel unavailable, oneDNN runs: %s: %s", type(e).__name__, reason)
         return None
-    return ext if ext.has_kernel() else None
+    if not ext.has_kernel():
+        return None
+    cpu_pool.bind(ext)
+    return ext
 
 
 def available() -> bool:

@@ -10,8 +10,11 @@ which inherit it) to a set of cores given as a Linux cpu list, e.g. ``"0-3,8"``;
 
 That default makes every parallel region wake the sleeping threads (a futex wake, tens
 of microseconds in a VM), about as much as a one-token step's small GEMMs gain from a
-second core. So a CPU step of at most ``serial_step_tokens`` tokens runs on one thread
-(``StepThreads``); larger steps use them all. Measured: ``bench/step_threads.py``.
+second core. So where the GEMMs are torch's (OpenMP), a CPU step of at most
+``serial_step_tokens`` tokens runs on one thread (``StepThreads``); larger steps use
+them all. Where they are the bf16 kernel on the kernels' own pool (``models/cpu_pool``,
+whose idle worker polls between kernels instead of sleeping), every step uses all
+threads (``default_serial_step_tokens``). Measured: ``bench/step_threads.py``.
 """
 
 from __future__ import annotations
@@ -20,8 +23,18 @@ import os
 
 import torch
 
-#: Default of ``EngineConfig.serial_step_tokens`` (bench/step_threads.py).
+#: Steps of at most this many tokens run on one thread where the GEMMs use OpenMP
+#: (bench/step_threads.py).
 SERIAL_STEP_TOKENS = 2
+
+
+def default_serial_step_tokens(dtype: torch.dtype, device: torch.device) -> int:
+    """``serial_step_tokens`` where the user gave none: 0 where a model computing in
+    ``dtype`` on ``device`` runs its GEMMs on the kernels' pool, else SERIAL_STEP_TOKENS."""
+    from pagewarden.models import cpu_pool, packed_linear
+
+    on_pool = packed_linear.pick_packing(dtype, device) == "tiles" and cpu_pool.load() is not None
+    return 0 if on_pool else SERIAL_STEP_TOKENS
 
 
 class StepThreads:

@@ -9,7 +9,7 @@ import torch
 from pagewarden.models.llama import LlamaForCausalLM
 from pagewarden.models.paged_attention import AttentionMetadata
 from pagewarden.sched.output import KVFault, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from pagewarden.worker.cpu_threads import StepThreads
+from pagewarden.worker.cpu_threads import StepThreads, default_serial_step_tokens
 from pagewarden.worker.fused_checks import element_keys, limb_keys, offset_keys
 from pagewarden.worker.kv_guard import KVGuard
 from pagewarden.worker.kv_store import KVStore
@@ -36,7 +36,7 @@ class ModelRunner:
         integrity: str = "standard",
         scrub_blocks_per_step: int = 4,
         attention_backend: str = "torch",
-        serial_step_tokens: int = 0,
+        serial_step_tokens: int | None = 0,
     ) -> None:
         self.model = model
         self.kv_store = kv_store
@@ -49,6 +49,9 @@ class ModelRunner:
         )
         self.device = kv_store.caches[0].device
         # One thread for tiny CPU steps (worker/cpu_threads.py); None: leave threads alone.
+        if serial_step_tokens is None:  # the KV cache has the model's compute dtype
+            dtype = kv_store.caches[0].dtype
+            serial_step_tokens = default_serial_step_tokens(dtype, self.device)
         self.threads = (
             StepThreads(serial_step_tokens)
             if self.device.type == "cpu" and serial_step_tokens > 0
