@@ -643,13 +643,22 @@ void fresh_item(const bf16_bits* q, int64_t qs, const bf16_bits* k, int64_t ks,
       std::fill(l, l + 16, 0.f);
       alignas(64) float pf[16][16] = {};
       for (int64_t kt = 0; kt <= qt; ++kt) {
-        __m512 sc[16];
-        for (int i = 0; i < 16; ++i) sc[i] = _mm512_setzero_ps();
-        for (int64_t p = 0; p < P2; ++p) {
-          const __m512bh kv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(kp + (kt * P2 + p) * 16));
-          for (int i = 0; i < 16; ++i)
-            sc[i] = _mm512_dpbf16_ps(
-                sc[i], kv, reinterpret_cast<__m512bh>(_mm512_set1_epi32(int(qw[i * P2 + p]))));
+        // The 16 sums stay in registers over the k pairs and are stored once, after: the
+        // softmax below indexes rows at run time, which an array of registers cannot be.
+        alignas(64) float sc[16][16];
+        {
+          __m512 acc[16];
+#pragma GCC unroll 16
+          for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+          for (int64_t p = 0; p < P2; ++p) {
+            const __m512bh kv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(kp + (kt * P2 + p) * 16));
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; ++i)
+              acc[i] = _mm512_dpbf16_ps(
+                  acc[i], kv, reinterpret_cast<__m512bh>(_mm512_set1_epi32(int(qw[i * P2 + p]))));
+          }
+#pragma GCC unroll 16
+          for (int i = 0; i < 16; ++i) _mm512_store_ps(sc[i], acc[i]);
         }
         // Online softmax of the 16 query rows (rows past r compute on zeros, unused), in
         // three passes of 16 independent rows each, so the rows' dependency chains
@@ -659,15 +668,17 @@ void fresh_item(const bf16_bits* q, int64_t qs, const bf16_bits* k, int64_t ks,
         for (int i = 0; i < 16; ++i) {
           const int64_t valid = kt < qt ? 16 : i + 1;
           keep[i] = __mmask16(valid == 16 ? 0xFFFFu : (1u << valid) - 1);
-          sc[i] = _mm512_mask_blend_ps(keep[i], neg_inf, _mm512_mul_ps(sc[i], _mm512_set1_ps(scale)));
-          row_max[i] = _mm512_reduce_max_ps(sc[i]);
+          const __m512 si = _mm512_mask_blend_ps(
+              keep[i], neg_inf, _mm512_mul_ps(_mm512_load_ps(sc[i]), _mm512_set1_ps(scale)));
+          _mm512_store_ps(sc[i], si);
+          row_max[i] = _mm512_reduce_max_ps(si);
         }
         const f32x16 m_old = load16(m), m_new = load16(row_max) > m_old ? load16(row_max) : m_old;
         store16(alpha, exp_nonpos(m_old - m_new));  // 0 on the first tile (m = -inf)
         store16(m, m_new);
         for (int i = 0; i < 16; ++i) {
-          const f32x16 e = exp_nonpos(reinterpret_cast<const f32x16&>(sc[i]) - m[i]);
-          const __m512 pe = _mm512_maskz_mov_ps(keep[i], reinterpret_cast<const __m512&>(e));
+          const f32x16 e = exp_nonpos(load16(sc[i]) - m[i]);
+          const __m512 pe = _mm512_maskz_mov_ps(keep[i], __m512(e));
           row_sum[i] = _mm512_reduce_add_ps(pe);
           _mm512_store_ps(pf[i], pe);
         }
