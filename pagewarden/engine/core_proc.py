@@ -58,6 +58,10 @@ logger = logging.getLogger("pagewarden.engine.proc")
 
 #: While idle, the core sends a heartbeat this often (seconds).
 HEARTBEAT_S = 0.2
+#: Requests reaching an idle core: it waits for the rest of their burst before its first
+#: step, until no message came for GATHER_QUIET_S or GATHER_MAX_S passed (seconds).
+GATHER_QUIET_S = 0.004
+GATHER_MAX_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -250,10 +254,27 @@ class _Dashboard:
             out.send(("dashboard", take_snapshot(core)))
 
 
+def _gather_burst(inbox: _Inbox) -> None:
+    """Wait while more requests of a burst are still arriving at an idle core.
+
+    A client that opens many streams at once reaches the core over tens of milliseconds
+    (the HTTP process parses and tokenizes each request). Stepping on the first one
+    spreads the burst's prompts over more prefill steps, and every prefill step stalls
+    the streams that started before it: those stalls are the inter-token latency tail
+    (bench/serve.py). A lone request waits GATHER_QUIET_S."""
+    deadline = time.monotonic() + GATHER_MAX_S
+    while not inbox.stop:
+        inbox.wake.clear()
+        left = deadline - time.monotonic()
+        if left <= 0 or not inbox.wake.wait(min(GATHER_QUIET_S, left)):
+            return
+
+
 def _loop(core, inbox: _Inbox, out: Connection) -> None:
     last_send = 0.0
     failed_steps = 0
     dashboard = _Dashboard()
+    idle = True
     while not inbox.stop:
         dashboard.serve(core, inbox, out)
         failed = _fail_outputs(core, inbox, inbox.take_failed())
@@ -264,7 +285,11 @@ def _loop(core, inbox: _Inbox, out: Connection) -> None:
                 last_send = now
             inbox.wake.wait(HEARTBEAT_S)
             inbox.wake.clear()
+            idle = True
             continue
+        if idle:
+            _gather_burst(inbox)
+            idle = False
         try:
             outputs = core.step()
             failed_steps = 0
