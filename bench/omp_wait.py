@@ -1,18 +1,23 @@
-"""OpenMP wait policies on the real model path, quiet and next to busy processes.
+"""Wait policies of the engine's threads on the real model path, quiet and next to busy
+processes: the C++ kernels' own pool (``models/cpu_pool``) against OpenMP's policies.
 
     python bench/omp_wait.py                     # batch 64 and batch 1 decode, 0/1/2 hogs
     python bench/omp_wait.py --hogs 0 --batch 64
 
-Each policy runs in its own process (the OpenMP runtime reads its environment once, at
-start): the default GGUF, integrity standard, prefix caching off; it prefills ``--batch``
-prompts of 128 random tokens, then times ``--steps`` decode steps and prints the median
-milliseconds per step. A hog is a pure-Python busy loop pinned to no core, the way any
-other process on a shared box competes for the cores. Policies compared:
+Each policy runs in its own process (the OpenMP runtime and the pool read their
+environment once, at start): the default GGUF, integrity standard, prefix caching off; it
+prefills ``--batch`` prompts of 128 random tokens, then times ``--steps`` decode steps and
+prints the median milliseconds per step. A hog is a pure-Python busy loop pinned to no
+core, the way any other process on a shared box competes for the cores. Policies:
 
-    passive     OMP_WAIT_POLICY=PASSIVE: idle threads sleep at once (futex wake per region)
-    spin-0.1ms  OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=10000: spin about 0.1 ms, then sleep
-    default     libgomp's default spin (GOMP_SPINCOUNT 300000, about 3 ms), then sleep
-    active      OMP_WAIT_POLICY=ACTIVE: spin (for minutes)
+    pool        the engine's default: the kernels' pool, its idle worker polling 100 us
+                (PAGEWARDEN_POOL_SPIN_US), torch's own ops on PASSIVE OpenMP
+    pool-sleep  the pool with PAGEWARDEN_POOL_SPIN_US=0: idle workers sleep at once
+    passive     no pool (PAGEWARDEN_NO_CPU_POOL=1), OMP_WAIT_POLICY=PASSIVE: a futex
+                wake per parallel region (the engine's policy before the pool)
+    spin-0.1ms  no pool, PASSIVE with GOMP_SPINCOUNT=10000: spin about 0.1 ms, then sleep
+    default     no pool, libgomp's default spin (GOMP_SPINCOUNT 300000, about 3 ms)
+    active      no pool, OMP_WAIT_POLICY=ACTIVE: spin (for minutes)
 
 Prints one line per (hogs, batch, policy); note ``uptime`` beside the figures.
 """
@@ -29,11 +34,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+NO_POOL = {"PAGEWARDEN_NO_CPU_POOL": "1"}
 POLICIES = {
-    "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
-    "spin-0.1ms": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"},
-    "default": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "300000"},
-    "active": {"OMP_WAIT_POLICY": "ACTIVE"},
+    "pool": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "pool-sleep": {"OMP_WAIT_POLICY": "PASSIVE", "PAGEWARDEN_POOL_SPIN_US": "0"},
+    "passive": {"OMP_WAIT_POLICY": "PASSIVE", **NO_POOL},
+    "spin-0.1ms": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000", **NO_POOL},
+    "default": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "300000", **NO_POOL},
+    "active": {"OMP_WAIT_POLICY": "ACTIVE", **NO_POOL},
 }
 
 WORKER = """
@@ -69,7 +77,8 @@ def _hog() -> None:
 
 def run(policy: str, batch: int, steps: int) -> float:
     env = dict(os.environ)
-    env.pop("GOMP_SPINCOUNT", None)
+    for name in ("GOMP_SPINCOUNT", "PAGEWARDEN_NO_CPU_POOL", "PAGEWARDEN_POOL_SPIN_US"):
+        env.pop(name, None)
     env.update(POLICIES[policy])
     code = WORKER.format(root=str(ROOT), batch=batch, steps=steps)
     out = subprocess.run(
@@ -83,7 +92,9 @@ def main() -> None:
     ap.add_argument("--hogs", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--batch", type=int, nargs="+", default=[64, 1])
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    ap.add_argument(
+        "--policies", nargs="+", default=["pool", "pool-sleep", "passive"], choices=list(POLICIES)
+    )
     args = ap.parse_args()
     print(f"uptime: {os.getloadavg()}")
     for hogs in args.hogs:

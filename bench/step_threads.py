@@ -6,10 +6,13 @@
 One engine per batch size (default GGUF, integrity standard, prefix caching off, the
 engine's OpenMP wait policy); after prefill, rounds of ``--steps`` decode steps alternate
 ``torch.set_num_threads(1)`` and the full thread count, and the median ms/step of each is
-printed with their ratio. With ``OMP_WAIT_POLICY=PASSIVE`` (the default) every parallel
-region wakes sleeping threads, which costs more than a tiny step gains from a second
-core: this finds the step size below which one thread is faster
-(``worker/cpu_threads.py`` SERIAL_STEP_TOKENS). Note ``uptime`` beside the figures.
+printed with their ratio. With ``OMP_WAIT_POLICY=PASSIVE`` (the default) every OpenMP
+parallel region wakes sleeping threads, which costs more than a tiny step gains from a
+second core: run with ``PAGEWARDEN_NO_CPU_POOL=1`` this finds the step size below which
+one thread is faster (``worker/cpu_threads.py`` SERIAL_STEP_TOKENS). Where the GEMMs run
+on the kernels' pool (the default with the bf16 kernel), whose idle worker polls between
+kernels, it shows whether two threads now win at every size (they did: the engine then
+uses all threads for every step). Note ``uptime`` beside the figures.
 """
 
 from __future__ import annotations
