@@ -23,7 +23,6 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
@@ -51,6 +50,15 @@ constexpr int64_t kYieldBusyNs = 20000;  // a yield this long: someone else ran 
 constexpr int kPausesPerYield = 32;
 
 thread_local bool t_inside_item = false;
+
+// A spin-wait hint to the core (x86 pause, arm yield); nothing elsewhere.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -109,7 +117,7 @@ class Pool {
     runs_.fetch_add(1, std::memory_order_relaxed);
     work(gen, 0);
     for (int64_t spins = 1; done_.load() < n; ++spins) {  // a worker finishing its last item
-      _mm_pause();
+      cpu_relax();
       if (spins % 1024 == 0) sched_yield();
     }
     if (error_) std::rethrow_exception(error_);
@@ -181,7 +189,7 @@ class Pool {
     for (int i = 1; spin > 0; ++i) {
       const uint32_t gen = gen_.load();
       if (gen != seen) return gen;
-      _mm_pause();
+      cpu_relax();
       if (i % kPausesPerYield != 0) continue;
       const int64_t before = now_ns();
       if (before - start > spin) break;
@@ -236,7 +244,7 @@ std::tuple<at::Tensor, at::Tensor> exercise(int64_t n, int64_t throw_at, int64_t
   pw::parallel_items(n, [&](int64_t i, int thread) {
     TORCH_CHECK(thread >= 0 && thread < threads, "thread ", thread, " outside [0, ", threads, ")");
     const int64_t until = now_ns() + work_ns;
-    while (now_ns() < until) _mm_pause();
+    while (now_ns() < until) cpu_relax();
     reinterpret_cast<std::atomic<int32_t>*>(rp + i)->fetch_add(1);
     tp[i] = thread;
     TORCH_CHECK(i != throw_at, "item ", i, " raised on purpose");
