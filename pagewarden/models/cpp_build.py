@@ -10,8 +10,11 @@ such as Ray replicas) share one build instead of rebuilding over each other.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -44,3 +47,22 @@ def build_directory(name: str, source: Path, flags: list[str]) -> Path:
     path = Path(root) / f"{name}_{digest.hexdigest()[:12]}"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def built_once(
+    load: Callable[[], ModuleType | None],
+) -> Callable[[], ModuleType | None]:
+    """``load`` (which builds an extension, or returns None where it cannot) run on the
+    first call only, under a lock; every later call returns that first result."""
+    lock = threading.Lock()
+    result: list[ModuleType | None] = []
+
+    @functools.wraps(load)
+    def once() -> ModuleType | None:
+        if not result:
+            with lock:
+                if not result:
+                    result.append(load())
+        return result[0]
+
+    return once

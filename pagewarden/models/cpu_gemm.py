@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from pagewarden.models import cpu_pool
-from pagewarden.models.cpp_build import compile_extension
+from pagewarden.models.cpp_build import built_once, compile_extension
 from pagewarden.models.cpu_fused import DISABLE_ENV
 
 log = logging.getLogger(__name__)
@@ -34,21 +33,12 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 TILE = 16  # output columns per packed tile (one AVX-512 register of float32 sums)
-_lock = threading.Lock()
-_tried = False
-_ext: ModuleType | None = None
 
 
+@built_once
 def load() -> ModuleType | None:
     """The compiled kernel, built on the first call; None where it cannot run here."""
-    global _tried, _ext
-    if _tried:
-        return _ext
-    with _lock:
-        if not _tried:
-            _ext = _build()
-            _tried = True
-    return _ext
+    return _build()
 
 
 def _build() -> ModuleType | None:
@@ -105,7 +95,7 @@ def gemm(
 ) -> torch.Tensor | None:
     """x (M, K) @ W^T (M, n) [+ residual], or silu(gate) * up (M, n / 2) for a gate_up
     packing; None where x does not fit the kernel (not bf16 rows): use the fallback."""
-    ext = _ext
+    ext = load()
     if ext is None or x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1:
         return None
     if residual is not None and (residual.dtype != torch.bfloat16 or residual.stride(1) != 1):

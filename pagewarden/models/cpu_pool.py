@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from pathlib import Path
 from types import ModuleType
 
-from pagewarden.models.cpp_build import compile_extension
+from pagewarden.models.cpp_build import built_once, compile_extension
 
 log = logging.getLogger(__name__)
 
@@ -31,21 +30,12 @@ SPIN_ENV = "PAGEWARDEN_POOL_SPIN_US"
 DEFAULT_SPIN_US = 100
 
 _SOURCE = Path(__file__).with_name("cpu_pool.cpp")
-_lock = threading.Lock()
-_tried = False
-_ext: ModuleType | None = None
 
 
+@built_once
 def load() -> ModuleType | None:
     """The pool extension, built on the first call; None where it is off or cannot build."""
-    global _tried, _ext
-    if _tried:
-        return _ext
-    with _lock:
-        if not _tried:
-            _ext = _build()
-            _tried = True
-    return _ext
+    return _build()
 
 
 def bind(ext: ModuleType) -> None:
