@@ -28,10 +28,10 @@ runs four to nine small ops (each its own OpenMP region). Layouts and loop order
 All loops run over rows (tokens) outermost; runs of rows are the work items of the
 kernels' pool (cpu_pool.h), and a call whose estimated serial time is under serial_us
 stays on the calling thread: handing items to a sleeping thread (a futex wake, about 50
-us on 2 cores) costs more than splitting such a call saves. The estimate is rows x row elements x a per-op
-cost per element measured on a Zen 4 core (kNs* below; a decode batch of 64 stays serial). Inputs
-are checked (dtype, shape, strides) with TORCH_CHECK; the Python wrappers only call here
-when the layouts hold.
+us on 2 cores) costs more than splitting such a call saves. The estimate is rows x row
+elements x a per-op cost per element measured on a Zen 4 core (kNs* below; a decode
+batch of 64 stays serial). Inputs are checked (dtype, shape, strides) with TORCH_CHECK;
+the Python wrappers only call here when the layouts hold.
 */
 
 #include <torch/extension.h>
