@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import math
 import uuid
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from pagewarden.engine.async_engine import (
 from pagewarden.engine.core import RequestRejected
 from pagewarden.sampling_params import SamplingParams
 from pagewarden.server.admission import AdmissionController
-from pagewarden.server.errors import APIError
+from pagewarden.server.errors import APIError, validation_error
 
 DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
 
@@ -139,8 +140,19 @@ def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        if err["type"] == "json_invalid":
-            raise APIError(400, f"the request body is not valid JSON: {err['msg']}") from None
-        param = ".".join(str(p) for p in err["loc"]) or None
-        raise APIError(400, f"{param or 'body'}: {err['msg']}", param) from None
+        errors = exc.errors(include_url=False, include_input=False)
+        invalid = next((e for e in errors if e["type"] == "json_invalid"), None)
+        if invalid is not None:
+            raise APIError(400, f"the request body is not valid JSON: {invalid['msg']}") from None
+        raise validation_error(errors, _field_order(model, body)) from None
+
+
+def _field_order(model: type[BaseModel], body: bytes) -> list[str]:
+    """The body's own top-level keys in the order sent, then the model's other fields."""
+    try:
+        sent = json.loads(body)
+    except ValueError:
+        sent = None
+    keys = [str(k) for k in sent] if isinstance(sent, dict) else []
+    names = [field.alias or name for name, field in model.model_fields.items()]
+    return keys + [name for name in names if name not in set(keys)]
