@@ -23,7 +23,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from pagewarden.kernels import cpu_ops  # noqa: E402
+from pagewarden.kernels.cpu import attention as cpu_attention  # noqa: E402
 
 
 def main() -> None:
@@ -35,9 +35,9 @@ def main() -> None:
     ap.add_argument("--bandwidth", type=float, default=14.5, help="GB/s, for the floor")
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
-    ext = cpu_ops.load_extension()
+    ext = cpu_attention.load_extension()
     if ext is None:
-        raise SystemExit(f"the kernel does not build here: {cpu_ops.unavailable_reason()}")
+        raise SystemExit(f"the kernel does not build here: {cpu_attention.unavailable_reason()}")
     torch.manual_seed(0)
     s, bs, n_kv, group, d = args.batch, 16, 3, 3, 64
     dtype = getattr(torch, args.dtype)
@@ -54,7 +54,7 @@ def main() -> None:
     info = torch.stack([torch.arange(s), torch.ones(s, dtype=torch.long), ctx]).int()
     rows = torch.arange(s)
     out = torch.empty_like(q)
-    splits = cpu_ops.choose_num_splits(s, max_blocks)
+    splits = cpu_attention.choose_num_splits(s, max_blocks)
 
     def step() -> float:
         t0 = time.perf_counter()

@@ -27,8 +27,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the engine's default, bef
 
 import torch
 
-from pagewarden.kernels import cpu_ops
-from pagewarden.models.paged_attention import AttentionMetadata, TorchAttention
+from pagewarden.kernels.attention import AttentionMetadata, TorchAttention
+from pagewarden.kernels.cpu import attention as cpu_attention
 from pagewarden.worker.fused_checks import allocate_read_checks
 
 N_HEADS, N_KV, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -68,7 +68,7 @@ def time_case(batch: int, context: int, dtype: torch.dtype, repeats: int):
     """[(backend, median ms per call)] of one case, the kernel checked against torch."""
     q, cache, meta, expected = make_case(batch, context, dtype)
     scale = HEAD_DIM**-0.5
-    torch_ops, cpu = TorchAttention(), cpu_ops.CpuAttention([cache])
+    torch_ops, cpu = TorchAttention(), cpu_attention.CpuAttention([cache])
     ref = torch_ops.attend(q, cache, meta, scale)
     err = (ref.float() - cpu.attend(q, cache, meta, scale).float()).abs().max().item()
     assert err < (1e-5 if dtype == torch.float32 else 3e-2), f"kernel differs by {err}"
@@ -91,8 +91,10 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--repeats", type=int, default=50)
     args = ap.parse_args()
-    if cpu_ops.load_extension() is None:
-        raise SystemExit(f"cpu attention extension unavailable: {cpu_ops.unavailable_reason()}")
+    if cpu_attention.load_extension() is None:
+        raise SystemExit(
+            f"cpu attention extension unavailable: {cpu_attention.unavailable_reason()}"
+        )
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"{'case':>8} {'dtype':>9} {'backend':>9} {'ms/call':>9} {'vs torch':>9}")
     for case in args.cases:

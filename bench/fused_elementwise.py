@@ -1,4 +1,4 @@
-"""The fused CPU elementwise ops (``models/cpu_fused.py``) against the torch path, per op.
+"""The fused CPU elementwise ops (``kernels/cpu/fused.py``) against the torch path, per op.
 
     OMP_WAIT_POLICY=PASSIVE python bench/fused_elementwise.py           # SmolLM2-135M shapes
     python bench/fused_elementwise.py --tokens 1 64 512 --reps 400
@@ -46,7 +46,7 @@ def ops(t: int, dtype: Any, args: argparse.Namespace, ext: Any) -> dict[str, tup
 
     import torch
 
-    from pagewarden.models import cpu_fused
+    from pagewarden.kernels.cpu import fused as cpu_fused
 
     h, heads, d, i = args.hidden, args.heads, args.head_dim, args.intermediate
     x = torch.randn(t, h).to(dtype)
@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--model-steps", type=int, default=4, help="decode steps per round")
     args = ap.parse_args()
     # pagewarden first: it sets OMP_WAIT_POLICY (unless set already) before torch loads.
-    from pagewarden.models import cpu_fused  # isort: skip
+    from pagewarden.kernels.cpu import fused as cpu_fused  # isort: skip
 
     import torch
 
@@ -123,7 +123,7 @@ def model_steps(args: argparse.Namespace, ext: Any) -> None:
     import random
 
     from bench.profile_step import PhaseClock, instrument, make_engine, timed_step
-    from pagewarden.models import cpu_fused
+    from pagewarden.kernels.cpu import fused as cpu_fused
     from pagewarden.sampling_params import SamplingParams
 
     opts = argparse.Namespace(

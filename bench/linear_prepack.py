@@ -1,4 +1,4 @@
-"""Decode with two packings of the GEMM weights (``models/packed_linear.py``).
+"""Decode with two packings of the GEMM weights (``kernels/cpu/linear.py``).
 
     python bench/linear_prepack.py                     # picked packing vs none, batch 1, 64
     python bench/linear_prepack.py --packings tiles onednn      # our bf16 kernel vs oneDNN
@@ -46,13 +46,13 @@ def main() -> None:
     from torch import nn
 
     from pagewarden import LLM, SamplingParams
-    from pagewarden.models import packed_linear
+    from pagewarden.kernels.cpu import linear as cpu_linear
 
     print(f"uptime: {os.popen('uptime').read().strip()}")
     llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=False)
     model = llm.engine.loaded.model
     param = next(model.parameters())
-    picked = packed_linear.pick_packing(param.dtype, param.device)
+    picked = cpu_linear.pick_packing(param.dtype, param.device)
     a, b = args.packings or (picked, "none")
     if a is None:
         raise SystemExit(f"no packing for {param.dtype} on this machine")
@@ -65,7 +65,7 @@ def main() -> None:
 
     def use(on: bool) -> None:
         for lin in linears:
-            packed_linear.pack(lin, packings[on], wide=id(lin) in wide, gate_up=id(lin) in gate_up)
+            cpu_linear.pack(lin, packings[on], wide=id(lin) in wide, gate_up=id(lin) in gate_up)
 
     if args.gemm_only:
         gemm_only(model, use, names, args)
@@ -106,7 +106,7 @@ def gemm_only(model, use, names: dict[bool, str], args: argparse.Namespace) -> N
     """Median ms of one pass over every decoder linear layer, per batch and packing."""
     import torch
 
-    from pagewarden.models.packed_linear import linear, linear_add, linear_silu_mul
+    from pagewarden.kernels.cpu.linear import linear, linear_add, linear_silu_mul
 
     cfg = model.config
     dtype = next(model.parameters()).dtype

@@ -1,5 +1,5 @@
 """Wait policies of the engine's threads on the real model path, quiet and next to busy
-processes: the C++ kernels' own pool (``models/cpu_pool``) against OpenMP's policies.
+processes: the C++ kernels' own pool (``kernels/cpu/pool``) against OpenMP's policies.
 
     python bench/omp_wait.py                     # batch 64 and batch 1 decode, 0/1/2 hogs
     python bench/omp_wait.py --hogs 0 --batch 64

@@ -88,7 +88,7 @@ class PhaseClock:
 def instrument(engine: EngineCore, clock: PhaseClock) -> None:
     """Wrap the engine's phase functions with `clock` (in place, for this process only)."""
     model = engine.loaded.model
-    # Every GEMM goes through llama.linear / llama.linear_add (packed_linear.py); the
+    # Every GEMM goes through llama.linear / llama.linear_add (cpu_linear.py); the
     # lm_head's call stays in its own phase.
     plain, gemm = llama.linear, clock.wrap("GEMMs", llama.linear)
     llama.linear = lambda layer, x: plain(layer, x) if layer is model.lm_head else gemm(layer, x)

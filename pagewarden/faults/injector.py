@@ -62,9 +62,9 @@ import torch
 from pagewarden.faults.foreign import call_from_thread, foreign_calls, state_fingerprint
 from pagewarden.faults.kv_faults import corrupt_tag, flip_bit, flip_slot_bit
 from pagewarden.faults.metadata_faults import inject_metadata_fault
+from pagewarden.kernels.attention import AttentionMetadata
 from pagewarden.kv.block import BlockState
 from pagewarden.kv.errors import KVOwnershipError
-from pagewarden.models.paged_attention import AttentionMetadata
 from pagewarden.sched.output import (
     FailureKey,
     ModelRunnerOutput,

@@ -1,10 +1,10 @@
 """Which attention backend runs, and whether it can run here.
 
-``torch``: the plain-torch path of ``models/paged_attention.py`` (any device).
+``torch``: the plain-torch path of ``kernels/attention.py`` (any device).
 ``triton``: the kernels of this package. On CUDA they are compiled; on CPU they run only
 through Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is imported),
 which is for tests: it is orders of magnitude slower than the torch path.
-``cpu``: the C++ kernel of ``cpu_attention.cpp`` for decode on CPU caches (``cpu_ops.py``),
+``cpu``: the C++ kernel of ``cpu_attention.cpp`` for decode on CPU caches (``cpu_attention.py``),
 compiled on first use; it needs a C++ compiler and the ninja build tool. The default on
 the CPU where both are found (``PAGEWARDEN_NO_CPU_EXT=1`` keeps the torch path).
 """
@@ -76,9 +76,11 @@ def _check_cpu(device_type: str) -> None:
             f"attention backend 'cpu' reads caches in host memory, not on {device_type}; "
             "use --attention-backend triton or torch there"
         )
-    from pagewarden.kernels import cpu_ops  # builds the extension on first use
+    from pagewarden.kernels.cpu import (
+        attention as cpu_attention,  # builds the extension on first use
+    )
 
-    reason = cpu_ops.unavailable_reason()
+    reason = cpu_attention.unavailable_reason()
     if reason is not None:
         raise AttentionBackendError(
             f"attention backend 'cpu' could not build its C++ extension ({reason}); "

@@ -10,9 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagewarden.models import cpu_fused, packed_linear
-from pagewarden.models.packed_linear import linear, linear_add, linear_silu_mul
-from pagewarden.models.paged_attention import AttentionMetadata, AttentionOps, TorchAttention
+from pagewarden.kernels.attention import AttentionMetadata, AttentionOps, TorchAttention
+from pagewarden.kernels.cpu import fused as cpu_fused
+from pagewarden.kernels.cpu import linear as cpu_linear
+from pagewarden.kernels.cpu.linear import linear, linear_add, linear_silu_mul
 
 
 @dataclass(frozen=True)
@@ -176,7 +177,7 @@ class LlamaMLP(nn.Module):
 
     def act(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up (T, intermediate), before down_proj (fused into the GEMM where
-        packed_linear can, else from its (T, 2 * intermediate) output)."""
+        kernels/cpu/linear can, else from its (T, 2 * intermediate) output)."""
         return linear_silu_mul(self.gate_up_proj, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -243,13 +244,13 @@ class LlamaForCausalLM(nn.Module):
         with torch.no_grad():
             for p in self.parameters():  # a tied lm_head is the embedding's Parameter
                 p.data = p.data.to(dtype)
-            # Weights packed once for the GEMM library (see packed_linear.py).
-            packing = packed_linear.pick_packing(dtype, self.model.norm.weight.device)
+            # Weights packed once for the GEMM library (see cpu_linear.py).
+            packing = cpu_linear.pick_packing(dtype, self.model.norm.weight.device)
             gate_up = {id(layer.mlp.gate_up_proj) for layer in self.model.layers}
             wide = {id(self.lm_head)} | gate_up
             for module in self.modules():
                 if isinstance(module, nn.Linear):
-                    packed_linear.pack(
+                    cpu_linear.pack(
                         module, packing, wide=id(module) in wide, gate_up=id(module) in gate_up
                     )
         if self.model.norm.weight.device.type == "cpu":

@@ -12,7 +12,7 @@ That default makes every parallel region wake the sleeping threads (a futex wake
 of microseconds in a VM), about as much as a one-token step's small GEMMs gain from a
 second core. So where the GEMMs are torch's (OpenMP), a CPU step of at most
 ``serial_step_tokens`` tokens runs on one thread (``StepThreads``); larger steps use
-them all. Where they are the bf16 kernel on the kernels' own pool (``models/cpu_pool``,
+them all. Where they are the bf16 kernel on the kernels' own pool (``kernels/cpu/pool``,
 whose idle worker polls between kernels instead of sleeping), every step uses all
 threads (``default_serial_step_tokens``). Measured: ``bench/step_threads.py``.
 """
@@ -31,9 +31,10 @@ SERIAL_STEP_TOKENS = 2
 def default_serial_step_tokens(dtype: torch.dtype, device: torch.device) -> int:
     """``serial_step_tokens`` where the user gave none: 0 where a model computing in
     ``dtype`` on ``device`` runs its GEMMs on the kernels' pool, else SERIAL_STEP_TOKENS."""
-    from pagewarden.models import cpu_pool, packed_linear
+    from pagewarden.kernels.cpu import linear as cpu_linear
+    from pagewarden.kernels.cpu import pool as cpu_pool
 
-    on_pool = packed_linear.pick_packing(dtype, device) == "tiles" and cpu_pool.load() is not None
+    on_pool = cpu_linear.pick_packing(dtype, device) == "tiles" and cpu_pool.load() is not None
     return 0 if on_pool else SERIAL_STEP_TOKENS
 
 

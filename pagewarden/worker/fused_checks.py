@@ -1,7 +1,7 @@
 """Glue between ``KVGuard`` and an attention kernel that checks what it reads.
 
 With the Triton and cpu backends the attention kernel compares slot tags and (in ``strict``)
-accumulates block checksums as it reads K/V (``kernels/paged_attention.py``). This module
+accumulates block checksums as it reads K/V (``kernels/triton/attention.py``). This module
 builds the kernel's inputs from the guard's state and turns its per-block outputs back
 into the guard's terms:
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from pagewarden.models.paged_attention import ReadChecks
+from pagewarden.kernels.attention import ReadChecks
 from pagewarden.worker.integrity import _limb_keys, _offset_keys
 
 

@@ -72,8 +72,8 @@ from typing import Literal
 
 import torch
 
+from pagewarden.kernels.attention import AttentionMetadata
 from pagewarden.kv.swap_space import BlockSwap
-from pagewarden.models.paged_attention import AttentionMetadata
 from pagewarden.sched.output import FailureKey, KVFault, ScheduledRequest, SchedulerOutput
 from pagewarden.worker.fused_checks import allocate_read_checks
 from pagewarden.worker.integrity import (

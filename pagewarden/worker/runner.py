@@ -6,8 +6,8 @@ import logging
 
 import torch
 
+from pagewarden.kernels.attention import AttentionMetadata
 from pagewarden.models.llama import LlamaForCausalLM
-from pagewarden.models.paged_attention import AttentionMetadata
 from pagewarden.sched.output import KVFault, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagewarden.worker.cpu_threads import StepThreads, default_serial_step_tokens
 from pagewarden.worker.fused_checks import element_keys, limb_keys, offset_keys
@@ -69,7 +69,7 @@ class ModelRunner:
 
     def _use_triton(self) -> None:
         """Attention and KV writes through the Triton kernels, which check their reads."""
-        from pagewarden.kernels.ops import TritonAttention  # imports triton: only if asked
+        from pagewarden.kernels.triton.ops import TritonAttention  # imports triton: only if asked
 
         self._use_checking_ops(TritonAttention, element_keys)
 
@@ -78,11 +78,11 @@ class ModelRunner:
         checksums) as it reads; the other rows' reads are checked by the backend too.
         Where it cannot run (no build, a float16 cache) the torch path stays, logged: a
         backend asked for explicitly was checked by the config already."""
-        from pagewarden.kernels import cpu_ops  # compiles on first use
         from pagewarden.kernels.backend import AttentionBackendError
+        from pagewarden.kernels.cpu import attention as cpu_attention  # compiles on first use
 
         try:
-            self._use_checking_ops(cpu_ops.CpuAttention, limb_keys)
+            self._use_checking_ops(cpu_attention.CpuAttention, limb_keys)
         except AttentionBackendError as exc:
             logger.warning("attention backend cpu unavailable (%s); using torch", exc)
 

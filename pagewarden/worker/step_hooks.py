@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagewarden.models.paged_attention import AttentionMetadata
+from pagewarden.kernels.attention import AttentionMetadata
 from pagewarden.sched.output import FailureKey, ModelRunnerOutput, SchedulerOutput
 
 

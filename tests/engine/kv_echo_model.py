@@ -20,9 +20,9 @@ import torch
 
 from pagewarden.engine.config import EngineConfig
 from pagewarden.engine.core import EngineCore
+from pagewarden.kernels.attention import write_kv
 from pagewarden.models.llama import LlamaConfig
 from pagewarden.models.loader import LoadedModel
-from pagewarden.models.paged_attention import write_kv
 from pagewarden.models.tokenizer import Tokenizer
 
 VOCAB = 512

@@ -134,9 +134,9 @@ def test_slot_mapping_redirect_for_one_call_is_caught_in_that_step(loaded, clean
 def test_block_index_redirect_in_a_decode_step_is_caught_by_the_cpu_kernel(loaded, clean, level):
     """The cpu backend reads decode K/V through the redirected entry itself and compares
     the tags there in the same loop; the fault is the kernel's (no after-step re-check)."""
-    from pagewarden.kernels import cpu_ops
+    from pagewarden.kernels.cpu import attention as cpu_attention
 
-    assert cpu_ops.load_extension() is not None, cpu_ops.unavailable_reason()
+    assert cpu_attention.load_extension() is not None, cpu_attention.unavailable_reason()
     engine, hooks, outputs = _run(loaded, level, at=4, which="block_index", backend="cpu")
     assert engine.runner.guard.fused_reads
     assert all(r.positions.start > 0 and len(r.positions) == 1 for r in hooks.decode_step)

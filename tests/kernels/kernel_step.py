@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagewarden.models.paged_attention import AttentionMetadata, write_kv
+from pagewarden.kernels.attention import AttentionMetadata, write_kv
 
 
 @dataclass

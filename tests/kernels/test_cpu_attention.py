@@ -12,16 +12,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagewarden.kernels import cpu_ops
-from pagewarden.models.paged_attention import paged_attention
+from pagewarden.kernels.attention import paged_attention
+from pagewarden.kernels.cpu import attention as cpu_attention
 from pagewarden.worker.fused_checks import allocate_read_checks, limb_keys, offset_keys
 from pagewarden.worker.integrity import block_checksums
 from tests.kernels.kernel_step import make_step
 
 # The C++ extension must build where the tests run (CI installs g++; ninja is a
 # dependency): a missing toolchain fails here, it does not skip.
-assert cpu_ops.load_extension() is not None, (
-    f"cpu attention extension unavailable: {cpu_ops.unavailable_reason()}; install g++"
+assert cpu_attention.load_extension() is not None, (
+    f"cpu attention extension unavailable: {cpu_attention.unavailable_reason()}; install g++"
 )
 
 # Decodes of ragged lengths (one block exactly full, one a single key), a chunk over a
@@ -51,7 +51,7 @@ def _check(got: torch.Tensor, q, cache, meta, scale: float) -> None:
         return
     rows = [(n, c) for n, c in zip(meta.query_lens, _context_lens(meta)) for _ in range(n)]
     decode = torch.tensor([n == 1 for n, _ in rows])  # (T,)
-    fused_fresh = cpu_ops.load_extension().has_fresh_attention(q.shape[2])
+    fused_fresh = cpu_attention.load_extension().has_fresh_attention(q.shape[2])
     fresh = torch.tensor([n > 1 and c == 0 and fused_fresh for n, c in rows])
     torch_rows = ~decode & ~fresh
     assert torch.equal(got[torch_rows], ref[torch_rows])
@@ -79,7 +79,7 @@ def test_attention_equals_the_torch_path(dtype, block_size, num_kv_heads, group,
         head_dim=head_dim,
         dtype=dtype,
     )
-    got = cpu_ops.CpuAttention(step.caches).attend(step.q, step.caches[0], step.meta, 0.3)
+    got = cpu_attention.CpuAttention(step.caches).attend(step.q, step.caches[0], step.meta, 0.3)
     _check(got, step.q, step.caches[0], step.meta, 0.3)
 
 
@@ -95,7 +95,7 @@ def test_fresh_prompts_in_bf16(num_kv_heads, group, head_dim):
         head_dim=head_dim,
         dtype=torch.bfloat16,
     )
-    got = cpu_ops.CpuAttention(step.caches).attend(step.q, step.caches[0], step.meta, 0.2)
+    got = cpu_attention.CpuAttention(step.caches).attend(step.q, step.caches[0], step.meta, 0.2)
     _check(got, step.q, step.caches[0], step.meta, 0.2)
 
 
@@ -107,9 +107,9 @@ def test_fresh_kernel_is_as_accurate_as_torch_sdpa():
     output is torch's exactly."""
     step = make_step([128, 128], [0, 0], num_kv_heads=3, group=3, head_dim=64,
                      dtype=torch.bfloat16)  # fmt: skip
-    got = cpu_ops.CpuAttention(step.caches).attend(step.q, step.caches[0], step.meta, 0.125)
+    got = cpu_attention.CpuAttention(step.caches).attend(step.q, step.caches[0], step.meta, 0.125)
     ref = paged_attention(step.q, step.caches[0], step.meta, 0.125)
-    if not cpu_ops.load_extension().has_fresh_attention(64):
+    if not cpu_attention.load_extension().has_fresh_attention(64):
         assert torch.equal(got, ref)
         return
     exact = paged_attention(step.q.float(), step.caches[0].float(), step.meta, 0.125)
@@ -121,24 +121,24 @@ def test_fresh_kernel_is_as_accurate_as_torch_sdpa():
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
 def test_splitting_the_key_range_changes_nothing(num_splits, monkeypatch):
     """Small batches split each row's blocks across threads; the merge must be exact."""
-    monkeypatch.setattr(cpu_ops, "choose_num_splits", lambda *_: num_splits)
+    monkeypatch.setattr(cpu_attention, "choose_num_splits", lambda *_: num_splits)
     step = make_step([1, 1], [70, 20], block_size=4, num_kv_heads=3, group=3, head_dim=64)
-    got = cpu_ops.CpuAttention(step.caches).attend(step.q, step.caches[0], step.meta, 0.125)
+    got = cpu_attention.CpuAttention(step.caches).attend(step.q, step.caches[0], step.meta, 0.125)
     _check(got, step.q, step.caches[0], step.meta, 0.125)
 
 
 def test_a_wider_query_is_cast_to_the_cache_dtype_as_the_torch_path_does():
     step = make_step(QUERY_LENS, CONTEXT_LENS, dtype=torch.bfloat16)
     q = step.q.float() + 1e-3  # float32 queries over a bf16 cache
-    got = cpu_ops.CpuAttention(step.caches).attend(q, step.caches[0], step.meta, 0.3)
+    got = cpu_attention.CpuAttention(step.caches).attend(q, step.caches[0], step.meta, 0.3)
     _check(got, q, step.caches[0], step.meta, 0.3)
 
 
 def test_split_choice_keeps_threads_busy_without_tiny_splits():
     threads = torch.get_num_threads()
-    assert cpu_ops.choose_num_splits(64, 13) == 1
-    assert cpu_ops.choose_num_splits(1, 16) == min(4 * threads, 8)
-    assert cpu_ops.choose_num_splits(1, 1) == 1
+    assert cpu_attention.choose_num_splits(64, 13) == 1
+    assert cpu_attention.choose_num_splits(1, 16) == min(4 * threads, 8)
+    assert cpu_attention.choose_num_splits(1, 1) == 1
 
 
 def _read(step, checksums: bool = True):
@@ -147,7 +147,7 @@ def _read(step, checksums: bool = True):
     step.meta.read_checks = allocate_read_checks(
         step.expected_tags, step.meta.max_blocks, n_kv, checksums
     )
-    ops = cpu_ops.CpuAttention(step.caches, limb_keys(step.caches), offset_keys(bs, "cpu"))
+    ops = cpu_attention.CpuAttention(step.caches, limb_keys(step.caches), offset_keys(bs, "cpu"))
     for cache in step.caches:
         ops.attend(step.q, cache, step.meta, 0.25)
     return step.meta.read_checks
@@ -209,15 +209,15 @@ def test_an_out_of_range_block_id_raises_instead_of_reading_outside_the_cache():
     step = make_step(QUERY_LENS, CONTEXT_LENS)
     step.meta.block_index[1] = step.caches[0].shape[1]  # one past the last block
     with pytest.raises(RuntimeError, match="out of range"):
-        cpu_ops.CpuAttention(step.caches).attend(step.q, step.caches[0], step.meta, 0.3)
+        cpu_attention.CpuAttention(step.caches).attend(step.q, step.caches[0], step.meta, 0.3)
 
 
 def test_an_unavailable_extension_is_a_clear_backend_error(monkeypatch):
     from pagewarden.kernels.backend import AttentionBackendError, check_backend
 
     check_backend("cpu", "cpu")  # builds here
-    monkeypatch.setattr(cpu_ops, "_extension", None)
-    monkeypatch.setattr(cpu_ops, "_error", "RuntimeError: no compiler")
+    monkeypatch.setattr(cpu_attention, "_extension", None)
+    monkeypatch.setattr(cpu_attention, "_error", "RuntimeError: no compiler")
     with pytest.raises(AttentionBackendError, match="no compiler.*--attention-backend torch"):
         check_backend("cpu", "cpu")
     with pytest.raises(AttentionBackendError, match="not on cuda"):

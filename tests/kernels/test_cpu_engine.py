@@ -16,14 +16,14 @@ import pytest
 
 from pagewarden import LLM, SamplingParams
 from pagewarden.faults.kv_faults import corrupt_tag, flip_bit
-from pagewarden.kernels import cpu_ops
+from pagewarden.kernels.cpu import attention as cpu_attention
 from tests.engine.test_llm_vs_hf import hf_greedy, random_prompts, run_engine
 
 transformers = pytest.importorskip("transformers")
 # The C++ extension must build where the tests run (CI installs g++; ninja is a
 # dependency): a missing toolchain fails here, it does not skip.
-assert cpu_ops.load_extension() is not None, (
-    f"cpu attention extension unavailable: {cpu_ops.unavailable_reason()}; install g++"
+assert cpu_attention.load_extension() is not None, (
+    f"cpu attention extension unavailable: {cpu_attention.unavailable_reason()}; install g++"
 )
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagewarden.kernels.paged_attention import paged_attention as triton_attention
-from pagewarden.kernels.paged_attention import query_tiles
-from pagewarden.models.paged_attention import paged_attention as torch_attention
+from pagewarden.kernels.attention import paged_attention as torch_attention
+from pagewarden.kernels.triton.attention import paged_attention as triton_attention
+from pagewarden.kernels.triton.attention import query_tiles
 from tests.kernels.kernel_step import make_step
 
 CASES = {

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagewarden.kernels.paged_attention import ReadCheckBuffers, paged_attention
+from pagewarden.kernels.triton.attention import ReadCheckBuffers, paged_attention
 from pagewarden.worker import integrity_cpu
 from pagewarden.worker.fused_checks import allocate_read_checks, element_keys, offset_keys
 from pagewarden.worker.integrity import block_checksums

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagewarden.kernels.kv_write import write_kv as triton_write
-from pagewarden.models.paged_attention import AttentionMetadata
-from pagewarden.models.paged_attention import write_kv as torch_write
+from pagewarden.kernels.attention import AttentionMetadata
+from pagewarden.kernels.attention import write_kv as torch_write
+from pagewarden.kernels.triton.kv_write import write_kv as triton_write
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -1,4 +1,4 @@
-"""The fused CPU ops (models/cpu_fused.cpp) against their plain-torch references.
+"""The fused CPU ops (kernels/cpu/fused.cpp) against their plain-torch references.
 
 float32: bitwise the torch path for every op. bfloat16: RMSNorm bitwise the torch path;
 RoPE and SiLU*mul bitwise the float32 reference rounded once (the torch path rounds after
@@ -13,7 +13,8 @@ import logging
 import pytest
 import torch
 
-from pagewarden.models import cpu_fused, packed_linear
+from pagewarden.kernels.cpu import fused as cpu_fused
+from pagewarden.kernels.cpu import linear as cpu_linear
 from pagewarden.models.llama import LlamaConfig, LlamaForCausalLM
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -175,7 +176,7 @@ class CountingExt:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_model_layers_run_the_fused_ops(ext, monkeypatch, dtype):
-    from pagewarden.models.paged_attention import AttentionMetadata
+    from pagewarden.kernels.attention import AttentionMetadata
 
     model = tiny_model(dtype)
     ids = torch.tensor([3, 9, 27, 1, 5])
@@ -187,7 +188,7 @@ def test_model_layers_run_the_fused_ops(ext, monkeypatch, dtype):
     fused = model(ids, torch.arange(5), caches, meta)
     # In bf16 on AVX512-BF16, SiLU*mul runs inside the gate_up GEMM (cpu_gemm) instead.
     cpu = torch.device("cpu")
-    in_gemm = dtype == torch.bfloat16 and packed_linear.pick_packing(dtype, cpu) == "tiles"
+    in_gemm = dtype == torch.bfloat16 and cpu_linear.pick_packing(dtype, cpu) == "tiles"
     assert counting.calls == {"rms_norm": 5, "rope_": 2, "silu_mul": 0 if in_gemm else 2}
 
     monkeypatch.setattr(cpu_fused, "_ext", None)  # the torch path

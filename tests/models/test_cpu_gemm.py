@@ -1,5 +1,5 @@
 """The bf16 GEMM kernel (cpu_gemm.cpp) against exact float64 products, and its use by
-packed_linear. The kernel exists only where the CPU has AVX512-BF16; elsewhere the
+cpu_linear. The kernel exists only where the CPU has AVX512-BF16; elsewhere the
 tests of the kernel itself skip and the fallback test checks that oneDNN takes over."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagewarden.models import cpu_gemm, packed_linear
+from pagewarden.kernels.cpu import gemm as cpu_gemm
+from pagewarden.kernels.cpu import linear as cpu_linear
 
 needs_kernel = pytest.mark.skipif(
     not cpu_gemm.available(), reason="the CPU has no AVX512-BF16 (or no compiler)"
@@ -87,9 +88,9 @@ def make_linear(n: int, k: int, bias: bool = False) -> nn.Linear:
 @torch.inference_mode()
 def test_packed_linear_routes_and_matches_f_linear():
     torch.manual_seed(1)
-    packing = packed_linear.pick_packing(torch.bfloat16, torch.device("cpu"))
+    packing = cpu_linear.pick_packing(torch.bfloat16, torch.device("cpu"))
     # The kernel where it builds, except on AMX CPUs (oneDNN's AMX kernels stay there).
-    assert (packing == "tiles") == (cpu_gemm.available() and not packed_linear._has_amx())
+    assert (packing == "tiles") == (cpu_gemm.available() and not cpu_linear._has_amx())
     plain, biased, gate_up = (
         make_linear(96, 64),
         make_linear(96, 64, bias=True),
@@ -99,20 +100,20 @@ def test_packed_linear_routes_and_matches_f_linear():
     refs = (F.linear(x, plain.weight), F.linear(x, biased.weight, biased.bias))
     gu = F.linear(x, gate_up.weight).float()
     silu_ref = F.silu(gu[:, :32]) * gu[:, 32:]
-    packed_linear.pack(plain, packing)
-    packed_linear.pack(biased, packing)
-    packed_linear.pack(gate_up, packing, gate_up=True)
+    cpu_linear.pack(plain, packing)
+    cpu_linear.pack(biased, packing)
+    cpu_linear.pack(gate_up, packing, gate_up=True)
     if packing == "tiles":  # a bias sends the layer to oneDNN
         assert "gemm_tiles" in plain.__dict__ and "onednn_weight" in biased.__dict__
         assert "gemm_tiles_gate_up" in gate_up.__dict__
     for layer, ref in zip((plain, biased), refs):
-        torch.testing.assert_close(packed_linear.linear(layer, x), ref, atol=0.02, rtol=0.02)
+        torch.testing.assert_close(cpu_linear.linear(layer, x), ref, atol=0.02, rtol=0.02)
         torch.testing.assert_close(
-            packed_linear.linear_add(layer, x, res), (ref.float() + res.float()).bfloat16(),
+            cpu_linear.linear_add(layer, x, res), (ref.float() + res.float()).bfloat16(),
             atol=0.03, rtol=0.02,
         )  # fmt: skip
     torch.testing.assert_close(
-        packed_linear.linear_silu_mul(gate_up, x).float(), silu_ref, atol=0.02, rtol=0.02
+        cpu_linear.linear_silu_mul(gate_up, x).float(), silu_ref, atol=0.02, rtol=0.02
     )
     # Called plainly, an interleaved gate_up layer still computes [gate | up] in order.
-    torch.testing.assert_close(packed_linear.linear(gate_up, x).float(), gu, atol=0.02, rtol=0.02)
+    torch.testing.assert_close(cpu_linear.linear(gate_up, x).float(), gu, atol=0.02, rtol=0.02)

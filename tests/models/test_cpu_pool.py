@@ -14,7 +14,9 @@ from types import ModuleType
 import pytest
 import torch
 
-from pagewarden.models import cpu_gemm, cpu_pool, packed_linear
+from pagewarden.kernels.cpu import gemm as cpu_gemm
+from pagewarden.kernels.cpu import linear as cpu_linear
+from pagewarden.kernels.cpu import pool as cpu_pool
 from pagewarden.worker.cpu_threads import SERIAL_STEP_TOKENS, default_serial_step_tokens
 
 pool = cpu_pool.load()
@@ -160,5 +162,5 @@ def test_gemm_bits_equal_through_the_pool_and_openmp() -> None:
 def test_default_serial_step_tokens_follows_where_the_gemms_run() -> None:
     cpu = torch.device("cpu")
     assert default_serial_step_tokens(torch.float32, cpu) == SERIAL_STEP_TOKENS
-    on_pool = packed_linear.pick_packing(torch.bfloat16, cpu) == "tiles" and pool is not None
+    on_pool = cpu_linear.pick_packing(torch.bfloat16, cpu) == "tiles" and pool is not None
     assert default_serial_step_tokens(torch.bfloat16, cpu) == (0 if on_pool else SERIAL_STEP_TOKENS)

@@ -2,8 +2,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from pagewarden.kernels.attention import AttentionMetadata
 from pagewarden.models.loader import default_model_path, load_model
-from pagewarden.models.paged_attention import AttentionMetadata
 from pagewarden.models.tokenizer import Tokenizer
 
 BS = 16

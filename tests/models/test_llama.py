@@ -3,9 +3,9 @@ import torch
 from conftest import make_tiny_llama
 from transformers import AutoModelForCausalLM
 
+from pagewarden.kernels.attention import AttentionMetadata
 from pagewarden.models.llama import LlamaConfig
 from pagewarden.models.loader import ModelLoadError, load_model
-from pagewarden.models.paged_attention import AttentionMetadata
 
 BS = 4
 
@@ -116,7 +116,7 @@ def naive_attention(q, cache, query_lens, context_lens, tables, scale):
 )
 @pytest.mark.parametrize("pass_new_kv", [True, False])
 def test_paged_attention_matches_naive(n_heads, n_kv, plan, pass_new_kv):
-    from pagewarden.models.paged_attention import paged_attention, read_new_kv
+    from pagewarden.kernels.attention import paged_attention, read_new_kv
 
     g = torch.Generator().manual_seed(3)
     head_dim = 8

@@ -38,14 +38,14 @@ def cluster(tiny_llama_dir):
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     except Exception as exc:  # noqa: BLE001 - the only reason to skip
         pytest.skip(f"a local Ray instance cannot start here: {exc}")
-    from pagewarden.kernels import cpu_ops
-    from pagewarden.models import cpu_fused
+    from pagewarden.kernels.cpu import attention as cpu_attention
+    from pagewarden.kernels.cpu import fused as cpu_fused
     from pagewarden.serve.ray import build_app
 
     # Build the C++ extensions here, once, so that no replica compiles them while the
     # tests below wait on its first answers.
     cpu_fused.load()
-    cpu_ops.load_extension()
+    cpu_attention.load_extension()
     options = ServeOptions(
         engine=dict(model=str(tiny_llama_dir), **ENGINE),
         served_model_name=MODEL,

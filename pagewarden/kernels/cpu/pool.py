@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from types import ModuleType
 
-from pagewarden.models.cpp_build import built_once, compile_extension
+from pagewarden.kernels.cpu.build import built_once, compile_extension
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ DISABLE_ENV = "PAGEWARDEN_NO_CPU_POOL"
 SPIN_ENV = "PAGEWARDEN_POOL_SPIN_US"
 DEFAULT_SPIN_US = 100
 
-_SOURCE = Path(__file__).with_name("cpu_pool.cpp")
+_SOURCE = Path(__file__).with_name("pool.cpp")
 
 
 @built_once

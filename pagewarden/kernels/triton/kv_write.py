@@ -7,8 +7,8 @@ rows further; ``slot_tags`` (num_blocks * block_size,) int64.
 
 Loop order: one program per new token t; it loads ``slot_mapping[t]`` once and writes
 K, V and (when tags are on) the token's tag through that one value, so a tag lands
-wherever its token's K/V lands (the caller casts K/V to the cache's dtype): the index contract of ``models/paged_attention.py``.
-Nothing is checked here; ``write_kv`` in ``models/paged_attention.py`` is the reference.
+wherever its token's K/V lands (the caller casts K/V to the cache's dtype): the index contract of ``kernels/attention.py``.
+Nothing is checked here; ``write_kv`` in ``kernels/attention.py`` is the reference.
 """
 
 from __future__ import annotations

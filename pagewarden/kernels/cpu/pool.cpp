@@ -1,4 +1,4 @@
-// The item pool the C++ kernels share (cpu_pool.h is their side): one per process,
+// The item pool the C++ kernels share (pool.h is their side): one per process,
 // workers started at first use, the calling thread always taking part.
 //
 // Why not OpenMP: with the engine's OMP_WAIT_POLICY=PASSIVE, every parallel region wakes
@@ -38,7 +38,7 @@
 #include <thread>
 #include <tuple>
 
-#include "cpu_pool.h"
+#include "pool.h"
 
 namespace {
 

@@ -13,11 +13,11 @@
 //                   [16 t, 16 t + 16), as pairs of consecutive k (the operand layout of
 //                   vdpbf16ps: one 64-byte load is one k pair of 16 columns); N padded
 //                   with zero columns to a multiple of 16. For silu_mul the tiles
-//                   alternate gate, up, gate, up (see packed_linear.py).
+//                   alternate gate, up, gate, up (see cpu_linear.py).
 //     out           (M, N) or (M, N / 2) for silu_mul, bf16, contiguous
 //
 // Loop order: threads take the column tiles in groups of NR = 6 (silu_mul: 3 gate/up
-// pairs), work items of the kernels' pool (cpu_pool.h), and run each group over every
+// pairs), work items of the kernels' pool (pool.h), and run each group over every
 // MR = 4 rows of x; the micro-kernel holds the MR x NR accumulators (24 registers) over all of K, one k pair a
 // step: NR 64-byte loads of W, MR broadcasts of a 32-bit x pair, MR x NR vdpbf16ps. A
 // group's W panel (K/2 x 6 x 64 bytes, 110-295 KB) stays in L2 while every row block
@@ -35,7 +35,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "cpu_pool.h"
+#include "pool.h"
 
 namespace {
 

@@ -12,7 +12,7 @@ where torch's first rounding (x * cos) loses digits that the sum then cancels do
 ``*_reference`` are those torch paths; the tests compare each op with its reference.
 
 The build needs a C++ compiler and the ``ninja`` executable; it is cached
-(``cpp_build.build_directory``: keyed by the source and the flags) and takes about a minute the
+(``build.build_directory``: keyed by the source and the flags) and takes about a minute the
 first time on a machine. Where it cannot be built, or ``PAGEWARDEN_NO_CPU_EXT=1``,
 ``load()`` returns None after logging why once, and callers keep the torch path.
 """
@@ -28,15 +28,15 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from pagewarden.models import cpu_pool
-from pagewarden.models.cpp_build import compile_extension
+from pagewarden.kernels.cpu import pool as cpu_pool
+from pagewarden.kernels.cpu.build import compile_extension
 
 log = logging.getLogger(__name__)
 
 #: Set to 1 to never build or use the CPU extension (the torch path runs instead).
 DISABLE_ENV = "PAGEWARDEN_NO_CPU_EXT"
 
-_SOURCE = Path(__file__).with_name("cpu_fused.cpp")
+_SOURCE = Path(__file__).with_name("fused.cpp")
 _DTYPES = (torch.float32, torch.bfloat16)
 _lock = threading.Lock()
 _tried = False

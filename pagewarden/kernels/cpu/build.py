@@ -1,6 +1,6 @@
 """How the C++ extensions built at first use (``cpu_fused``, ``cpu_gemm``,
-``kernels/cpu_ops``, ``cpu_pool``) are compiled (``compile_extension``) and where they
-live. Every one may include ``cpu_pool.h`` (the item pool's interface).
+``kernels/cpu/attention``, ``cpu_pool``) are compiled (``compile_extension``) and where they
+live. Every one may include ``pool.h`` (the item pool's interface).
 
 One directory per (extension, source, flags, torch version), under
 ``$PAGEWARDEN_EXTENSIONS_DIR`` or ``~/.cache/pagewarden``: a changed source never reuses
@@ -20,7 +20,7 @@ from types import ModuleType
 
 import torch
 
-_POOL_HEADER = Path(__file__).with_name("cpu_pool.h")
+_POOL_HEADER = Path(__file__).with_name("pool.h")
 
 
 def compile_extension(name: str, source: Path, cflags: list[str]) -> ModuleType:

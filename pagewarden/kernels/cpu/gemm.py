@@ -1,6 +1,6 @@
 """The bf16 GEMM of ``cpu_gemm.cpp`` (AVX512-BF16): packing and calling it.
 
-``packed_linear`` uses it for every bf16 linear layer without a bias where the CPU has
+``kernels/cpu/linear`` uses it for every bf16 linear layer without a bias where the CPU has
 AVX512-BF16 (``available()``): weights packed once into vdpbf16ps column tiles
 (``pack_tiles``), o_proj and down_proj with their residual add fused, gate_up_proj with
 silu(gate) * up fused (its tiles interleaved gate, up, gate, up: ``pack_tiles(...,
@@ -8,9 +8,9 @@ gate_up=True)``), so the (T, 2I) gate_up output is never written. Measured on a 
 Zen 4 with the engine's ``OMP_WAIT_POLICY=PASSIVE`` (``bench/linear_prepack.py --packings
 tiles onednn --gemm-only``): the decoder's GEMMs of one step (with SiLU*mul) take 9.0 ms
 at 1 row where oneDNN's prepacked bf16 GEMM takes 18.5, 39.9 against 45.8 at 64 rows,
-1,048 against 1,075 at 2048. Not picked on CPUs with AMX (``packed_linear``).
+1,048 against 1,075 at 2048. Not picked on CPUs with AMX (``kernels/cpu/linear``).
 
-Built at first use like the other extensions (``cpp_build``); None from ``load()`` where
+Built at first use like the other extensions (``kernels/cpu/build``); None from ``load()`` where
 it cannot build, where the build has no AVX512-BF16 kernel (the CPU lacks it), or with
 ``PAGEWARDEN_NO_CPU_EXT=1``: callers keep oneDNN.
 """
@@ -24,13 +24,13 @@ from types import ModuleType
 
 import torch
 
-from pagewarden.models import cpu_pool
-from pagewarden.models.cpp_build import built_once, compile_extension
-from pagewarden.models.cpu_fused import DISABLE_ENV
+from pagewarden.kernels.cpu import pool as cpu_pool
+from pagewarden.kernels.cpu.build import built_once, compile_extension
+from pagewarden.kernels.cpu.fused import DISABLE_ENV
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
+_SOURCE = Path(__file__).with_name("gemm.cpp")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 TILE = 16  # output columns per packed tile (one AVX-512 register of float32 sums)
 

@@ -40,7 +40,7 @@ Checks, through the same block id the K/V were read with, never raised here:
 
   and each element is weighted by the key of its limb (``element_keys``).
 
-``models/paged_attention.py`` (plain torch) is the reference the tests compare with.
+``kernels/attention.py`` (plain torch) is the reference the tests compare with.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ What runs where in ``CpuAttention.attend``:
                   strict, checksums) checked in the same loop (``meta.read_checks``)
     fresh prompts causal attention on the step's own K/V: the kernel's ``fresh_attention``
                   for bf16 where the CPU has AVX512-BF16 (probabilities kept in float32),
-                  else ``_fresh`` of ``models/paged_attention.py``
-    chunked       ``_chunked`` of ``models/paged_attention.py``, a gather through
+                  else ``_fresh`` of ``kernels/attention.py``
+    chunked       ``_chunked`` of ``kernels/attention.py``, a gather through
                   ``meta.block_index``
 
 and for the fresh and chunked rows the kernel's ``check_reads`` over the same rows of
@@ -31,20 +31,20 @@ from types import ModuleType
 
 import torch
 
-from pagewarden.kernels.backend import AttentionBackendError
-from pagewarden.models import cpu_pool
-from pagewarden.models.cpp_build import compile_extension
-from pagewarden.models.paged_attention import (
+from pagewarden.kernels.attention import (
     AttentionMetadata,
     _chunked,
     _fresh,
     read_new_kv,
     write_kv,
 )
+from pagewarden.kernels.backend import AttentionBackendError
+from pagewarden.kernels.cpu import pool as cpu_pool
+from pagewarden.kernels.cpu.build import compile_extension
 
 logger = logging.getLogger("pagewarden.kernels")
 
-_SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+_SOURCE = Path(__file__).with_name("attention.cpp")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 # Work items (row, split) per thread below which each row's key range is split.
 _ITEMS_PER_THREAD = 4

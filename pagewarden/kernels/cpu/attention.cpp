@@ -46,7 +46,7 @@
 // A block id outside [0, num_blocks) stops the item and raises after the loop, as
 // torch's own gathers would.
 //
-// models/paged_attention.py (plain torch) is the reference the tests compare with.
+// kernels/attention.py (plain torch) is the reference the tests compare with.
 
 #include <torch/extension.h>
 
@@ -64,7 +64,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "cpu_pool.h"
+#include "pool.h"
 
 namespace {
 
@@ -520,7 +520,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& cache, const at::Tensor&
   std::vector<float> parts(items * part);
   std::atomic<int64_t> bad_block{0};
   const int64_t buf_len = H * D + bs * s.row_elems + H * bs + W;
-  // Items are claimed one at a time (cpu_pool.h): rows differ in length, and a thread
+  // Items are claimed one at a time (pool.h): rows differ in length, and a thread
   // that starts late (woken from sleep) takes fewer instead of being waited for.
   std::vector<std::vector<float>> bufs(pw::max_threads());
   pw::parallel_items(items, [&](int64_t it, int thread) {
@@ -599,7 +599,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& cache, const at::Te
 }
 
 // fresh_attention: causal attention of n prompts of Q tokens each over their own K/V
-// (bfloat16 with AVX512-BF16 only; models/paged_attention.py's _fresh elsewhere).
+// (bfloat16 with AVX512-BF16 only; kernels/attention.py's _fresh elsewhere).
 // q, out (T, n_heads, D) and k, v (T, n_kv, D) rows may be strided (views of the qkv
 // projection); prompt s's token t is flat token tokens[s * Q + t] (or s * Q + t).
 // Work items are (prompt, kv head). Per item K is packed once into the pair layout

@@ -26,7 +26,7 @@ runs four to nine small ops (each its own OpenMP region). Layouts and loop order
       of a row and std::exp on the rest, as torch's silu kernel does on a strided row.
 
 All loops run over rows (tokens) outermost; runs of rows are the work items of the
-kernels' pool (cpu_pool.h), and a call whose estimated serial time is under serial_us
+kernels' pool (pool.h), and a call whose estimated serial time is under serial_us
 stays on the calling thread: handing items to a sleeping thread (a futex wake, about 50
 us on 2 cores) costs more than splitting such a call saves. The estimate is rows x row
 elements x a per-op cost per element measured on a Zen 4 core (kNs* below; a decode
@@ -45,7 +45,7 @@ the Python wrappers only call here when the layouts hold.
 #include <cmath>
 #include <cstdint>
 
-#include "cpu_pool.h"
+#include "pool.h"
 
 namespace {
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from pagewarden.kernels import kv_write
-from pagewarden.kernels.paged_attention import ReadCheckBuffers, paged_attention, query_tiles
-from pagewarden.models.paged_attention import AttentionMetadata
+from pagewarden.kernels.attention import AttentionMetadata
+from pagewarden.kernels.triton import kv_write
+from pagewarden.kernels.triton.attention import ReadCheckBuffers, paged_attention, query_tiles
 
 
 class TritonAttention:

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagewarden.models import cpu_fused, cpu_gemm
+from pagewarden.kernels.cpu import fused as cpu_fused
+from pagewarden.kernels.cpu import gemm as cpu_gemm
 
 Packing = Literal["tiles", "onednn", "mkl"]
 
