@@ -28,8 +28,20 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine flags, named as vLLM names them."""
+    """Engine flags, named as vLLM names them, in the order ``--help`` lists them."""
     d = EngineConfig()
+    _add_model_args(parser, d)
+    _add_scheduler_args(parser, d)
+    _add_integrity_args(parser, d)
+    _add_preemption_args(parser, d)
+    _add_kv_events_args(parser, d)
+    _add_safe_mode_args(parser, d)
+    _add_flight_recorder_args(parser, d)
+    _add_device_args(parser, d)
+
+
+def _add_model_args(parser: argparse.ArgumentParser, d: EngineConfig) -> None:
+    """The model, its dtype and the KV cache's size."""
     parser.add_argument(
         "--model",
         default=None,
@@ -44,6 +56,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="exact KV block count (default: as many as --kv-cache-memory holds)",
     )
+
+
+def _add_scheduler_args(parser: argparse.ArgumentParser, d: EngineConfig) -> None:
+    """How much one step may schedule, prefix caching and the sampler's seed."""
     parser.add_argument(
         "--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences in one step"
     )
@@ -66,6 +82,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="reuse the KV of shared prompt prefixes",
     )
     parser.add_argument("--seed", type=int, default=d.seed, help="seed of the sampler")
+
+
+def _add_integrity_args(parser: argparse.ArgumentParser, d: EngineConfig) -> None:
+    """KV integrity checks: the level, the audit and the scrubber."""
     parser.add_argument(
         "--integrity",
         default=d.integrity,
@@ -84,6 +104,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.scrub_blocks_per_step,
         help="sealed blocks the scrubber re-verifies each step",
     )
+
+
+def _add_preemption_args(parser: argparse.ArgumentParser, d: EngineConfig) -> None:
+    """The host tier, preemption and the adaptive batch size."""
     parser.add_argument(
         "--swap-space",
         type=float,
@@ -110,6 +134,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="inter-token latency p90 above which the batch shrinks (default: 4x the median "
         "of the first clean window)",
     )
+
+
+def _add_kv_events_args(parser: argparse.ArgumentParser, d: EngineConfig) -> None:
+    """KV cache events in vLLM's format over ZeroMQ."""
     parser.add_argument(
         "--kv-events-endpoint",
         default=None,
@@ -130,6 +158,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="each event as a tagged array (vLLM up to 0.23, every consumer reads it) or a "
         "tagged map (newer vLLM)",
     )
+
+
+def _add_safe_mode_args(parser: argparse.ArgumentParser, d: EngineConfig) -> None:
+    """Engine profiles and the automatic switch to the safe one."""
     parser.add_argument(
         "--profile",
         default=d.profile,
@@ -172,6 +204,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help=f"seconds without a fault before safe mode ends (default "
         f"{d.safe_mode_clean_period:g})",
     )
+
+
+def _add_flight_recorder_args(parser: argparse.ArgumentParser, d: EngineConfig) -> None:
+    """The flight recorder of the last engine steps."""
     parser.add_argument(
         "--flight-recorder-steps",
         type=int,
@@ -187,6 +223,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help=f"where flight records are written (default {d.flight_recorder_dir}, created on "
         "the first write)",
     )
+
+
+def _add_device_args(parser: argparse.ArgumentParser, d: EngineConfig) -> None:
+    """The device, the attention kernels and the CPU threads."""
     parser.add_argument(
         "--device",
         default=None,

@@ -100,6 +100,16 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # on CUDA, share of the GPU the engine may fill
 
     def __post_init__(self) -> None:
+        self._check_model_and_cache()
+        self._check_integrity()
+        self._check_host_tier()
+        self._check_cpu()
+        self._check_recorder_and_events()
+        self._check_batch_and_profiles()
+        self._check_device()
+
+    def _check_model_and_cache(self) -> None:
+        """The dtype, the KV cache's size and what one step may hold."""
         if self.dtype not in _DTYPES:
             raise EngineConfigError(
                 f"dtype {self.dtype!r} is not supported; use one of {sorted(_DTYPES)}"
@@ -114,6 +124,13 @@ class EngineConfig:
             )
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise EngineConfigError("give kv_cache_memory or num_kv_blocks, not both")
+        if self.max_model_len is not None and self.max_model_len < MIN_MAX_MODEL_LEN:
+            raise EngineConfigError(
+                f"max_model_len must be >= {MIN_MAX_MODEL_LEN}, got {self.max_model_len}"
+            )
+
+    def _check_integrity(self) -> None:
+        """The integrity level, the audit interval and the scrubber's budget."""
         if self.integrity not in INTEGRITY_LEVELS:
             raise EngineConfigError(
                 f"integrity {self.integrity!r} is not one of {', '.join(INTEGRITY_LEVELS)}"
@@ -126,6 +143,9 @@ class EngineConfig:
             raise EngineConfigError(
                 f"scrub_blocks_per_step must be an integer >= 0, got {self.scrub_blocks_per_step!r}"
             )
+
+    def _check_host_tier(self) -> None:
+        """The swap tier and the preemption mode it allows."""
         if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
             raise EngineConfigError(
                 f"swap_space is GiB of host memory, >= 0; got {self.swap_space!r}"
@@ -146,6 +166,9 @@ class EngineConfig:
             raise EngineConfigError(
                 "preemption_mode 'swap' needs a host tier: set swap_space (GiB) or num_swap_blocks"
             )
+
+    def _check_cpu(self) -> None:
+        """CPU threads, the cores they are bound to and the serial-step size."""
         if self.cpu_threads is not None and (
             not isinstance(self.cpu_threads, int) or self.cpu_threads < 1
         ):
@@ -155,7 +178,7 @@ class EngineConfig:
         if self.serial_step_tokens is not None and (
             not isinstance(self.serial_step_tokens, int) or self.serial_step_tokens < 0
         ):
-            raise ValueError(
+            raise EngineConfigError(
                 f"serial_step_tokens must be a non-negative integer, got "
                 f"{self.serial_step_tokens!r}"
             )
@@ -164,6 +187,9 @@ class EngineConfig:
                 parse_cpu_list(self.cpu_bind)
             except CpuBindError as exc:
                 raise EngineConfigError(str(exc)) from None
+
+    def _check_recorder_and_events(self) -> None:
+        """The flight recorder and the KV events socket."""
         if (
             not isinstance(self.flight_recorder_steps, int)
             or isinstance(self.flight_recorder_steps, bool)
@@ -173,8 +199,6 @@ class EngineConfig:
                 f"flight_recorder_steps must be an integer >= 0 (0: off), "
                 f"got {self.flight_recorder_steps!r}"
             )
-        if self.target_itl_ms is not None and not self.target_itl_ms > 0:
-            raise EngineConfigError(f"target_itl_ms must be > 0, got {self.target_itl_ms}")
         endpoint = self.kv_events_endpoint
         if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
             raise EngineConfigError(
@@ -185,10 +209,18 @@ class EngineConfig:
             raise EngineConfigError(
                 f"kv_events_encoding must be 'array' or 'map', got {self.kv_events_encoding!r}"
             )
+
+    def _check_batch_and_profiles(self) -> None:
+        """The adaptive batch's latency target and the safe-mode thresholds."""
+        if self.target_itl_ms is not None and not self.target_itl_ms > 0:
+            raise EngineConfigError(f"target_itl_ms must be > 0, got {self.target_itl_ms}")
         try:
             self.safe_mode_policy  # noqa: B018 - validates the thresholds
         except ProfileError as exc:
             raise EngineConfigError(str(exc)) from None
+
+    def _check_device(self) -> None:
+        """The device, the attention backend it can run and the GPU memory share."""
         try:
             device_type = self.resolved_device.type
             if self.attention_backend is not None:  # asked for: it must run here
@@ -198,10 +230,6 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise EngineConfigError(
                 f"gpu_memory_utilization is a fraction in (0, 1], got {self.gpu_memory_utilization}"
-            )
-        if self.max_model_len is not None and self.max_model_len < MIN_MAX_MODEL_LEN:
-            raise EngineConfigError(
-                f"max_model_len must be >= {MIN_MAX_MODEL_LEN}, got {self.max_model_len}"
             )
 
     @property

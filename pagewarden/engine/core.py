@@ -12,6 +12,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING
 
 from pagewarden.engine.batch_controller import (
     AdaptiveBatchController,
@@ -38,6 +39,9 @@ from pagewarden.worker.device import activation_reserve, gpu_kv_budget
 from pagewarden.worker.kv_store import KVCacheShape, KVStore
 from pagewarden.worker.runner import ModelRunner
 from pagewarden.worker.step_hooks import StepHooks
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("pagewarden.engine")
 
@@ -69,63 +73,15 @@ class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         apply_cpu_threads(config.cpu_threads, config.cpu_bind)
-        self.loaded = loaded if loaded is not None else load_model(config.model, config.torch_dtype)
-        device = config.resolved_device
-        if device.type != "cpu":
-            self.loaded.model.to(device)
-            self.loaded.model.use_compute_dtype()  # the storage dtype, off the CPU
-        mcfg = self.loaded.config
+        self.loaded = _place_model(
+            loaded if loaded is not None else load_model(config.model, config.torch_dtype),
+            config.resolved_device,
+        )
         self.tokenizer = self.loaded.tokenizer
-        shape_args = dict(
-            num_layers=mcfg.num_hidden_layers,
-            block_size=config.block_size,
-            num_kv_heads=mcfg.num_key_value_heads,
-            head_dim=mcfg.head_dim,
-            dtype=config.torch_dtype,
-        )
-        if config.num_kv_blocks is not None:
-            shape = KVCacheShape(num_blocks=config.num_kv_blocks, **shape_args)
-        elif config.kv_cache_memory is None and device.type == "cuda":
-            reserve = activation_reserve(
-                config.max_num_batched_tokens, mcfg.hidden_size, mcfg.vocab_size
-            )
-            budget = gpu_kv_budget(device, config.gpu_memory_utilization, reserve)
-            shape = KVCacheShape.from_budget(budget, **shape_args)
-        else:
-            shape = KVCacheShape.from_budget(
-                config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, **shape_args
-            )
-        if config.num_swap_blocks is not None:
-            num_host_blocks = config.num_swap_blocks
-        else:
-            num_host_blocks = int(config.swap_space * 2**30) // shape.bytes_per_block
-        self.kv_store = KVStore(shape, device=device, num_host_blocks=num_host_blocks)
-        self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                num_blocks=shape.num_blocks,
-                block_size=config.block_size,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                enable_prefix_caching=config.enable_prefix_caching,
-                model_id=self.loaded.name,
-                preemption_mode=(
-                    config.resolved_preemption_mode if num_host_blocks else "recompute"
-                ),
-                num_host_blocks=num_host_blocks,
-            )
-        )
-        self.runner = ModelRunner(
-            self.loaded.model,
-            self.kv_store,
-            mcfg.vocab_size,
-            seed=config.seed,
-            integrity=config.integrity,
-            scrub_blocks_per_step=config.scrub_blocks_per_step,
-            attention_backend=config.resolved_attention_backend,
-            serial_step_tokens=config.serial_step_tokens,
-        )
+        self.kv_store = _build_kv_store(config, self.loaded)
+        self.max_model_len = config.max_model_len or self.loaded.config.max_position_embeddings
+        self.scheduler = self._build_scheduler()
+        self.runner = self._build_runner()
         self.integrity = IntegrityMonitor(
             self.scheduler, self.runner.guard, config.integrity, config.audit_interval
         )
@@ -140,53 +96,83 @@ class EngineCore:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.hooks: StepHooks | None = None  # fault injection only (see install_hooks)
-        self.kv_events = (
-            KVEventPublisher(
-                config.kv_events_endpoint,
-                config.block_size,
-                config.kv_events_topic,
-                config.kv_events_encoding,
-            )
-            if config.kv_events_endpoint
-            else None
-        )
-        if self.kv_events is not None:
-            self.scheduler.kv.pool.take_cache_events()  # start recording
-            logger.info(
-                "pagewarden: KV events on %s (%s encoding)",
-                config.kv_events_endpoint,
-                config.kv_events_encoding,
-            )
-        self.batch = (
-            AdaptiveBatchController(
-                BatchControllerConfig(
-                    max_num_seqs=config.max_num_seqs,
-                    max_num_batched_tokens=config.max_num_batched_tokens,
-                    target_itl_s=(
-                        config.target_itl_ms / 1e3 if config.target_itl_ms is not None else None
-                    ),
-                )
-            )
-            if config.adaptive_batch
-            else None
-        )
+        self.kv_events = self._start_kv_events()
+        self.batch = _batch_controller(config)
         self.safe_mode = SafeMode(
             config, self.scheduler, self.runner.guard, self.integrity, self.batch
         )
-        self.recorder = (
-            FlightRecorder(
-                self.scheduler,
-                config.flight_recorder_steps,
-                config.flight_recorder_dir,
-                lambda: integrity_counts(self.integrity),
-                {"model_name": self.loaded.name, **asdict(config)},
+        self.recorder = self._start_flight_recorder()
+
+    # ---- construction steps, in the order __init__ takes them --------------------
+    def _build_scheduler(self) -> Scheduler:
+        """The scheduler over as many device blocks as the KV store holds."""
+        config = self.config
+        num_host_blocks = self.kv_store.num_host_blocks
+        return Scheduler(
+            SchedulerConfig(
+                num_blocks=self.kv_store.shape.num_blocks,
+                block_size=config.block_size,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_prefix_caching=config.enable_prefix_caching,
+                model_id=self.loaded.name,
+                preemption_mode=(
+                    config.resolved_preemption_mode if num_host_blocks else "recompute"
+                ),
+                num_host_blocks=num_host_blocks,
             )
-            if config.flight_recorder_steps
-            else None
         )
-        if self.recorder is not None:
-            self.recorder.profile = config.profile
-            self.safe_mode.on_switch = self._record_profile_switch
+
+    def _build_runner(self) -> ModelRunner:
+        """The model runner, with the integrity level's guard over the KV store."""
+        config = self.config
+        return ModelRunner(
+            self.loaded.model,
+            self.kv_store,
+            self.loaded.config.vocab_size,
+            seed=config.seed,
+            integrity=config.integrity,
+            scrub_blocks_per_step=config.scrub_blocks_per_step,
+            attention_backend=config.resolved_attention_backend,
+            serial_step_tokens=config.serial_step_tokens,
+        )
+
+    def _start_kv_events(self) -> KVEventPublisher | None:
+        """The KV events publisher when an endpoint is configured; the pool starts
+        recording cache events for it."""
+        config = self.config
+        if not config.kv_events_endpoint:
+            return None
+        publisher = KVEventPublisher(
+            config.kv_events_endpoint,
+            config.block_size,
+            config.kv_events_topic,
+            config.kv_events_encoding,
+        )
+        self.scheduler.kv.pool.take_cache_events()  # start recording
+        logger.info(
+            "pagewarden: KV events on %s (%s encoding)",
+            config.kv_events_endpoint,
+            config.kv_events_encoding,
+        )
+        return publisher
+
+    def _start_flight_recorder(self) -> FlightRecorder | None:
+        """The flight recorder when it keeps any steps; it follows profile switches."""
+        config = self.config
+        if not config.flight_recorder_steps:
+            return None
+        recorder = FlightRecorder(
+            self.scheduler,
+            config.flight_recorder_steps,
+            config.flight_recorder_dir,
+            lambda: integrity_counts(self.integrity),
+            {"model_name": self.loaded.name, **asdict(config)},
+        )
+        recorder.profile = config.profile
+        self.safe_mode.on_switch = self._record_profile_switch
+        return recorder
 
     def _record_profile_switch(self, switch: ProfileSwitch) -> None:
         assert self.recorder is not None
@@ -369,3 +355,55 @@ class EngineCore:
             batch_limit_changes=dict(self.batch.changes) if self.batch is not None else {},
             profile=self.safe_mode.state(),
         )
+
+
+def _place_model(loaded: LoadedModel, device: torch.device) -> LoadedModel:
+    """Move the weights to ``device``; off the CPU they compute in their storage dtype."""
+    if device.type != "cpu":
+        loaded.model.to(device)
+        loaded.model.use_compute_dtype()
+    return loaded
+
+
+def _build_kv_store(config: EngineConfig, loaded: LoadedModel) -> KVStore:
+    """The KV store: device blocks from ``num_kv_blocks``, ``kv_cache_memory`` or (on
+    CUDA) what the GPU has left, and the host tier ``swap_space`` asks for."""
+    mcfg = loaded.config
+    device = config.resolved_device
+    shape_args = dict(
+        num_layers=mcfg.num_hidden_layers,
+        block_size=config.block_size,
+        num_kv_heads=mcfg.num_key_value_heads,
+        head_dim=mcfg.head_dim,
+        dtype=config.torch_dtype,
+    )
+    if config.num_kv_blocks is not None:
+        shape = KVCacheShape(num_blocks=config.num_kv_blocks, **shape_args)
+    elif config.kv_cache_memory is None and device.type == "cuda":
+        reserve = activation_reserve(
+            config.max_num_batched_tokens, mcfg.hidden_size, mcfg.vocab_size
+        )
+        budget = gpu_kv_budget(device, config.gpu_memory_utilization, reserve)
+        shape = KVCacheShape.from_budget(budget, **shape_args)
+    else:
+        shape = KVCacheShape.from_budget(
+            config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, **shape_args
+        )
+    if config.num_swap_blocks is not None:
+        num_host_blocks = config.num_swap_blocks
+    else:
+        num_host_blocks = int(config.swap_space * 2**30) // shape.bytes_per_block
+    return KVStore(shape, device=device, num_host_blocks=num_host_blocks)
+
+
+def _batch_controller(config: EngineConfig) -> AdaptiveBatchController | None:
+    """The adaptive batch controller, unless ``adaptive_batch`` is off."""
+    if not config.adaptive_batch:
+        return None
+    return AdaptiveBatchController(
+        BatchControllerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            target_itl_s=(config.target_itl_ms / 1e3 if config.target_itl_ms is not None else None),
+        )
+    )
