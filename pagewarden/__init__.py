@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, Any
 # First, before anything can import torch: idle OpenMP threads sleep (see omp_policy.py).
 from pagewarden import omp_policy  # noqa: F401, I001
 from pagewarden.sampling_params import SamplingParams
+from pagewarden.version import __version__
 
-__all__ = ["LLM", "SamplingParams"]
-__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
     from pagewarden.engine.llm import LLM

@@ -9,6 +9,9 @@ from dataclasses import asdict
 from pagewarden.engine.args import DefaultsHelpFormatter, add_engine_args, engine_config
 from pagewarden.engine.config import EngineConfig
 
+#: Where ``pagewarden chaos --scenario storm`` draws its plot unless ``--plot`` says.
+DEFAULT_STORM_PLOT = "pagewarden-storm.png"
+
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
@@ -110,10 +113,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_chaos(args: argparse.Namespace) -> int:
     if args.scenario == "storm":
-        from pagewarden.faults.storm import cmd_storm
-
-        return cmd_storm(args)
-    from pagewarden.faults.chaos import run_chaos
+        return _cmd_storm(args)
+    from pagewarden.chaos.campaign import run_chaos
 
     report = run_chaos(
         model=args.model,
@@ -131,6 +132,63 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     )
     print(report.table())
     return 0
+
+
+def _cmd_storm(args: argparse.Namespace) -> int:
+    """``pagewarden chaos --scenario storm``: the report, then the plot where it can be drawn.
+
+    Without matplotlib the default plot is skipped with one line saying what to install;
+    a ``--plot PATH`` asked for explicitly fails instead (exit status 2, after the report).
+    """
+    import tempfile
+    from pathlib import Path
+
+    from pagewarden.chaos.storm import run_storm, storm_config
+    from pagewarden.chaos.storm_plot import PlotUnavailable, write_storm_plot
+
+    overrides = dict(
+        dtype=args.dtype,
+        block_size=args.block_size,
+        integrity=args.integrity or "standard",
+        seed=args.seed,
+        max_num_seqs=args.max_num_seqs,
+        safe_mode_clean_period=args.clean_period,
+    )
+    if args.num_kv_blocks is not None:
+        overrides["num_kv_blocks"] = args.num_kv_blocks
+    if args.num_swap_blocks is not None:
+        overrides["num_swap_blocks"] = args.num_swap_blocks
+    config = storm_config(args.model, **overrides)
+    recorder_dir = Path(args.flight_recorder_dir or tempfile.mkdtemp(prefix="pagewarden-storm-"))
+    recorder_dir.mkdir(parents=True, exist_ok=True)
+    report = run_storm(
+        config,
+        num_faults=args.faults or 12,
+        burst_s=args.burst_seconds,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        recorder_dir=recorder_dir,
+    )
+    plot_error = None
+    plot = DEFAULT_STORM_PLOT if args.plot is None else args.plot
+    if plot:
+        try:
+            report.plot = write_storm_plot(report, plot)
+        except PlotUnavailable as exc:
+            plot_error = str(exc)
+    print(report.table())
+    if plot_error is not None:
+        if args.plot is not None:  # asked for by name: not drawing it is a failure
+            print(f"error: {plot_error}", file=sys.stderr)
+            return 2
+        print("plot skipped: the storm plot needs matplotlib (pip install 'pagewarden[chaos]')")
+    facts = (
+        report.limit_recovered,
+        report.came_back,
+        report.all_recovered,
+        report.outputs_equal,
+    )
+    return 0 if all(facts) else 1
 
 
 def _add_chaos_parser(sub) -> None:
@@ -183,7 +241,12 @@ def _add_chaos_parser(sub) -> None:
     storm.add_argument(
         "--clean-period", type=float, default=2.0, help="seconds clean before safe mode ends"
     )
-    storm.add_argument("--plot", default="pagewarden-storm.png", help="PNG to write ('' for none)")
+    storm.add_argument(
+        "--plot",
+        default=None,
+        help=f"PNG to write ('' for none; default {DEFAULT_STORM_PLOT}, skipped with a note "
+        "when matplotlib is not installed)",
+    )
     chaos.add_argument(
         "--flight-recorder-steps",
         type=int,
@@ -254,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_chaos_parser(sub)
     _add_replay_parser(sub)
     try:
-        from pagewarden.server.cli import add_serve_parser
+        from pagewarden.serve.cli import add_serve_parser
     except ImportError:  # the server's dependencies (fastapi, uvicorn) are optional
         pass
     else:

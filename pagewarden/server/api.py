@@ -18,7 +18,6 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-import pagewarden
 from pagewarden.engine.async_engine import AsyncEngine
 from pagewarden.metrics import prometheus
 from pagewarden.server.admin import add_admin_routes
@@ -29,6 +28,7 @@ from pagewarden.server.context import DEFAULT_MAX_BODY_BYTES, ServerContext, Ser
 from pagewarden.server.dashboard import add_dashboard_routes
 from pagewarden.server.errors import APIError, error_body, install_error_handlers
 from pagewarden.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagewarden.version import __version__
 
 __all__ = ["APIError", "build_app", "default_admission", "error_body"]
 
@@ -60,7 +60,7 @@ def build_app(
     admission = admission or default_admission(engine)
     engine.observer = admission
     ctx = ServerContext(engine, served_model_name, keys, limits, admission)
-    app = FastAPI(title="pagewarden", version=pagewarden.__version__)
+    app = FastAPI(title="pagewarden", version=__version__)
     app.state.server = ctx
     install_error_handlers(app)
     _add_info_routes(app, ctx, vllm_metrics)
@@ -91,7 +91,7 @@ def _add_info_routes(app: FastAPI, ctx: ServerContext, vllm_metrics: bool) -> No
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": pagewarden.__version__}
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
+from pagewarden.chaos.campaign import run_chaos
 from pagewarden.cli import main
 from pagewarden.engine.config import EngineConfig
 from pagewarden.engine.core import EngineCore
-from pagewarden.faults.chaos import run_chaos
 from pagewarden.faults.metadata_faults import METADATA_FAULTS
 from pagewarden.models.loader import load_model
 from pagewarden.sampling_params import SamplingParams

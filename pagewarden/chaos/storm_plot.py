@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pagewarden.faults.storm import StormReport
+from pagewarden.chaos.storm import StormReport
 
 
 class PlotUnavailable(RuntimeError):

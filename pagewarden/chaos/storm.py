@@ -26,9 +26,9 @@ import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from pagewarden.chaos.campaign import make_workload, scrub_until_covered
 from pagewarden.engine.config import EngineConfig
 from pagewarden.engine.core import EngineCore
-from pagewarden.faults.chaos import make_workload, scrub_until_covered
 from pagewarden.faults.injector import FaultInjector
 from pagewarden.models.loader import LoadedModel, load_model
 
@@ -323,44 +323,3 @@ def _reference(config: EngineConfig, loaded: LoadedModel, workload) -> dict[str,
             if out.finished:
                 outputs[out.request_id] = [list(c.token_ids) for c in out.outputs]
     return outputs
-
-
-def cmd_storm(args) -> int:
-    """``pagewarden chaos --scenario storm`` (flags: ``cli._add_chaos_parser``)."""
-    import tempfile
-
-    overrides = dict(
-        dtype=args.dtype,
-        block_size=args.block_size,
-        integrity=args.integrity or "standard",
-        seed=args.seed,
-        max_num_seqs=args.max_num_seqs,
-        safe_mode_clean_period=args.clean_period,
-    )
-    if args.num_kv_blocks is not None:
-        overrides["num_kv_blocks"] = args.num_kv_blocks
-    if args.num_swap_blocks is not None:
-        overrides["num_swap_blocks"] = args.num_swap_blocks
-    config = storm_config(args.model, **overrides)
-    recorder_dir = Path(args.flight_recorder_dir or tempfile.mkdtemp(prefix="pagewarden-storm-"))
-    recorder_dir.mkdir(parents=True, exist_ok=True)
-    report = run_storm(
-        config,
-        num_faults=args.faults or 12,
-        burst_s=args.burst_seconds,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        recorder_dir=recorder_dir,
-    )
-    if args.plot:
-        from pagewarden.faults.storm_plot import write_storm_plot
-
-        report.plot = write_storm_plot(report, args.plot)
-    print(report.table())
-    facts = (
-        report.limit_recovered,
-        report.came_back,
-        report.all_recovered,
-        report.outputs_equal,
-    )
-    return 0 if all(facts) else 1

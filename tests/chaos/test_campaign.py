@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from pagewarden.chaos.campaign import run_chaos
 from pagewarden.cli import main
-from pagewarden.faults.chaos import run_chaos
 from pagewarden.faults.injector import FAULT_KINDS
 from pagewarden.models.loader import load_model
 
