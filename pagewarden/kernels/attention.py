@@ -395,6 +395,10 @@ def paged_attention(
     return out
 
 
+class AttentionBackendError(ValueError):
+    """The requested attention backend cannot run on this device; the message says why."""
+
+
 class AttentionOps(Protocol):
     """How a model layer writes and reads its cache; the worker picks the backend."""
 

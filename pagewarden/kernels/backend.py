@@ -15,11 +15,17 @@ import importlib.util
 import os
 import shutil
 
+from pagewarden.kernels.attention import AttentionBackendError
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "AttentionBackendError",
+    "check_backend",
+    "cpu_toolchain_found",
+    "default_backend",
+]
+
 ATTENTION_BACKENDS: tuple[str, ...] = ("torch", "triton", "cpu")
-
-
-class AttentionBackendError(ValueError):
-    """The requested attention backend cannot run on this device; the message says why."""
 
 
 def default_backend(device_type: str) -> str:

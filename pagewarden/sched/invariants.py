@@ -3,15 +3,11 @@ engine every ``audit_interval`` steps); the KV manager's are checked with them."
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pagewarden.sched.request import Request, RequestStatus
-
-if TYPE_CHECKING:
-    from pagewarden.sched.scheduler import Scheduler
+from pagewarden.sched.state import SchedulerState
 
 
-def check_invariants(sched: Scheduler) -> list[str]:
+def check_invariants(sched: SchedulerState) -> list[str]:
     """Scheduler + KV invariant violations; empty when sound."""
     errors = sched.kv.check_invariants()
     queues: dict[RequestStatus, list[Request]] = {
@@ -32,7 +28,7 @@ def check_invariants(sched: Scheduler) -> list[str]:
     return errors
 
 
-def _queue_errors(sched: Scheduler, queues: dict[RequestStatus, list[Request]]) -> list[str]:
+def _queue_errors(sched: SchedulerState, queues: dict[RequestStatus, list[Request]]) -> list[str]:
     """A live request is in exactly one queue, with that queue's status; running
     requests hold a device table, swapped ones a host table, waiting ones neither."""
     errors: list[str] = []
@@ -62,7 +58,7 @@ def _queue_errors(sched: Scheduler, queues: dict[RequestStatus, list[Request]]) 
     return errors
 
 
-def _shared_open_block_errors(sched: Scheduler) -> list[str]:
+def _shared_open_block_errors(sched: SchedulerState) -> list[str]:
     """Only fork children share a partly filled block: prefix hits share full blocks
     only, so anyone else appending to a shared block would write another's KV."""
     errors: list[str] = []

@@ -14,16 +14,12 @@ can be handed to others in the same step).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pagewarden.sched.plan import StepPlan
 from pagewarden.sched.request import Request, RequestStatus
-
-if TYPE_CHECKING:
-    from pagewarden.sched.scheduler import Scheduler
+from pagewarden.sched.state import SchedulerState
 
 
-def preempt(sched: Scheduler, req: Request) -> None:
+def preempt(sched: SchedulerState, req: Request) -> None:
     """Swap ``req`` out to the host tier (swap mode, room there, KV to keep), else
     recompute: free its blocks, forget its progress, put it at the front of waiting.
     The caller has already removed it from ``running``."""
@@ -44,7 +40,7 @@ def preempt(sched: Scheduler, req: Request) -> None:
     sched.waiting.appendleft(req)
 
 
-def schedule_swapped(sched: Scheduler, plan: StepPlan) -> None:
+def schedule_swapped(sched: SchedulerState, plan: StepPlan) -> None:
     """Swap requests back in, in order, while the budget, the seats and the free blocks
     last, and schedule their next tokens."""
     kv = sched.kv

@@ -19,14 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from pagewarden.sched.admission import max_kv_blocks
 from pagewarden.sched.output import KVFault, TableFaultKind
 from pagewarden.sched.request import Request, RequestStatus
-
-if TYPE_CHECKING:
-    from pagewarden.sched.scheduler import Scheduler
+from pagewarden.sched.state import SchedulerState
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +51,7 @@ class RecoveryReport:
         return bool(self.failed)
 
 
-def verify_block_tables(sched: Scheduler) -> list[IntegrityEvent]:
+def verify_block_tables(sched: SchedulerState) -> list[IntegrityEvent]:
     """Roll back every running request whose table names a freed or altered block; take
     held blocks off the free queue."""
     kv = sched.kv
@@ -89,7 +86,7 @@ def verify_block_tables(sched: Scheduler) -> list[IntegrityEvent]:
     return events
 
 
-def recover(sched: Scheduler, faults: list[KVFault]) -> RecoveryReport:
+def recover(sched: SchedulerState, faults: list[KVFault]) -> RecoveryReport:
     """Quarantine the failed blocks and roll back every request that holds one.
 
     Each request recomputes from the start of the first failed block in its table (or
@@ -122,7 +119,7 @@ def recover(sched: Scheduler, faults: list[KVFault]) -> RecoveryReport:
     return RecoveryReport(tuple(sorted(bad)), rolled_back, recomputed, failed)
 
 
-def repair(sched: Scheduler) -> RecoveryReport:
+def repair(sched: SchedulerState) -> RecoveryReport:
     """Recover from metadata an invariant audit found inconsistent.
 
     Blocks more tables hold than their ref_cnt counts are quarantined and every holder
@@ -135,7 +132,7 @@ def repair(sched: Scheduler) -> RecoveryReport:
     return recover(sched, [KVFault("refcount", tuple(over), {}, "audit", detail)])
 
 
-def roll_back(sched: Scheduler, req: Request, position: int) -> int:
+def roll_back(sched: SchedulerState, req: Request, position: int) -> int:
     """Forget ``req``'s computed tokens from the block holding ``position`` on; returns
     the block-aligned position it recomputes from."""
     bs = sched.config.block_size
@@ -145,7 +142,7 @@ def roll_back(sched: Scheduler, req: Request, position: int) -> int:
     return keep * bs
 
 
-def _fail_unservable(sched: Scheduler, req_ids: Iterable[str]) -> tuple[str, ...]:
+def _fail_unservable(sched: SchedulerState, req_ids: Iterable[str]) -> tuple[str, ...]:
     """Abort requests that can no longer fit in the pool's healthy blocks; returns their
     top-level ids."""
     healthy = sched.usable_blocks()
@@ -158,11 +155,11 @@ def _fail_unservable(sched: Scheduler, req_ids: Iterable[str]) -> tuple[str, ...
             failed.append(rid)
             top_ids.add(req.parent_id if req.parent_id is not None else rid)
     if failed:
-        sched._finish_unjournaled(failed, RequestStatus.FINISHED_ABORTED, "error")
+        sched.finish_unjournaled(failed, RequestStatus.FINISHED_ABORTED, "error")
     return tuple(sorted(top_ids))
 
 
-def quarantined_block_ids(sched: Scheduler) -> list[int]:
+def quarantined_block_ids(sched: SchedulerState) -> list[int]:
     """Quarantined blocks nobody holds any more and that are not retired: ready to be
     scrubbed, re-verified and released."""
     pool = sched.kv.pool

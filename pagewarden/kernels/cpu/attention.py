@@ -32,13 +32,13 @@ from types import ModuleType
 import torch
 
 from pagewarden.kernels.attention import (
+    AttentionBackendError,
     AttentionMetadata,
     _chunked,
     _fresh,
     read_new_kv,
     write_kv,
 )
-from pagewarden.kernels.backend import AttentionBackendError
 from pagewarden.kernels.cpu import pool as cpu_pool
 from pagewarden.kernels.cpu.build import compile_extension
 

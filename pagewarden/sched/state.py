@@ -1,0 +1,53 @@
+"""What the scheduler's helpers may read and change of it, as a protocol.
+
+``preemption.py``, ``recovery.py`` and ``invariants.py`` work on the scheduler's queues
+and its KV manager; ``Scheduler`` (``scheduler.py``) calls them. They are written against
+this description rather than against ``Scheduler`` itself, so that imports run one way:
+``scheduler.py`` imports the helpers, the helpers import this module, and nothing here
+imports ``scheduler.py``. ``Scheduler`` is the one implementation; mypy checks that it
+fits wherever it is handed to a helper.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+from pagewarden.kv.kv_manager import KVCacheManager
+from pagewarden.kv.swap_space import BlockSwap
+from pagewarden.sched.config import SchedulerConfig
+from pagewarden.sched.request import Request, RequestStatus
+
+
+class SchedulerState(Protocol):
+    """The scheduler's queues, counters and KV manager (see ``Scheduler`` for what each
+    holds and the invariants between them)."""
+
+    config: SchedulerConfig
+    kv: KVCacheManager
+    requests: dict[str, Request]
+    waiting: deque[Request]
+    running: list[Request]
+    swapped: deque[Request]
+    # Handed to the runner with the next step.
+    departed_ids: list[str]
+    preempted_ids: list[str]
+    swap_out: list[BlockSwap]
+    swap_in: list[BlockSwap]
+    num_preemptions: int
+    max_num_seqs: int  # the effective seat limit of a step
+    preemption_mode: str
+
+    def usable_blocks(self) -> int:
+        """Blocks one request may hold: all but block 0 and the retired ones."""
+        ...
+
+    def finish_unjournaled(
+        self,
+        req_ids: list[str],
+        status: RequestStatus,
+        reason: str,
+        stop_reason: int | str | None = None,
+    ) -> None:
+        """Finish requests (and their fork children) as part of a journaled call."""
+        ...
