@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pagewarden.kv.block import BlockHash, BlockId, BlockRef, BlockState, KVBlock
 from pagewarden.kv.block_pool import BlockPool
+from pagewarden.kv.block_table import RequestBlocks
 from pagewarden.kv.errors import (
     BlockPoolExhausted,
     BlockStateError,
@@ -14,7 +15,7 @@ from pagewarden.kv.errors import (
     UnknownRequestError,
 )
 from pagewarden.kv.free_queue import FreeBlockQueue
-from pagewarden.kv.kv_manager import KVCacheManager, RequestBlocks
+from pagewarden.kv.kv_manager import KVCacheManager
 from pagewarden.kv.prefix_hash import ExtraKeyKind, encode_extra_keys, hash_block_tokens
 from pagewarden.kv.swap_space import BlockSwap, SwappedTable, SwapSpace
 

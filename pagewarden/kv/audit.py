@@ -17,11 +17,21 @@ if TYPE_CHECKING:
 
 def check_invariants(pool: BlockPool, tables: Mapping[str, Sequence[BlockRef]]) -> list[str]:
     """Conservation, ref counts, free-queue membership and hash-index consistency."""
+    return (
+        _conservation_errors(pool)
+        + _ref_count_errors(pool, tables)
+        + _free_queue_errors(pool)
+        + _hash_index_errors(pool)
+        + _quarantine_errors(pool)
+    )
+
+
+def _conservation_errors(pool: BlockPool) -> list[str]:
+    """Every block is in exactly one state; block 0 is the one reserved block."""
     errors: list[str] = []
     blocks = pool.blocks
     total = pool.num_blocks
 
-    # Conservation: every block is in exactly one state.
     counts = pool.state_counts()
     if sum(counts.values()) != total:
         errors.append(f"conservation: states sum to {sum(counts.values())}, total is {total}")
@@ -30,8 +40,14 @@ def check_invariants(pool: BlockPool, tables: Mapping[str, Sequence[BlockRef]]) 
         or blocks[RESERVED_BLOCK_ID].state is not BlockState.RESERVED
     ):
         errors.append("conservation: block 0 must be the one reserved block")
+    return errors
 
-    # Ref counts equal the references the tables hold (each table holds one per block).
+
+def _ref_count_errors(pool: BlockPool, tables: Mapping[str, Sequence[BlockRef]]) -> list[str]:
+    """Ref counts equal the references the tables hold (each table holds one per block), and each state agrees with its block's count and hash."""
+    errors: list[str] = []
+    blocks = pool.blocks
+    total = pool.num_blocks
     expected = [0] * total
     for req_id, refs in tables.items():
         seen: set[int] = set()
@@ -69,8 +85,13 @@ def check_invariants(pool: BlockPool, tables: Mapping[str, Sequence[BlockRef]]) 
             errors.append(f"block {block.block_id} is RESERVED; only block 0 may be")
         if (block.block_hash is None) != (block.token_bytes is None):
             errors.append(f"block {block.block_id}: hash and stored tokens disagree")
+    return errors
 
-    # The free queue holds each ref_cnt == 0, non-quarantined block exactly once.
+
+def _free_queue_errors(pool: BlockPool) -> list[str]:
+    """The free queue holds each ref_cnt == 0, non-quarantined block exactly once."""
+    errors: list[str] = []
+    blocks = pool.blocks
     in_queue: set[int] = set()
     prev = pool.free_queue._head
     for block in pool.free_queue:
@@ -89,8 +110,12 @@ def check_invariants(pool: BlockPool, tables: Mapping[str, Sequence[BlockRef]]) 
         should = block.ref_cnt == 0 and block.state is not BlockState.QUARANTINED
         if should and block.block_id not in in_queue:
             errors.append(f"block {block.block_id} has ref_cnt 0 but is not in the free queue")
+    return errors
 
-    # Every hash index entry points at a block carrying that hash.
+
+def _hash_index_errors(pool: BlockPool) -> list[str]:
+    """Every hash index entry points at a block carrying that hash, never a quarantined one."""
+    errors: list[str] = []
     for h, block in pool.hash_index.items():
         if block.block_hash != h:
             errors.append(
@@ -98,8 +123,13 @@ def check_invariants(pool: BlockPool, tables: Mapping[str, Sequence[BlockRef]]) 
             )
         if block.state is BlockState.QUARANTINED:
             errors.append(f"hash index points at quarantined block {block.block_id}")
+    return errors
 
-    # Quarantine set and states agree.
+
+def _quarantine_errors(pool: BlockPool) -> list[str]:
+    """The quarantine set and the blocks' states agree."""
+    errors: list[str] = []
+    blocks = pool.blocks
     q_states = {b.block_id for b in blocks if b.state is BlockState.QUARANTINED}
     if q_states != pool.quarantined:
         errors.append(

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pagewarden.kv import audit
 from pagewarden.kv.block import BlockHash, BlockRef, BlockState, KVBlock
 from pagewarden.kv.block_pool import BlockPool
+from pagewarden.kv.block_table import RequestBlocks, first_unsound_entry, held_counts
 from pagewarden.kv.cache_events import BlockStored
 from pagewarden.kv.errors import (
     DuplicateRequestError,
@@ -26,30 +27,6 @@ from pagewarden.kv.errors import (
 )
 from pagewarden.kv.prefix_hash import hash_and_pack_block, pack_block_tokens
 from pagewarden.kv.swap_space import BlockSwap, SwappedTable, SwapSpace
-
-
-class RequestBlocks:
-    """One request's block table: ``refs[i]`` is logical block i; ``ids`` mirrors the ids.
-
-    ``hashes[i]`` is the chained hash of full block i, known for the first
-    ``len(hashes)`` blocks (computed at lookup or seal, never twice). ``miss`` is the
-    packed tokens of the block where the prefix lookup missed, ``(index, bytes)``, so
-    sealing that block does not pack it again.
-
-    ``ids`` is handed to the model runner as ``ScheduledRequest.block_table`` without a
-    copy (and shared between forked children), so it is never mutated in place: every
-    change assigns a new list. ``refs`` and ``hashes`` are private and grow in place.
-    """
-
-    __slots__ = ("refs", "ids", "hashes", "num_sealed", "extra_keys", "miss")
-
-    def __init__(self, extra_keys: bytes) -> None:
-        self.refs: list[BlockRef] = []
-        self.ids: list[int] = []
-        self.hashes: list[BlockHash] = []
-        self.num_sealed = 0  # blocks [0, num_sealed) carry their hash in the pool
-        self.extra_keys = extra_keys
-        self.miss: tuple[int, bytes] | None = None
 
 
 class KVCacheManager:
@@ -383,30 +360,11 @@ class KVCacheManager:
         free queue, while still held: the next allocation would hand it to another
         request with the same epoch).
         """
-        entry = self._entry(req_id)
-        blocks = self.pool.blocks
-        for i, (ref, bid) in enumerate(zip(entry.refs, entry.ids)):
-            block = blocks[bid]
-            if (
-                bid != ref.block_id
-                or block.epoch != ref.epoch
-                or block.prev_free is not None
-                or block.ref_cnt <= 0
-            ):
-                return i
-        return None
+        return first_unsound_entry(self._entry(req_id), self.pool.blocks)
 
     def held_counts(self) -> list[int]:
-        """References the tables really hold, per block id: entries whose id and epoch
-        match the block (a stale or altered entry holds nothing)."""
-        blocks = self.pool.blocks
-        held = [0] * len(blocks)
-        for entry in self.tables.values():
-            for ref, bid in zip(entry.refs, entry.ids):
-                if bid == ref.block_id and 0 < bid < len(blocks):
-                    if blocks[bid].epoch == ref.epoch:
-                        held[bid] += 1
-        return held
+        """References the tables really hold, per block id (``block_table.held_counts``)."""
+        return held_counts(self.tables.values(), self.pool.blocks)
 
     def overshared_blocks(self) -> list[int]:
         """Blocks more tables hold than their ref_cnt counts (a table entry rewritten to

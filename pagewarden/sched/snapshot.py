@@ -16,7 +16,8 @@ from dataclasses import asdict
 from typing import Any
 
 from pagewarden.kv.block import BlockHash, BlockId, BlockRef, BlockState
-from pagewarden.kv.kv_manager import KVCacheManager, RequestBlocks
+from pagewarden.kv.block_table import RequestBlocks
+from pagewarden.kv.kv_manager import KVCacheManager
 from pagewarden.kv.swap_space import BlockSwap, SwappedTable
 from pagewarden.sched.config import SchedulerConfig
 from pagewarden.sched.journal import decode_arrival, encode_arrival

@@ -1,0 +1,283 @@
+"""The guard's checksum checks: seal, verify on reuse and on every read, on swap-in, scrub.
+
+A block is sealed when it is full: its block checksum is combined from its slots'
+write-time sums, after the slots are re-read (``_seal``), or straight away when this step
+wrote it whole (``_seal_written``). Reads are verified against those seals: a request's
+context blocks the first time it reads them (``standard``: prefix-cache reuse, return
+after preemption or rollback), every block a step reads (``strict``; a fused kernel sums
+sealed blocks as it reads them, ``_fused_sum_faults``), every block swapped in, and a
+budgeted round-robin scrubber. Quarantined blocks are zeroed and read back before they
+may return to service. See ``kv_guard.py`` for when each runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagewarden.kernels.attention import AttentionMetadata
+from pagewarden.sched.output import KVFault, ScheduledRequest, SchedulerOutput
+from pagewarden.worker.guard_state import GuardState, copy_state
+from pagewarden.worker.integrity import (
+    block_checksums,
+    combine_slot_checksums,
+    verify_blocks,
+    verify_slots,
+)
+
+
+class ChecksumChecks(GuardState):
+    """Seals, checksum verification and the scrubber (a base of ``KVGuard``)."""
+
+    def swap_in(self, out: SchedulerOutput) -> list[KVFault]:
+        """Mirror ``KVStore.swap_in`` and verify every block that arrived.
+
+        A sealed block must match its block checksum; a partly filled one its used
+        slots' write-time sums. Corruption in the host tier (or in the copy) becomes a
+        "checksum" fault found by "swap_in", before anything reads the block.
+        """
+        swaps = out.swap_in
+        self._swapped_in = set()
+        if not swaps or not self.tags_on:
+            return []
+        src = torch.tensor([w.src for w in swaps], dtype=torch.long)
+        dst = torch.tensor([w.dst for w in swaps], dtype=torch.long)
+        copy_state(self.host, src, self._device_state(), dst)
+        if not self.sums_on:
+            return []
+        bs = self.block_size
+        whole = [w.dst for w in swaps if w.num_slots == bs and bool(self.sealed[w.dst])]
+        slots = [
+            w.dst * bs + o
+            for w in swaps
+            if not (w.num_slots == bs and bool(self.sealed[w.dst]))
+            for o in range(w.num_slots)
+        ]
+        bad = self._verify_sealed(torch.tensor(whole, dtype=torch.int64))
+        bad += self._verify_slots(torch.tensor(slots, dtype=torch.int64))
+        # Checked on arrival, good or bad: this step's read checks skip them (a bad one
+        # is already a fault; its readers are rolled back).
+        self._swapped_in = {w.dst for w in swaps}
+        if not bad:
+            return []
+        fault = KVFault(
+            "checksum",
+            tuple(sorted(set(bad))),
+            {},
+            "swap_in",
+            "a block swapped in from the host tier does not hold what was swapped out",
+        )
+        return self._attach_readers([fault], out.requests)
+
+    def check_reads(self, out: SchedulerOutput) -> list[KVFault]:
+        """Verify the contents this step's attention will read; returns the faults found.
+
+        Tags are checked after the write (``after_write``), where they also cover the
+        positions written in this step.
+        """
+        if not self.sums_on:
+            return []
+        reqs = [r for r in out.requests if r.positions.start > 0]
+        faults = self._check_contents(reqs)
+        found = {b for f in faults for b in f.block_ids}
+        faults += [f for f in self._scrub() if not found.issuperset(f.block_ids)]
+        # From now on a request's context grows only by blocks it wrote and sealed itself.
+        self._seen.update(r.req_id for r in out.requests)
+        return self._attach_readers(faults, out.requests)
+
+    def _check_contents(self, reqs: list[ScheduledRequest]) -> list[KVFault]:
+        """Reuse verification (standard) or every read (strict) of context blocks."""
+        bs = self.block_size
+        full: set[int] = set()
+        open_slots: list[int] = []
+        for r in reqs:
+            if not self.strict and r.req_id in self._seen:
+                continue
+            n = r.positions.start
+            n_full = n // bs
+            full.update(r.block_table[:n_full])
+            if self.strict and n % bs and r.block_table[n_full] not in self._swapped_in:
+                base = r.block_table[n_full] * bs
+                open_slots.extend(range(base, base + n % bs))
+        faults: list[KVFault] = []
+        full.discard(0)
+        full -= self._swapped_in  # verified on arrival in this very step
+        if full:
+            ids = torch.tensor(sorted(full), dtype=torch.int64)
+            sealed = self.sealed[ids].cpu()
+            sealed_ids, unsealed_ids = ids[sealed], ids[~sealed]
+            if self.strict and self.fused_reads:
+                # The attention kernel checksums these as it reads them (_fused_sum_faults).
+                sealed_ids = sealed_ids[:0]
+            bad = self._verify_sealed(sealed_ids)
+            # A full block the guard never sealed (sealing failed or was skipped): check
+            # its slots against their write-time sums instead.
+            if unsealed_ids.numel():
+                slots = (unsealed_ids.unsqueeze(1) * bs + torch.arange(bs)).reshape(-1)
+                bad += self._verify_slots(slots)
+            found_by = "read" if self.strict else "reuse"
+            if bad:
+                faults.append(
+                    KVFault(
+                        "checksum",
+                        tuple(sorted(set(bad))),
+                        {},
+                        found_by,
+                        "context block content changed since it was sealed",
+                    )
+                )
+        if open_slots:
+            bad = self._verify_slots(torch.tensor(open_slots, dtype=torch.int64))
+            if bad:
+                faults.append(
+                    KVFault(
+                        "checksum",
+                        tuple(sorted(set(bad))),
+                        {},
+                        "read",
+                        "an open block's slot changed since it was written",
+                    )
+                )
+        return faults
+
+    def _fused_sum_faults(
+        self, reqs: list[ScheduledRequest], meta: AttentionMetadata
+    ) -> list[KVFault]:
+        """Strict: every sealed context block the kernel read must checksum to its seal
+        (``check_reads`` left these to the kernel)."""
+        checks = meta.read_checks
+        assert checks is not None
+        if checks.read_sums is None:
+            return []
+        bs, device = self.block_size, checks.read_sums.device
+        tables = meta.block_index.view(meta.num_seqs, meta.max_blocks)  # (S, max_blocks)
+        full = torch.tensor([r.positions.start // bs for r in reqs], device=device)  # (S,)
+        logical = torch.arange(meta.max_blocks, device=device)  # (max_blocks,)
+        # Full context blocks, sealed before this step and not verified on arrival.
+        verify = (logical < full.unsqueeze(1)) & (tables != 0) & self.sealed[tables]
+        if self._swapped_in:
+            arrived = torch.tensor(sorted(self._swapped_in), device=device)
+            verify &= ~torch.isin(tables, arrived)
+        wrong = verify & (checks.block_sums() != self.block_sums[tables])
+        n_verified, n_wrong = (int(x) for x in torch.stack([verify.sum(), wrong.sum()]).tolist())
+        self.counters.block_verifies += n_verified
+        if not n_wrong:
+            return []
+        bad = sorted(set(tables[wrong].tolist()))
+        detail = (
+            "context block content changed since it was sealed (checked by the attention kernel)"
+        )
+        return [KVFault("checksum", tuple(bad), {}, "read", detail)]
+
+    def _verify_sealed(self, ids: torch.Tensor) -> list[int]:
+        """Ids of sealed blocks whose content no longer matches their seal."""
+        if not ids.numel():
+            return []
+        self.counters.block_verifies += ids.numel()
+        return verify_blocks(self.caches, ids, self.block_sums[ids])
+
+    def _verify_slots(self, slots: torch.Tensor) -> list[int]:
+        """Ids of blocks with a slot that changed since it was written."""
+        if not slots.numel():
+            return []
+        self.counters.slot_verifies += slots.numel()
+        bad = verify_slots(self.caches, slots, self.slot_sums[slots])
+        return sorted({m.block_id for m in bad})
+
+    def scrub(self, num_blocks: int) -> list[KVFault]:
+        """Re-verify the next ``num_blocks`` sealed blocks now, outside a step (idle time)."""
+        if not self.sums_on:
+            return []
+        saved, self.scrub_blocks_per_step = self.scrub_blocks_per_step, num_blocks
+        try:
+            return self._attach_readers(self._scrub(), [])
+        finally:
+            self.scrub_blocks_per_step = saved
+
+    @property
+    def num_sealed(self) -> int:
+        return int(self.sealed.sum())
+
+    def _scrub(self) -> list[KVFault]:
+        """Re-verify the next ``scrub_blocks_per_step`` sealed blocks (round robin)."""
+        if self.scrub_blocks_per_step <= 0:
+            return []
+        sealed_ids = self.sealed.nonzero().view(-1)
+        if not sealed_ids.numel():
+            return []
+        after = sealed_ids[sealed_ids >= self._scrub_cursor]
+        picked = torch.cat([after, sealed_ids])[
+            : min(self.scrub_blocks_per_step, sealed_ids.numel())
+        ]
+        self._scrub_cursor = int(picked[-1]) + 1
+        self.counters.scrubbed_blocks += picked.numel()
+        bad = self._verify_sealed(picked)
+        if not bad:
+            return []
+        return [
+            KVFault(
+                "checksum",
+                tuple(bad),
+                {},
+                "scrub",
+                "the scrubber found a sealed block whose content changed",
+            )
+        ]
+
+    def _seal_written(self, block_ids: list[int]) -> None:
+        """Seal blocks written whole by this step: their slot sums were just taken from
+        the same bytes, so reading the blocks again would verify nothing new."""
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        self.block_sums[ids] = combine_slot_checksums(
+            self.slot_sums.view(self.num_blocks, self.block_size)[ids]
+        )
+        self.sealed[ids] = True
+        self.counters.seals += ids.numel()
+
+    def _seal(self, block_ids: list[int]) -> list[KVFault]:
+        """Seal full blocks from their write-time slot sums, after re-reading them."""
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        recorded = combine_slot_checksums(
+            self.slot_sums.view(self.num_blocks, self.block_size)[ids]
+        )
+        actual = block_checksums(self.caches, ids)
+        ok = actual == recorded
+        self.counters.seals += int(ok.sum())
+        self.counters.slot_verifies += ids.numel() * self.block_size
+        self.block_sums[ids[ok]] = recorded[ok]
+        self.sealed[ids[ok]] = True
+        if bool(ok.all()):
+            return []
+        bad = ids[~ok].tolist()
+        return [
+            KVFault(
+                "checksum",
+                tuple(bad),
+                {},
+                "seal",
+                "a slot changed between its write and the block's seal",
+            )
+        ]
+
+    def unseal(self, block_ids) -> None:
+        """Forget the seals of quarantined blocks: their content is no longer trusted, and
+        the scrubber must not keep re-finding a block that is already out of service."""
+        if block_ids:
+            self.sealed[torch.tensor(list(block_ids), dtype=torch.int64)] = False
+
+    def scrub_quarantined(self, block_ids: list[int]) -> list[int]:
+        """Zero quarantined blocks and read them back; returns the ids that verified.
+
+        A block that reads back as written can return to service; one that does not
+        stays quarantined (the pool retires a block after repeated failures).
+        """
+        if not block_ids:
+            return []
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        for cache in self.caches:
+            cache[:, ids] = 0
+        self.tags.tags[ids] = 0
+        self.sealed[ids] = False
+        # All-zero content has checksum 0 (a sum of key * 0 terms).
+        actual = block_checksums(self.caches, ids)
+        self.counters.block_verifies += ids.numel()
+        return ids[actual == 0].tolist()
