@@ -155,7 +155,7 @@ def _fail_unservable(sched: SchedulerState, req_ids: Iterable[str]) -> tuple[str
             failed.append(rid)
             top_ids.add(req.parent_id if req.parent_id is not None else rid)
     if failed:
-        sched.finish_unjournaled(failed, RequestStatus.FINISHED_ABORTED, "error")
+        sched._finish_unjournaled(failed, RequestStatus.FINISHED_ABORTED, "error")
     return tuple(sorted(top_ids))
 
 

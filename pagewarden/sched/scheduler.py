@@ -185,10 +185,10 @@ class Scheduler:
         req_ids = list(req_ids)
         if self.journal is not None:
             self.journal.append(("finish", req_ids, status, reason, stop_reason))
-        self.finish_unjournaled(req_ids, status, reason, stop_reason)
+        self._finish_unjournaled(req_ids, status, reason, stop_reason)
         self.kv.reconcile_after_free()  # counted; the engine logs it
 
-    def finish_unjournaled(
+    def _finish_unjournaled(
         self,
         req_ids: list[str],
         status: RequestStatus,

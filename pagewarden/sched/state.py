@@ -42,12 +42,15 @@ class SchedulerState(Protocol):
         """Blocks one request may hold: all but block 0 and the retired ones."""
         ...
 
-    def finish_unjournaled(
+    def _finish_unjournaled(
         self,
         req_ids: list[str],
         status: RequestStatus,
         reason: str,
         stop_reason: int | str | None = None,
     ) -> None:
-        """Finish requests (and their fork children) as part of a journaled call."""
+        """Finish requests (and their fork children) as part of a journaled call.
+
+        Private to the scheduler and its helpers: no owner check and no journal entry of
+        its own (the public call that makes it has both)."""
         ...

@@ -235,11 +235,14 @@ def test_dashboard_in_chromium(srv):
 
 
 _PAGE_STEP = "return document.getElementById('blockmap').dataset.step"
+_SUMMARY_STEP = "return document.getElementById('kv-summary').dataset.step"
+_SUMMARY_USED = "return document.getElementById('kv-summary').dataset.used"
 
 
 def _used_cells_match_metrics(srv: _Server, browser) -> None:
     """While requests run, hold the step loop still and compare the page's used cells
-    (used + shared) with ``pagewarden:kv_blocks_used``: one unchanging state for both.
+    (used + shared) and its summary's used count with ``pagewarden:kv_blocks_used``: one
+    unchanging state for all three.
     Returns with the step loop still paused (for at least a second)."""
     for _ in range(3):
         end = time.monotonic() + PAUSE_S
@@ -247,11 +250,23 @@ def _used_cells_match_metrics(srv: _Server, browser) -> None:
         time.sleep(0.3)  # the pause starts between two steps
         step = srv.state()["kv"]["step"]
         used = srv.metric("kv_blocks_used")
-        seen = _poll(lambda s=str(step): browser.execute_script(_PAGE_STEP) == s, timeout=3.0)
+        seen = _poll(
+            lambda s=str(step): (
+                browser.execute_script(_PAGE_STEP) == s
+                and browser.execute_script(_SUMMARY_STEP) == s
+            ),
+            timeout=3.0,
+        )
         cells = _cells(browser, ".used") + _cells(browser, ".shared")
+        summary = browser.execute_script(_SUMMARY_USED)
+        meta = browser.find_element("id", "meta").text
         still = srv.state()["kv"]["step"] == step and srv.metric("kv_blocks_used") == used
         if seen and still and end - time.monotonic() > 1.0:
             assert used > 0 and cells == used, (cells, used)
+            # The summary's count is the engine stats /metrics exports, and says its
+            # step; the map's caption says which step it shows and how old it is.
+            assert summary == str(int(used)), (summary, used)
+            assert f"block map of step {step} " in meta and " s old" in meta, meta
             return
         time.sleep(max(end - time.monotonic(), 0.0))
     raise AssertionError("the step loop never held still long enough to compare")

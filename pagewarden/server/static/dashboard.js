@@ -204,21 +204,27 @@ function render(state) {
   const engine = $("engine");
   engine.textContent = state.engine.alive ? "engine up" : "engine down";
   engine.className = "badge " + (state.engine.alive ? "ok" : "bad");
+  const kv = state.kv;
+  if (kv) {
+    // The engine's counts of its latest step: the very numbers /metrics exports
+    // (pagewarden:kv_blocks_*), so the two agree; the map below may be older (its caption
+    // says how old).
+    const summary = $("kv-summary");
+    summary.textContent =
+      `${kv.used} used · ${kv.cached} cached · ${kv.free} free · ${kv.quarantined} ` +
+      `quarantined · ${kv.retired} retired of ${kv.total} at step ${kv.step}`;
+    summary.dataset.used = kv.used;
+    summary.dataset.step = kv.step;
+  }
   const snap = state.snapshot;
   if (snap) {
-    // Counted from the snapshot, so that the summary and the map show one moment.
-    const n = {};
-    for (const letter of snap.blocks) n[letter] = (n[letter] || 0) + 1;
-    const c = (letter) => n[letter] || 0;
-    $("kv-summary").textContent =
-      `${c("U") + c("S")} used (${c("S")} shared) · ${c("C")} cached · ${c("F")} free · ` +
-      `${c("Q")} quarantined · ${c("X")} retired of ${snap.blocks.length}`;
+    const shared = snap.blocks.split("").filter((l) => l === "S").length;
     const host = snap.host_blocks;
     const swapped = host.split("").filter((l) => l === "U").length;
     $("host-summary").textContent = host.length ? `${swapped} of ${host.length} hold swapped KV` : "none";
     snapshot = snap;
     $("meta").textContent =
-      `step ${snap.step} · snapshot ${snap.age_s.toFixed(1)} s old, took ` +
+      `block map of step ${snap.step} (${shared} shared), ${snap.age_s.toFixed(1)} s old, took ` +
       `${(snap.cost_s * 1000).toFixed(2)} ms · ${state.engine.restarts} restarts`;
     const faulted = snap.blocks.split("").map((_, i) => (snap.quarantines[i] || 0) > 0);
     drawMap($("blockmap"), snap.blocks, STATES, faulted);
