@@ -10,7 +10,7 @@ its console script needs a `vllm` distribution the CPU wheel does not provide, s
 called as a module function). Each server starts fresh on loopback, is warmed up with a
 few requests, serves the client's run, and stops; with ``--rounds`` > 1 the servers
 alternate. pagewarden runs with default flags (bf16 where the CPU has bf16 GEMMs,
-integrity standard, admission control on); vLLM runs tuned as ``../shared/notes/peers.md``
+integrity standard, admission control on); vLLM runs tuned as ``docs/peers.md``
 describes (tcmalloc and Intel OpenMP preloaded, threads bound, 2 GiB of KV, prefix
 caching off, like ours for this random workload). Prints output tok/s, TTFT and
 inter-token latency medians and p99 for each, medians over rounds, and the ratios.

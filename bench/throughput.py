@@ -21,7 +21,7 @@ and the ratios to pagewarden at the default level; the greedy tokens of the thre
 pagewarden levels must be equal, and the share of tokens equal to pagewarden's is
 printed for the peers (they compute in other dtypes, so some drift is expected).
 
-vLLM is tuned as ``shared/notes/peers.md`` describes: ``VLLM_CPU_OMP_THREADS_BIND``
+vLLM is tuned as ``docs/peers.md`` describes: ``VLLM_CPU_OMP_THREADS_BIND``
 over the cores this process may use, ``LD_PRELOAD`` of tcmalloc (when installed) and of
 the venv's Intel OpenMP, ``VLLM_CPU_KVCACHE_SPACE=2``.
 """
