@@ -199,6 +199,53 @@ def scrub_until_covered(engine: EngineCore, injector: FaultInjector) -> None:
         injector.steps += 1
 
 
+def _tight_pool(workload: list, num_requests: int, max_tokens: int, block_size: int) -> int:
+    """Enough KV blocks for about a third of the requests at full length: forces
+    preemption."""
+    longest = max(len(ids) + max_tokens for ids, _ in workload)
+    return max(
+        2 + 3 * ((longest + block_size - 1) // block_size),
+        num_requests * ((longest + block_size - 1) // block_size) // 3,
+    )
+
+
+def _fault_schedule(seed: int, num_faults: int, steps_clean: int) -> tuple[list[int], list[str]]:
+    """The steps (within the first 80% of the fault-free run) and kinds of the faults:
+    every kind once per round, in a shuffled order."""
+    rng = random.Random(seed + 1)
+    fault_steps = sorted(
+        rng.randrange(1, max(2, int(steps_clean * 0.8))) for _ in range(num_faults)
+    )
+    kinds: list[str] = []
+    while len(kinds) < num_faults:
+        batch = list(FAULT_KINDS)
+        rng.shuffle(batch)
+        kinds.extend(batch)
+    return fault_steps, kinds[:num_faults]
+
+
+def _kind_rows(injector: FaultInjector, failed: int) -> list[KindReport]:
+    """One report row per fault kind: injected, detected, recovered, harmless, delay."""
+    rows = []
+    for kind in FAULT_KINDS:
+        of_kind = [
+            f for f in injector.faults if f.kind == kind and f not in injector.pending_faults
+        ]
+        detected = [f for f in of_kind if f.detected]
+        delays = [f.delay for f in detected if f.delay is not None]
+        rows.append(
+            KindReport(
+                kind=kind,
+                injected=len(of_kind),
+                detected=len(detected),
+                recovered=len(detected) if not failed else 0,
+                harmless=sum(1 for f in of_kind if not f.detected and not f.live_blocks),
+                max_delay=max(delays) if delays else None,
+            )
+        )
+    return rows
+
+
 def run_chaos(
     model: str | None = None,
     num_faults: int = 20,
@@ -219,12 +266,7 @@ def run_chaos(
         loaded = load_model(model, EngineConfig(dtype=dtype).torch_dtype)
     workload = make_workload(loaded.config.vocab_size, num_requests, seed, max_tokens)
     if num_kv_blocks is None:
-        # Enough for about a third of the requests at full length: forces preemption.
-        longest = max(len(ids) + max_tokens for ids, _ in workload)
-        num_kv_blocks = max(
-            2 + 3 * ((longest + block_size - 1) // block_size),
-            num_requests * ((longest + block_size - 1) // block_size) // 3,
-        )
+        num_kv_blocks = _tight_pool(workload, num_requests, max_tokens, block_size)
     if num_swap_blocks is None:
         num_swap_blocks = num_kv_blocks // 2
     config = EngineConfig(
@@ -241,37 +283,13 @@ def run_chaos(
     )
     clean_cfg = dataclasses.replace(config, integrity="off", flight_recorder_steps=0)
     _, _, clean, _, steps_clean, _ = _run(clean_cfg, loaded, workload, None, 0, [], [])
-    rng = random.Random(seed + 1)
-    fault_steps = sorted(
-        rng.randrange(1, max(2, int(steps_clean * 0.8))) for _ in range(num_faults)
-    )
-    kinds: list[str] = []
-    while len(kinds) < num_faults:
-        batch = list(FAULT_KINDS)
-        rng.shuffle(batch)
-        kinds.extend(batch)
+    fault_steps, kinds = _fault_schedule(seed, num_faults, steps_clean)
     engine, injector, faulty, failed, steps_faulty, crash = _run(
-        config, loaded, workload, seed + 2, num_faults, fault_steps, kinds[:num_faults]
+        config, loaded, workload, seed + 2, num_faults, fault_steps, kinds
     )
     mismatched = sorted((rid for rid in clean if faulty.get(rid) != clean[rid]), key=int)
     stats = engine.stats()
-    rows = []
-    for kind in FAULT_KINDS:
-        of_kind = [
-            f for f in injector.faults if f.kind == kind and f not in injector.pending_faults
-        ]
-        detected = [f for f in of_kind if f.detected]
-        delays = [f.delay for f in detected if f.delay is not None]
-        rows.append(
-            KindReport(
-                kind=kind,
-                injected=len(of_kind),
-                detected=len(detected),
-                recovered=len(detected) if not failed else 0,
-                harmless=sum(1 for f in of_kind if not f.detected and not f.live_blocks),
-                max_delay=max(delays) if delays else None,
-            )
-        )
+    rows = _kind_rows(injector, failed)
     pool = engine.scheduler.kv.pool
     counts = pool.state_counts()
     return ChaosReport(

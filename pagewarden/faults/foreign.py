@@ -45,8 +45,18 @@ def foreign_calls(scheduler) -> list[ForeignCall]:
     block = held if held is not None else pool.blocks[1]
     swapped = next(iter(swap.tables), rid)
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    calls = _scheduler_calls(scheduler, rid, block.block_id, params)
+    calls += _kv_calls(kv, rid, n, tokens, block, swapped)
+    return [ForeignCall(owner, method, fn) for owner, method, fn in calls]
+
+
+_Call = tuple[str, str, Callable[[], Any]]
+
+
+def _scheduler_calls(scheduler, rid: str, block_id: int, params: SamplingParams) -> list[_Call]:
+    """The scheduler's public mutators, aimed at request ``rid`` and block ``block_id``."""
     empty_out = SchedulerOutput(step_id=0, requests=[])
-    calls = [
+    return [
         (
             "Scheduler",
             "add_request",
@@ -76,9 +86,16 @@ def foreign_calls(scheduler) -> list[ForeignCall]:
         (
             "Scheduler",
             "release_quarantined",
-            lambda: scheduler.release_quarantined([block.block_id]),
+            lambda: scheduler.release_quarantined([block_id]),
         ),
         ("Scheduler", "claim_ownership", scheduler.claim_ownership),
+    ]
+
+
+def _kv_calls(kv, rid: str, n: int, tokens: list[int], block, swapped: str) -> list[_Call]:
+    """The public mutators of the KV manager, its pool and its host tier."""
+    pool, swap = kv.pool, kv.swap
+    return [
         ("KVCacheManager", "lookup_prefix", lambda: kv.lookup_prefix("foreign", tokens, b"", 64)),
         ("KVCacheManager", "create_table", lambda: kv.create_table("foreign", b"")),
         ("KVCacheManager", "allocate_slots", lambda: kv.allocate_slots(rid, n, 64)),
@@ -111,7 +128,6 @@ def foreign_calls(scheduler) -> list[ForeignCall]:
         ("SwapSpace", "allocate", lambda: swap.allocate(1)),
         ("SwapSpace", "release", lambda: swap.release([0])),
     ]
-    return [ForeignCall(owner, method, fn) for owner, method, fn in calls]
 
 
 def call_from_thread(fn: Callable[[], Any]) -> BaseException | None:

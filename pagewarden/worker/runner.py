@@ -8,7 +8,13 @@ import torch
 
 from pagewarden.kernels.attention import AttentionMetadata
 from pagewarden.models.llama import LlamaForCausalLM
-from pagewarden.sched.output import KVFault, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pagewarden.sched.output import (
+    KVFault,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from pagewarden.worker.cpu_threads import StepThreads, default_serial_step_tokens
 from pagewarden.worker.fused_checks import element_keys, limb_keys, offset_keys
 from pagewarden.worker.kv_guard import KVGuard
@@ -99,20 +105,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Compute the step's tokens' K/V and sample for the requests that ask for it."""
-        store, guard = self.kv_store, self.guard
+        guard = self.guard
         if self.threads is not None:
             self.threads.before_step(sum(len(r.token_ids) for r in out.requests))
-        # Order matters (see SchedulerOutput): swap-outs read device blocks that this
-        # step may hand to others; then swap-ins; then copy-on-write.
-        store.swap_out(out.swap_out)
-        guard.swap_out(out.swap_out)
-        store.swap_in(out.swap_in)
-        faults = guard.swap_in(out)
-        store.copy_blocks(out.copy_blocks)
-        guard.copy_blocks(out.copy_blocks)
-        guard.forget(out.finished_req_ids)
-        guard.forget(out.preempted_req_ids)
-        faults += guard.check_reads(out)
+        faults = self._move_blocks(out)
         if out.is_empty:
             return ModelRunnerOutput(sampled_token_ids={}, faults=faults)
         input_ids: list[int] = []
@@ -159,6 +155,34 @@ class ModelRunner:
                 keep = [i for i, r in enumerate(sampled) if r.req_id not in faulted]
                 sample_rows = [sample_rows[i] for i in keep]
                 sampled = [sampled[i] for i in keep]
+        return self._sample(hidden, sample_rows, sampled, faults)
+
+    def _move_blocks(self, out: SchedulerOutput) -> list[KVFault]:
+        """The step's swaps and copy-on-write copies, with their integrity state; then
+        the checks of what this step will read. Returns the faults found."""
+        store, guard = self.kv_store, self.guard
+        # Order matters (see SchedulerOutput): swap-outs read device blocks that this
+        # step may hand to others; then swap-ins; then copy-on-write.
+        store.swap_out(out.swap_out)
+        guard.swap_out(out.swap_out)
+        store.swap_in(out.swap_in)
+        faults = guard.swap_in(out)
+        store.copy_blocks(out.copy_blocks)
+        guard.copy_blocks(out.copy_blocks)
+        guard.forget(out.finished_req_ids)
+        guard.forget(out.preempted_req_ids)
+        faults += guard.check_reads(out)
+        return faults
+
+    def _sample(
+        self,
+        hidden: torch.Tensor,
+        sample_rows: list[int],
+        sampled: list[ScheduledRequest],
+        faults: list[KVFault],
+    ) -> ModelRunnerOutput:
+        """Sample the next token of each request in ``sampled`` from its row of
+        ``hidden`` (T, hidden)."""
         if not sampled:
             return ModelRunnerOutput(sampled_token_ids={}, faults=faults)
         logits = self.model.compute_logits(hidden[sample_rows], dtype=None)  # (S, vocab)
