@@ -85,89 +85,10 @@ class PagewardenCollector:
         yield _gauge(
             "kv_cache_usage_perc", "Fraction of usable KV blocks in use (0-1).", s.kv_cache_usage, m
         )
-        yield _counter(
-            "admission_rejections",
-            "Requests shed with 429 by admission control.",
-            f.admission_rejections,
-            m,
-        )
-        yield _gauge(
-            "admission_limit",
-            "Generation requests admission control lets in at once (adapts; 0: no gate).",
-            f.admission_limit,
-            m,
-        )
-        yield _gauge(
-            "admission_in_flight",
-            "Generation requests admitted by the gate and not answered yet.",
-            f.admission_in_flight,
-            m,
-        )
-        yield _counter(
-            "engine_restarts",
-            "Engine-core processes restarted after a crash or a stall.",
-            f.engine_restarts,
-            m,
-        )
-        yield _counter(
-            "request_migrations",
-            "Requests re-submitted to another Ray Serve replica after theirs died.",
-            f.request_migrations,
-            m,
-        )
-        success = CounterMetricFamily(
-            P + "request_success",
-            "Finished requests by reason.",
-            labels=["model_name", "finished_reason"],
-        )
-        for reason in sorted({"stop", "length", "abort", "error", *f.request_success}):
-            success.add_metric([m, reason], f.request_success.get(reason, 0))
-        yield success
-        changes = CounterMetricFamily(
-            P + "batch_limit_changes",
-            "Changes of the effective batch limits by the adaptive batch controller, by reason.",
-            labels=["model_name", "reason"],
-        )
-        for reason in sorted(
-            {
-                "integrity_fault",
-                "latency",
-                "preemption_storm",
-                "recovery",
-                "profile",
-                *s.batch_limit_changes,
-            }
-        ):
-            changes.add_metric([m, reason], s.batch_limit_changes.get(reason, 0))
-        yield changes
+        yield from _frontend_metrics(f, m)
+        yield _batch_limit_changes(s, m)
         yield from self._profile_metrics(s)
-        yield _histogram(
-            "time_to_first_token_seconds", "Time to first token.", f.time_to_first_token, m
-        )
-        yield _histogram(
-            "inter_token_latency_seconds", "Time between output tokens.", f.inter_token_latency, m
-        )
-        yield _histogram(
-            "e2e_request_latency_seconds", "Arrival to finish.", f.e2e_request_latency, m
-        )
-        yield _histogram(
-            "request_queue_time_seconds",
-            "Arrival to the start of the step that produced the first token.",
-            f.request_queue_time,
-            m,
-        )
-        yield _histogram(
-            "request_prompt_tokens",
-            "Prompt tokens of each finished request.",
-            f.request_prompt_tokens,
-            m,
-        )
-        yield _histogram(
-            "request_generation_tokens",
-            "Tokens generated for each finished request (all n completions).",
-            f.request_generation_tokens,
-            m,
-        )
+        yield from _latency_histograms(f, m)
         yield from self._integrity_metrics(s)
         if self._vllm_metrics:  # from the same snapshots, so each twin pair agrees
             yield from _vllm_twins(s, f, m, self._vllm_cache_config)
@@ -243,6 +164,99 @@ V = "vllm:"
 _VLLM_LABELS = ["model_name", "engine"]
 
 
+def _frontend_metrics(f: FrontendStats, m: str) -> Iterator[Metric]:
+    """The HTTP front end's own counters: admission control, restarts, migrations and
+    finished requests by reason."""
+    yield _counter(
+        "admission_rejections",
+        "Requests shed with 429 by admission control.",
+        f.admission_rejections,
+        m,
+    )
+    yield _gauge(
+        "admission_limit",
+        "Generation requests admission control lets in at once (adapts; 0: no gate).",
+        f.admission_limit,
+        m,
+    )
+    yield _gauge(
+        "admission_in_flight",
+        "Generation requests admitted by the gate and not answered yet.",
+        f.admission_in_flight,
+        m,
+    )
+    yield _counter(
+        "engine_restarts",
+        "Engine-core processes restarted after a crash or a stall.",
+        f.engine_restarts,
+        m,
+    )
+    yield _counter(
+        "request_migrations",
+        "Requests re-submitted to another Ray Serve replica after theirs died.",
+        f.request_migrations,
+        m,
+    )
+    success = CounterMetricFamily(
+        P + "request_success",
+        "Finished requests by reason.",
+        labels=["model_name", "finished_reason"],
+    )
+    for reason in sorted({"stop", "length", "abort", "error", *f.request_success}):
+        success.add_metric([m, reason], f.request_success.get(reason, 0))
+    yield success
+
+
+def _batch_limit_changes(s, m: str) -> Metric:
+    """Changes of the effective batch limits, by reason (every reason, zero or not)."""
+    changes = CounterMetricFamily(
+        P + "batch_limit_changes",
+        "Changes of the effective batch limits by the adaptive batch controller, by reason.",
+        labels=["model_name", "reason"],
+    )
+    for reason in sorted(
+        {
+            "integrity_fault",
+            "latency",
+            "preemption_storm",
+            "recovery",
+            "profile",
+            *s.batch_limit_changes,
+        }
+    ):
+        changes.add_metric([m, reason], s.batch_limit_changes.get(reason, 0))
+    return changes
+
+
+def _latency_histograms(f: FrontendStats, m: str) -> Iterator[Metric]:
+    """Per-request latency and size histograms, as the front end records them."""
+    yield _histogram(
+        "time_to_first_token_seconds", "Time to first token.", f.time_to_first_token, m
+    )
+    yield _histogram(
+        "inter_token_latency_seconds", "Time between output tokens.", f.inter_token_latency, m
+    )
+    yield _histogram("e2e_request_latency_seconds", "Arrival to finish.", f.e2e_request_latency, m)
+    yield _histogram(
+        "request_queue_time_seconds",
+        "Arrival to the start of the step that produced the first token.",
+        f.request_queue_time,
+        m,
+    )
+    yield _histogram(
+        "request_prompt_tokens",
+        "Prompt tokens of each finished request.",
+        f.request_prompt_tokens,
+        m,
+    )
+    yield _histogram(
+        "request_generation_tokens",
+        "Tokens generated for each finished request (all n completions).",
+        f.request_generation_tokens,
+        m,
+    )
+
+
 def _vllm_twins(s, f: FrontendStats, model: str, cache_config: dict[str, str]) -> Iterator[Metric]:
     """The series that vLLM's consumers (prefix-aware routers, autoscalers, vLLM's Grafana
     dashboards) read, under vLLM's names and labels, with the values of their
@@ -292,6 +306,12 @@ def _vllm_twins(s, f: FrontendStats, model: str, cache_config: dict[str, str]) -
         c = CounterMetricFamily(V + name, doc, labels=_VLLM_LABELS)
         c.add_metric(values, value)
         yield c
+    yield from _vllm_request_metrics(f, values)
+
+
+def _vllm_request_metrics(f: FrontendStats, values: list[str]) -> Iterator[Metric]:
+    """vLLM's per-request series: finished requests by reason, and the latency and size
+    histograms (``values``: the model name and engine index labels)."""
     success = CounterMetricFamily(
         V + "request_success",
         "Count of successfully processed requests.",
