@@ -131,6 +131,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "tagged map (newer vLLM)",
     )
     parser.add_argument(
+        "--kv-events-no-token-ids",
+        dest="kv_events_token_ids",
+        action="store_false",
+        help="send BlockStored events without their token ids (block hashes only, all a "
+        "prefix-aware router needs): a subscriber can then not read prompts",
+    )
+    parser.add_argument(
         "--profile",
         default=d.profile,
         help="engine profile to start in: normal (as configured), safe, or one of "

@@ -76,6 +76,7 @@ class EngineConfig:
     kv_events_endpoint: str | None = None
     kv_events_topic: str = ""
     kv_events_encoding: str = "array"
+    kv_events_token_ids: bool = True  # False: hashes only (what routers need)
     # Engine profiles (engine/profiles.py): the one to start in, user-defined ones, and
     # automatic rollback to "safe" after safe_mode_faults faults within safe_mode_window
     # seconds (or an unrecoverable fault, or a failed audit), back after

@@ -146,6 +146,7 @@ class EngineCore:
                 config.block_size,
                 config.kv_events_topic,
                 config.kv_events_encoding,
+                token_ids=config.kv_events_token_ids,
             )
             if config.kv_events_endpoint
             else None

@@ -40,6 +40,12 @@ def add_serve_parser(subparsers) -> None:
         help="also export vLLM's metric names (vllm:num_requests_running, ...) in /metrics, "
         "for routers and dashboards built for vLLM",
     )
+    p.add_argument(
+        "--kv-events-allow-remote",
+        action="store_true",
+        help="allow --kv-events-endpoint to bind a wildcard or non-loopback TCP address "
+        "while --api-key is set (events are unauthenticated: see docs/kv-events.md)",
+    )
     _add_limit_args(p)
     add_engine_args(p)
     add_ray_args(p)
@@ -114,6 +120,30 @@ def _check_limits(args: argparse.Namespace) -> None:
         raise SystemExit("--engine-stall-timeout and --admission-target-queue-time must be > 0")
     if args.admission_target_itl_ratio <= 1:
         raise SystemExit("--admission-target-itl-ratio must be > 1")
+    _check_kv_events_exposure(args)
+
+
+def _check_kv_events_exposure(args: argparse.Namespace) -> None:
+    """With API keys, KV events (which carry prompt token ids) must not be readable by
+    anyone who can reach a port: a wildcard bind needs --kv-events-allow-remote."""
+    from pagewarden.engine.kv_events import binds_remotely
+
+    endpoint = getattr(args, "kv_events_endpoint", None)
+    if args.api_key and endpoint and binds_remotely(endpoint):
+        if not args.kv_events_allow_remote:
+            raise SystemExit(
+                f"--kv-events-endpoint {endpoint} binds an address other machines can reach, "
+                "and KV events are not authenticated while --api-key is set: bind "
+                "tcp://127.0.0.1:PORT or ipc://PATH, add --kv-events-no-token-ids and "
+                "--kv-events-allow-remote to publish hashes only, or see docs/kv-events.md "
+                "for ZeroMQ CURVE"
+            )
+        if args.kv_events_token_ids:
+            logger.warning(
+                "pagewarden: KV events on %s carry prompt token ids to any subscriber; "
+                "--kv-events-no-token-ids sends hashes only",
+                endpoint,
+            )
 
 
 def _graceful_server(config):
