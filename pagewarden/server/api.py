@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 import pagewarden
 from pagewarden.engine.async_engine import AsyncEngine
 from pagewarden.metrics import prometheus
-from pagewarden.server.admin import add_admin_routes
+from pagewarden.server.admin import AdminPolicy, add_admin_routes
 from pagewarden.server.admission import AdmissionController, AdmissionGate, engine_capacity
 from pagewarden.server.chat import create_chat_completion
 from pagewarden.server.completions import create_completion
@@ -52,9 +52,12 @@ def build_app(
     limits: ServerLimits | None = None,
     admission: AdmissionController | None = None,
     vllm_metrics: bool = True,
+    admin: AdminPolicy | None = None,
 ) -> AdmissionGate:
     """The ASGI app (FastAPI behind the admission gate); the caller owns ``engine``.
-    ``vllm_metrics``: /metrics also exports the ``vllm:*`` twins of pagewarden's metrics."""
+    ``vllm_metrics``: /metrics also exports the ``vllm:*`` twins of pagewarden's metrics.
+    ``admin``: who may call /admin/* and /debug/* (default: the API keys, no rate limit;
+    ``pagewarden serve`` builds it from --admin-key, --host and the clean period)."""
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     limits = limits or ServerLimits(max_n=max_n, max_body_bytes=max_body_bytes)
     admission = admission or default_admission(engine)
@@ -65,8 +68,9 @@ def build_app(
     install_error_handlers(app)
     _add_info_routes(app, ctx, vllm_metrics)
     _add_generation_routes(app, ctx)
-    add_dashboard_routes(app, ctx)
-    add_admin_routes(app, ctx)
+    admin = admin or AdminPolicy()
+    add_dashboard_routes(app, ctx, admin)
+    add_admin_routes(app, ctx, admin)
     _document_request_bodies(app)
     return AdmissionGate(app, admission)
 

@@ -41,6 +41,13 @@ def add_serve_parser(subparsers) -> None:
         "for routers and dashboards built for vLLM",
     )
     p.add_argument(
+        "--admin-key",
+        action="append",
+        default=None,
+        help="the bearer key of /admin/* (and /debug/*); repeat for several. Without one "
+        "those routes answer only on a loopback-only server, under --api-key",
+    )
+    p.add_argument(
         "--kv-events-allow-remote",
         action="store_true",
         help="allow --kv-events-endpoint to bind a wildcard or non-loopback TCP address "
@@ -182,6 +189,7 @@ def _graceful_server(config):
 
 def _build_app(args: argparse.Namespace, engine, name: str):
     """The app with the front-door limits and admission control the flags ask for."""
+    from pagewarden.server.admin import AdminPolicy
     from pagewarden.server.api import build_app, default_admission
     from pagewarden.server.context import ServerLimits
 
@@ -204,7 +212,24 @@ def _build_app(args: argparse.Namespace, engine, name: str):
         limits=limits,
         admission=admission,
         vllm_metrics=args.vllm_metrics,
+        admin=AdminPolicy(
+            admin_keys=list(args.admin_key or []),
+            enabled=bool(args.admin_key) or is_loopback(args.host),
+            switch_interval_s=args.safe_mode_clean_period,
+        ),
     )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (as given to --host) listens on this machine's loopback only."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _serve_on_ray(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import json
 import time
 from pathlib import Path
 
@@ -29,7 +30,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
 from pagewarden.faults import remote
-from pagewarden.server.context import ServerContext
+from pagewarden.server.admin import AdminPolicy
+from pagewarden.server.context import ServerContext, read_body
 from pagewarden.server.dashboard_history import DashboardHistory, HistorySampler, profile_name
 from pagewarden.server.errors import APIError
 
@@ -44,7 +46,7 @@ FIRST_SNAPSHOT_WAIT_S = 1.0
 STATE_VERSION = 1
 
 
-def add_dashboard_routes(app: FastAPI, ctx: ServerContext) -> None:
+def add_dashboard_routes(app: FastAPI, ctx: ServerContext, admin: AdminPolicy) -> None:
     """Add /dashboard, /dashboard/static/*, /dashboard/state and, when fault injection
     is enabled (``faults/remote.py``), ``POST /debug/faults`` and ``POST /debug/pause``."""
     feed = _SnapshotFeed(ctx)
@@ -76,8 +78,9 @@ def add_dashboard_routes(app: FastAPI, ctx: ServerContext) -> None:
 
         @app.post("/debug/faults", include_in_schema=False)
         async def inject_fault(request: Request) -> Response:
-            ctx.authorize(request)
-            kind = (await request.json()).get("kind")
+            admin.authorize(ctx, request)
+            body = await _debug_body(ctx, request)
+            kind = body.get("kind")
             if not isinstance(kind, str):
                 raise APIError(400, 'send {"kind": "<fault kind>"} (faults/injector.py)')
             ctx.engine.send_debug(("inject", kind))
@@ -85,12 +88,28 @@ def add_dashboard_routes(app: FastAPI, ctx: ServerContext) -> None:
 
         @app.post("/debug/pause", include_in_schema=False)
         async def pause(request: Request) -> Response:
-            ctx.authorize(request)
-            seconds = (await request.json()).get("seconds")
-            if not isinstance(seconds, (int, float)) or not 0 < seconds <= remote.MAX_PAUSE_S:
+            admin.authorize(ctx, request)
+            seconds = (await _debug_body(ctx, request)).get("seconds")
+            if (
+                not isinstance(seconds, (int, float))
+                or isinstance(seconds, bool)
+                or not 0 < seconds <= remote.MAX_PAUSE_S
+            ):
                 raise APIError(400, f'send {{"seconds": s}} with 0 < s <= {remote.MAX_PAUSE_S:g}')
             ctx.engine.send_debug(("pause", float(seconds)))
             return JSONResponse({"paused_s": seconds}, 202)
+
+
+async def _debug_body(ctx: ServerContext, request: Request) -> dict:
+    """A debug route's body: a JSON object, else 400 (never a 500)."""
+    raw = await read_body(request, ctx.limits.max_body_bytes)
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        raise APIError(400, "the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
 
 
 def _authorize(ctx: ServerContext, request: Request) -> str | None:
