@@ -48,6 +48,19 @@ def add_serve_parser(subparsers) -> None:
         "those routes answer only on a loopback-only server, under --api-key",
     )
     p.add_argument(
+        "--allowed-hosts",
+        default=None,
+        metavar="NAMES",
+        help="comma-separated Host header names the server answers ('*': any); default: "
+        "the bind address and localhost, 127.0.0.1, [::1] when it listens on loopback, "
+        "any otherwise (a DNS-rebinding page arrives under its own name)",
+    )
+    p.add_argument(
+        "--enable-docs",
+        action="store_true",
+        help="serve FastAPI's /docs and /redoc (their pages load scripts from a CDN)",
+    )
+    p.add_argument(
         "--kv-events-allow-remote",
         action="store_true",
         help="allow --kv-events-endpoint to bind a wildcard or non-loopback TCP address "
@@ -191,6 +204,7 @@ def _build_app(args: argparse.Namespace, engine, name: str):
     """The app with the front-door limits and admission control the flags ask for."""
     from pagewarden.server.admin import AdminPolicy
     from pagewarden.server.api import build_app, default_admission
+    from pagewarden.server.browser_guard import default_allowed_hosts
     from pagewarden.server.context import ServerLimits
 
     limits = ServerLimits(
@@ -217,6 +231,12 @@ def _build_app(args: argparse.Namespace, engine, name: str):
             enabled=bool(args.admin_key) or is_loopback(args.host),
             switch_interval_s=args.safe_mode_clean_period,
         ),
+        allowed_hosts=(
+            default_allowed_hosts(args.host, is_loopback(args.host))
+            if args.allowed_hosts is None
+            else [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
+        ),
+        enable_docs=args.enable_docs,
     )
 
 
