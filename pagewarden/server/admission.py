@@ -27,10 +27,16 @@ of this process's CPU. Every other route passes through untouched.
     good, raise the ratio.
 
   Either over its target cuts the limit by a quarter; both under raise it by one. A
-  window where the limit did not bind leaves it alone: a slow first token there comes
+  window where the limit did not bind never cuts it: a slow first token there comes
   from a burst the engine is already holding (32 prompts arriving at once take about
   2.5 s to prefill on 2 cores), and a lower limit would only turn away requests the
   engine serves;
+- recovery: a window that is light (at most half the limit in flight at its peak, idle
+  included) halves the distance from the limit to capacity, and lets the ITL baseline
+  rise to the window's mean time per token where that is higher (by at most half per
+  window): what one client's burst taught the controller is forgotten within about
+  ``RECOVERY_S`` of light load, so the next client starts at capacity. Windows roll on
+  every gate call and engine report, so idle time counts too;
 - ``fixed_limit`` pins it (``--max-inflight-requests``); ``enabled=False`` turns the gate
   off (``--no-admission-control``).
 
@@ -59,6 +65,12 @@ MIN_ITL_TOKENS = 8
 #: Prompt + output tokens of a typical request, to turn the KV pool into a request count.
 TYPICAL_REQUEST_TOKENS = 512
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+#: A light window moves the limit this share of the way back to capacity, and the
+#: baseline up by at most this factor; from the minimum to capacity takes about
+#: ``RECOVERY_S`` of light load with the default 0.5 s window (the gap halves 6 times).
+RECOVERY_SHARE = 0.5
+BASELINE_RISE = 1.5
+RECOVERY_S = 3.0
 
 
 class AdmissionController:
@@ -97,6 +109,7 @@ class AdmissionController:
         self._rng = rng or random.Random()
         self._lock = threading.Lock()
         self._window_start = time.monotonic()
+        self._window_peak = 0  # most requests in flight at once in the window
         self._window_max_queue = 0.0
         self._window_saturated = False
         self._window_token_time = 0.0  # seconds streams waited for the window's tokens
@@ -107,10 +120,15 @@ class AdmissionController:
     # ---- the gate (event loop) -----------------------------------------------------
     def try_enter(self) -> bool:
         """Admit one generation request unless the limit is reached."""
+        now = time.monotonic()
+        if now - self._window_start >= self.window_s:
+            with self._lock:
+                self._roll_window(now)
         if self.enabled and self.in_flight >= self.limit:
             self.note_rejected()
             return False
         self.in_flight += 1
+        self._window_peak = max(self._window_peak, self.in_flight)
         return True
 
     def note_rejected(self) -> None:
@@ -154,17 +172,33 @@ class AdmissionController:
         if elapsed < self.window_s:
             return
         self._drain_rate = self._done_in_window / elapsed
+        light = not self._window_saturated and max(self._window_peak, self.in_flight) <= (
+            self.limit // 2
+        )
         itl = None
         if self._window_tokens >= MIN_ITL_TOKENS:
             itl = self._window_token_time / self._window_tokens
-            self.base_itl_s = itl if self.base_itl_s is None else min(self.base_itl_s, itl)
-        if not self.fixed and self._window_saturated:  # the limit only moves where it binds
+            if self.base_itl_s is None:
+                self.base_itl_s = itl
+            elif light:  # a light window's mean is what a token costs unloaded
+                self.base_itl_s = min(itl, self.base_itl_s * BASELINE_RISE)
+            else:
+                self.base_itl_s = min(self.base_itl_s, itl)
+        if not self.fixed and self._window_saturated:  # cut only where the limit binds
             slow_itl = itl is not None and itl > self.target_itl_ratio * self.base_itl_s
             if self._window_max_queue > self.target_queue_s or slow_itl:
                 self.limit = max(self.min_limit, math.floor(self.limit * 0.75))
             else:
                 self.limit = min(self.capacity, self.limit + 1)
+        # Windows in which nothing rolled (no request, no token: the engine sat idle) are
+        # light whenever what is in flight now is.
+        quiet = int(elapsed / self.window_s) - 1 if self.window_s > 0 else 0
+        quiet = min(64, quiet) if self.in_flight <= self.limit // 2 else 0
+        if not self.fixed and not self._window_saturated and (light or quiet > 0):
+            gap = (self.capacity - self.limit) * (1 - RECOVERY_SHARE) ** (light + quiet)
+            self.limit = self.capacity - math.floor(gap)
         self._window_start = now
+        self._window_peak = self.in_flight
         self._window_max_queue = 0.0
         self._window_saturated = False
         self._window_token_time = 0.0

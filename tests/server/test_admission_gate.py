@@ -7,6 +7,8 @@ import json
 import random
 import types
 
+import pytest
+
 from pagewarden.server import admission
 from pagewarden.server.admission import AdmissionController, AdmissionGate, engine_capacity
 
@@ -46,10 +48,9 @@ def test_limit_adapts_to_queue_time():
     assert ctl.limit == 9
     ctl.first_token(2.0)
     assert ctl.limit == 6
-    for _ in range(40):
+    for _ in range(34):  # answers drain to the limit: busy windows, the limit holds
         ctl.leave()
-    for _ in range(ctl.limit):
-        assert ctl.try_enter()
+    assert ctl.limit == 6 and ctl.in_flight == 6
     assert not ctl.try_enter()  # saturated ...
     ctl.first_token(0.1)  # ... and under the target: one more
     assert ctl.limit == 7
@@ -57,6 +58,14 @@ def test_limit_adapts_to_queue_time():
     for _ in range(100):
         ctl.first_token(10.0)
     assert ctl.limit == ctl.min_limit == 2
+    for _ in range(7):  # the load leaves: light windows climb back to capacity
+        ctl.leave()
+    assert ctl.in_flight == 0
+    climb = []
+    while ctl.limit < ctl.capacity and len(climb) < 10:
+        ctl.first_token(0.1)
+        climb.append(ctl.limit)
+    assert ctl.limit == 40 and len(climb) <= 7, climb  # halving the gap each window
 
 
 def test_limit_adapts_to_inter_token_latency(monkeypatch):
@@ -73,9 +82,11 @@ def test_limit_adapts_to_inter_token_latency(monkeypatch):
 
     window(0.02, 8)  # a light load: the baseline token gap, 20 ms
     assert ctl.base_itl_s == 0.02 and ctl.limit == 40
-    window(0.2, 39)  # slow tokens where the limit does not bind move nothing
-    assert ctl.limit == 40
-    for _ in range(40):
+    for _ in range(21):  # over half the limit in flight: not a light window ...
+        assert ctl.try_enter()
+    window(0.2, 39)  # ... slow tokens where the limit does not bind move nothing
+    assert ctl.limit == 40 and ctl.base_itl_s == 0.02
+    for _ in range(19):
         assert ctl.try_enter()
     assert not ctl.try_enter()  # the gate is full ...
     window(0.06, 8)  # ... and tokens come 3x slower than the baseline: cut
@@ -193,3 +204,37 @@ def test_fast_reject_protocol_answers_at_the_parser_and_keeps_the_connection():
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_an_idle_engine_forgets_a_burst_within_the_recovery_time(monkeypatch):
+    """One client's abandoned burst cut the limit to the floor; nothing happens for
+    RECOVERY_S; the next client's first request finds the limit back at capacity and a
+    16-stream load under it is never refused."""
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(admission.time, "monotonic", lambda: clock.now)
+    ctl = AdmissionController(64, target_queue_s=2.0, window_s=0.5)
+    for _ in range(64):
+        assert ctl.try_enter()
+    for _ in range(60):  # a saturated, slow burst
+        assert not ctl.try_enter()
+        ctl.first_token(10.0)
+        clock.now += 0.5
+    assert ctl.limit == ctl.min_limit
+    for _ in range(64):  # the client hangs up: its streams are aborted and answered
+        ctl.leave()
+    clock.now += admission.RECOVERY_S  # idle: no event at all
+    accepted = sum(ctl.try_enter() for _ in range(16))
+    assert accepted == 16 and ctl.limit >= 60
+
+
+def test_the_itl_baseline_rises_back_after_light_windows(monkeypatch):
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(admission.time, "monotonic", lambda: clock.now)
+    ctl = AdmissionController(40, window_s=1.0)
+    for gap in (0.005, 0.02, 0.02, 0.02, 0.02, 0.02):
+        for _ in range(10):
+            ctl.inter_token(gap)
+        clock.now += 1.0
+        ctl.inter_token(gap)
+    # One unusually fast window set the baseline; light windows at 20 ms raise it back.
+    assert ctl.base_itl_s == pytest.approx(0.02, rel=0.1)
