@@ -23,7 +23,12 @@ import pagewarden
 from pagewarden.engine.async_engine import AsyncEngine
 from pagewarden.metrics import prometheus
 from pagewarden.server.admin import AdminPolicy, add_admin_routes
-from pagewarden.server.admission import AdmissionController, AdmissionGate, engine_capacity
+from pagewarden.server.admission import (
+    BODY_TIMEOUT_S,
+    AdmissionController,
+    AdmissionGate,
+    engine_capacity,
+)
 from pagewarden.server.browser_guard import BrowserGuard
 from pagewarden.server.chat import create_chat_completion
 from pagewarden.server.completions import create_completion
@@ -57,6 +62,8 @@ def build_app(
     admin: AdminPolicy | None = None,
     allowed_hosts: Iterable[str] | None = None,
     enable_docs: bool = False,
+    body_timeout_s: float = BODY_TIMEOUT_S,
+    max_inflight_per_key: int | None = None,
 ) -> AdmissionGate:
     """The ASGI app (FastAPI behind the admission gate); the caller owns ``engine``.
     ``vllm_metrics``: /metrics also exports the ``vllm:*`` twins of pagewarden's metrics.
@@ -64,7 +71,8 @@ def build_app(
     ``pagewarden serve`` builds it from --admin-key, --host and the clean period).
     ``allowed_hosts``: the Host allow-list (None: any; ``browser_guard.py``); POSTs must
     be JSON either way. ``enable_docs``: FastAPI's /docs and /redoc, whose pages load
-    their scripts from a CDN (off by default; /openapi.json is always served)."""
+    their scripts from a CDN (off by default; /openapi.json is always served).
+    ``body_timeout_s``, ``max_inflight_per_key``: see ``AdmissionGate``."""
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     limits = limits or ServerLimits(max_n=max_n, max_body_bytes=max_body_bytes)
     admission = admission or default_admission(engine)
@@ -80,7 +88,13 @@ def build_app(
     add_dashboard_routes(app, ctx, admin)
     add_admin_routes(app, ctx, admin)
     _document_request_bodies(app)
-    return AdmissionGate(BrowserGuard(app, allowed_hosts), admission)
+    return AdmissionGate(
+        BrowserGuard(app, allowed_hosts),
+        admission,
+        max_body_bytes=limits.max_body_bytes,
+        body_timeout_s=body_timeout_s,
+        max_inflight_per_key=max_inflight_per_key,
+    )
 
 
 def _add_info_routes(app: FastAPI, ctx: ServerContext, vllm_metrics: bool) -> None:

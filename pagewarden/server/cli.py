@@ -10,6 +10,8 @@ import logging
 import signal
 import threading
 
+from pagewarden.server.admission import BODY_TIMEOUT_S
+
 logger = logging.getLogger("pagewarden.server")
 
 
@@ -116,6 +118,21 @@ def _add_limit_args(p) -> None:
         default=None,
         help="429 when this many prompt tokens wait in the engine (default: no limit)",
     )
+    p.add_argument(
+        "--max-inflight-per-key",
+        type=int,
+        default=None,
+        help="most generation requests one API key may have in flight (default: a fair "
+        "share, the admission limit divided by the keys with requests in flight)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=BODY_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a generation request's body must arrive within this long (408 otherwise); "
+        "no admission slot is held while it arrives",
+    )
     p.add_argument("--max-logprobs", type=int, default=20, help="as vLLM's (default 20)")
     p.add_argument("--max-n", type=int, default=8, help="largest n per request")
     p.add_argument(
@@ -132,10 +149,18 @@ def _add_limit_args(p) -> None:
 
 
 def _check_limits(args: argparse.Namespace) -> None:
-    for name in ("max_logprobs", "max_n", "max_prompts_per_request", "max_inflight_requests"):
+    for name in (
+        "max_logprobs",
+        "max_n",
+        "max_prompts_per_request",
+        "max_inflight_requests",
+        "max_inflight_per_key",
+    ):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "max_logprobs" else 1):
             raise SystemExit(f"--{name.replace('_', '-')} is out of range: {value}")
+    if args.body_timeout <= 0:
+        raise SystemExit("--body-timeout must be > 0")
     if args.engine_stall_timeout <= 0 or args.admission_target_queue_time <= 0:
         raise SystemExit("--engine-stall-timeout and --admission-target-queue-time must be > 0")
     if args.admission_target_itl_ratio <= 1:
@@ -237,6 +262,8 @@ def _build_app(args: argparse.Namespace, engine, name: str):
             else [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
         ),
         enable_docs=args.enable_docs,
+        body_timeout_s=args.body_timeout,
+        max_inflight_per_key=args.max_inflight_per_key,
     )
 
 

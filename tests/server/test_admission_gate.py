@@ -125,13 +125,18 @@ def test_gate_answers_429_without_reading_the_body():
 
     async def app(scope, receive, send):
         calls.append(scope["path"])
+        if scope["method"] == "POST":  # the body the gate read comes to the app intact
+            assert await receive() == {"type": "http.request", "body": b"{}", "more_body": False}
 
     ctl = AdmissionController(4, fixed_limit=1)
     gate = AdmissionGate(app, ctl)
     sent: list[dict] = []
 
     async def receive():
-        raise AssertionError("the gate must not read the body")
+        # Under the limit the gate reads the body before taking a slot; at the limit never.
+        assert ctl.in_flight < ctl.limit, "the gate must not read the body at the limit"
+        assert not calls, "read by the gate before the app runs"
+        return {"type": "http.request", "body": b"{}", "more_body": False}
 
     async def send(msg):
         sent.append(msg)
@@ -238,3 +243,110 @@ def test_the_itl_baseline_rises_back_after_light_windows(monkeypatch):
         ctl.inter_token(gap)
     # One unusually fast window set the baseline; light windows at 20 ms raise it back.
     assert ctl.base_itl_s == pytest.approx(0.02, rel=0.1)
+
+
+def _drive(gate, scopes_and_bodies):
+    """Run the gate on (scope, receive) pairs concurrently; returns the statuses sent."""
+    statuses: list[int] = []
+
+    async def one(scope, receive):
+        async def send(msg):
+            if msg["type"] == "http.response.start":
+                statuses.append(msg["status"])
+
+        await gate(scope, receive, send)
+
+    async def run():
+        await asyncio.gather(*(one(s, r) for s, r in scopes_and_bodies))
+
+    asyncio.run(run())
+    return statuses
+
+
+def _scope(key: bytes = b"") -> dict:
+    headers = [(b"authorization", key)] if key else []
+    return {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}
+
+
+def test_a_slow_body_holds_no_slot_and_times_out_with_408():
+    held = []
+
+    async def app(scope, receive, send):
+        held.append(ctl.in_flight)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    ctl = AdmissionController(4, fixed_limit=1)
+    gate = AdmissionGate(app, ctl, body_timeout_s=0.2)
+
+    async def trickle():  # the first byte, then nothing
+        if not hasattr(trickle, "sent"):
+            trickle.sent = True
+            return {"type": "http.request", "body": b"{", "more_body": True}
+        await asyncio.sleep(10)
+
+    async def whole():
+        await asyncio.sleep(0.05)  # arrives while the trickler is mid-body
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    statuses = _drive(gate, [(_scope(), trickle), (_scope(), whole)])
+    # The complete request got the one slot; the trickler never held it and got 408.
+    assert sorted(statuses) == [200, 408] and held == [1] and ctl.in_flight == 0
+
+
+def test_a_body_over_the_limit_is_413_before_any_slot():
+    async def app(scope, receive, send):
+        raise AssertionError("never routed")
+
+    ctl = AdmissionController(4, fixed_limit=2)
+    gate = AdmissionGate(app, ctl, max_body_bytes=10)
+
+    async def big():
+        return {"type": "http.request", "body": b"x" * 11, "more_body": False}
+
+    assert _drive(gate, [(_scope(), big)]) == [413] and ctl.in_flight == 0
+
+
+def test_one_key_cannot_take_another_keys_share():
+    release = asyncio.Event
+    events: dict[str, object] = {}
+
+    async def app(scope, receive, send):
+        await events["go"].wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    ctl = AdmissionController(8, fixed_limit=8)
+    gate = AdmissionGate(app, ctl)
+
+    async def body():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def run():
+        events["go"] = release()
+        statuses: dict[bytes, list[int]] = {b"Bearer a": [], b"Bearer b": []}
+
+        async def one(key):
+            async def send(msg):
+                if msg["type"] == "http.response.start":
+                    statuses[key].append(msg["status"])
+
+            await gate(_scope(key), body, send)
+
+        flood = [asyncio.create_task(one(b"Bearer a")) for _ in range(20)]
+        await asyncio.sleep(0.05)  # key a alone: it may use the whole limit
+        assert gate.per_key == {b"Bearer a": 8} and statuses[b"Bearer a"].count(429) == 12
+        events["go"].set()
+        await asyncio.gather(*flood)
+        events["go"] = release()
+        first = [asyncio.create_task(one(b"Bearer b")) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        second = [asyncio.create_task(one(b"Bearer a")) for _ in range(20)]
+        await asyncio.sleep(0.05)
+        # With b in flight, a's share is half the limit: b's requests were all admitted.
+        assert gate.per_key == {b"Bearer b": 2, b"Bearer a": 4}
+        events["go"].set()
+        await asyncio.gather(*first, *second)
+        assert statuses[b"Bearer b"] == [200, 200] and statuses[b"Bearer a"].count(429) == 28
+
+    asyncio.run(run())
