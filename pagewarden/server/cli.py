@@ -11,6 +11,7 @@ import signal
 import threading
 
 from pagewarden.server.admission import BODY_TIMEOUT_S
+from pagewarden.server.fast_reject import HEADER_TIMEOUT_S
 
 logger = logging.getLogger("pagewarden.server")
 
@@ -133,6 +134,13 @@ def _add_limit_args(p) -> None:
         help="a generation request's body must arrive within this long (408 otherwise); "
         "no admission slot is held while it arrives",
     )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=HEADER_TIMEOUT_S,
+        metavar="SECONDS",
+        help="close a connection whose request line and headers take longer than this",
+    )
     p.add_argument("--max-logprobs", type=int, default=20, help="as vLLM's (default 20)")
     p.add_argument("--max-n", type=int, default=8, help="largest n per request")
     p.add_argument(
@@ -159,8 +167,8 @@ def _check_limits(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < (0 if name == "max_logprobs" else 1):
             raise SystemExit(f"--{name.replace('_', '-')} is out of range: {value}")
-    if args.body_timeout <= 0:
-        raise SystemExit("--body-timeout must be > 0")
+    if args.body_timeout <= 0 or args.header_timeout <= 0:
+        raise SystemExit("--body-timeout and --header-timeout must be > 0")
     if args.engine_stall_timeout <= 0 or args.admission_target_queue_time <= 0:
         raise SystemExit("--engine-stall-timeout and --admission-target-queue-time must be > 0")
     if args.admission_target_itl_ratio <= 1:
@@ -319,7 +327,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     gc.freeze()
     app = _build_app(args, engine, name)
     # 429s straight from the HTTP parser where uvicorn allows it (see fast_reject.py).
-    http = reject_fast_protocol(app.controller, app) if fast_reject_available() else "auto"
+    http = (
+        reject_fast_protocol(app.controller, app, args.header_timeout)
+        if fast_reject_available()
+        else "auto"
+    )
     server = _graceful_server(
         uvicorn.Config(
             app,

@@ -350,3 +350,47 @@ def test_one_key_cannot_take_another_keys_share():
         assert statuses[b"Bearer b"] == [200, 200] and statuses[b"Bearer a"].count(429) == 28
 
     asyncio.run(run())
+
+
+def test_half_sent_headers_are_closed_at_the_deadline():
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from pagewarden.server.fast_reject import reject_fast_protocol
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    ctl = AdmissionController(4)
+    gate = AdmissionGate(app, ctl)
+    proto = reject_fast_protocol(ctl, gate, header_timeout_s=0.5)
+    server = uvicorn.Server(uvicorn.Config(gate, http=proto, port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        slow = []
+        for i in range(40):
+            s = socket.create_connection(("127.0.0.1", port))
+            if i % 2:  # half send part of a request, half nothing at all
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
+            slow.append(s)
+        with socket.create_connection(("127.0.0.1", port)) as ok:  # a whole one is served
+            ok.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert ok.recv(1024).startswith(b"HTTP/1.1 200")
+        time.sleep(1.5)
+        for s in slow:
+            s.settimeout(2)
+            assert s.recv(1024) == b""  # closed by the server
+            s.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)
