@@ -264,12 +264,18 @@ def _add_chaos_parser(sub) -> None:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from pagewarden.faults.metadata_faults import METADATA_FAULTS
-    from pagewarden.sched.replay import load_record, replay
+    from pagewarden.sched.replay import FlightRecordError, load_record, replay
 
-    record = load_record(args.file)
-    h = record.header
-    print(f"flight record {args.file}: {h['reason']} ({h['created']}, pid {h['pid']})")
-    result = replay(record, METADATA_FAULTS)
+    try:
+        record = load_record(args.file)
+        h = record.header
+        print(
+            f"flight record {args.file}: {h.get('reason')} ({h.get('created')}, pid {h.get('pid')})"
+        )
+        result = replay(record, METADATA_FAULTS)
+    except (FlightRecordError, OSError) as exc:
+        print(f"pagewarden replay: {exc}", file=sys.stderr)
+        return 2
     ops = f"{result.num_steps} step entries, {result.num_ops} scheduler calls"
     if result.divergence is None:
         print(f"replayed steps {result.first_step}..{result.last_step} ({ops}): no divergence")

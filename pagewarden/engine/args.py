@@ -163,6 +163,13 @@ def _add_kv_events_args(parser: argparse.ArgumentParser, d: EngineConfig) -> Non
 def _add_safe_mode_args(parser: argparse.ArgumentParser, d: EngineConfig) -> None:
     """Engine profiles and the automatic switch to the safe one."""
     parser.add_argument(
+        "--kv-events-no-token-ids",
+        dest="kv_events_token_ids",
+        action="store_false",
+        help="send BlockStored events without their token ids (block hashes only, all a "
+        "prefix-aware router needs): a subscriber can then not read prompts",
+    )
+    parser.add_argument(
         "--profile",
         default=d.profile,
         help="engine profile to start in: normal (as configured), safe, or one of "

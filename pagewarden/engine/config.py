@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass
 
 import torch
 
 from pagewarden.engine.profiles import ProfileError, SafeModePolicy
 from pagewarden.kernels.backend import AttentionBackendError, check_backend, default_backend
+from pagewarden.private_dir import user_state_dir
 from pagewarden.sched.config import MIN_MAX_MODEL_LEN
 from pagewarden.worker.cpu_threads import CpuBindError, parse_cpu_list
 from pagewarden.worker.device import DeviceError, resolve_device
@@ -28,7 +27,7 @@ _DTYPES = {
 }
 
 #: Where flight records go unless told (logged with every write).
-DEFAULT_FLIGHT_RECORDER_DIR = os.path.join(tempfile.gettempdir(), "pagewarden-flight-records")
+DEFAULT_FLIGHT_RECORDER_DIR = str(user_state_dir() / "flight-records")  # created 0700
 
 #: KV budget when neither ``kv_cache_memory`` nor ``num_kv_blocks`` is given.
 DEFAULT_KV_CACHE_MEMORY = "1GiB"
@@ -77,6 +76,7 @@ class EngineConfig:
     kv_events_endpoint: str | None = None
     kv_events_topic: str = ""
     kv_events_encoding: str = "array"
+    kv_events_token_ids: bool = True  # False: hashes only (what routers need)
     # Engine profiles (engine/profiles.py): the one to start in, user-defined ones, and
     # automatic rollback to "safe" after safe_mode_faults faults within safe_mode_window
     # seconds (or an unrecoverable fault, or a failed audit), back after

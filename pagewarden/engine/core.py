@@ -149,6 +149,7 @@ class EngineCore:
             config.block_size,
             config.kv_events_topic,
             config.kv_events_encoding,
+            token_ids=config.kv_events_token_ids,
         )
         self.scheduler.kv.pool.take_cache_events()  # start recording
         logger.info(

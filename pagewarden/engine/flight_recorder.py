@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from pagewarden.kv.block_pool import BlockTrace
+from pagewarden.private_dir import create_private_file, ensure_private_dir
 from pagewarden.sched import snapshot
 from pagewarden.sched.journal import RECORD_FORMAT, RECORD_VERSION, encode
 from pagewarden.sched.scheduler import Scheduler
@@ -56,6 +57,11 @@ INTEGRITY_FIELDS = (
     "slot_verifies",
     "scrubbed_blocks",
 )
+
+#: The records a directory keeps: past either cap the oldest of this recorder's kind
+#: (``flight-*.jsonl``) are deleted after each write, so nothing grows without bound.
+MAX_RECORD_FILES = 64
+MAX_RECORD_BYTES = 256 * 1024 * 1024
 
 
 def integrity_counts(monitor: Any) -> tuple[int, ...]:
@@ -141,12 +147,15 @@ class FlightRecorder:
         directory: str | Path,
         counts: Callable[[], tuple[int, ...]],
         info: dict[str, Any] | None = None,
+        max_files: int = MAX_RECORD_FILES,
+        max_bytes: int = MAX_RECORD_BYTES,
     ) -> None:
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self.scheduler = scheduler
         self.num_steps = num_steps
         self.directory = Path(directory)
+        self.max_files, self.max_bytes = max_files, max_bytes
         self.info = info or {}
         self.profile: str | None = None
         self.cooldown = max(1, num_steps // 2)
@@ -263,6 +272,26 @@ class FlightRecorder:
             return path
         return self._write(path, header, checkpoint, entries)
 
+    def _prune(self) -> None:
+        """Delete the oldest records past ``max_files`` or ``max_bytes`` (never the newest)."""
+        try:
+            records = sorted(
+                (p.stat().st_mtime, p.name, p.stat().st_size, p)
+                for p in self.directory.glob("flight-*.jsonl")
+                if p.is_file() and not p.is_symlink()
+            )
+        except OSError:
+            return
+        total = sum(size for _, _, size, _ in records)
+        while len(records) > 1 and (len(records) > self.max_files or total > self.max_bytes):
+            _, _, size, oldest = records.pop(0)
+            try:
+                oldest.unlink()
+            except OSError:
+                pass
+            total -= size
+            logger.info("flight recorder: deleted %s (over the directory's caps)", oldest.name)
+
     def _write(
         self,
         path: Path,
@@ -272,9 +301,9 @@ class FlightRecorder:
     ) -> Path | None:
         t0 = time.perf_counter()
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            ensure_private_dir(self.directory)  # 0700, ours: records hold prompt token ids
             tmp = path.with_suffix(".tmp")
-            with open(tmp, "w", encoding="utf-8") as f:
+            with create_private_file(tmp) as f:  # 0600, O_EXCL | O_NOFOLLOW
                 f.write(json.dumps(header) + "\n")
                 f.write(
                     json.dumps(
@@ -289,6 +318,7 @@ class FlightRecorder:
             logger.error("flight recorder: could not write %s: %r", path, exc)
             return None
         self.dumps.append(path)
+        self._prune()
         logger.warning(
             "flight recorder: steps %d..%d written to %s (%s; %.0f ms); replay with "
             "`pagewarden replay %s`",

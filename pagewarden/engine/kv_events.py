@@ -69,12 +69,14 @@ def prompt_block_hashes(
     return [external_hash(h) for h in hash_block_chain(token_ids, block_size, extra)]
 
 
-def _stored(run: list[BlockStored], block_size: int, encoding: KVEventEncoding) -> list | dict:
+def _stored(
+    run: list[BlockStored], block_size: int, encoding: KVEventEncoding, token_ids: bool
+) -> list | dict:
     parent = run[0].parent_hash
     fields = (
         ("block_hashes", [external_hash(e.block_hash) for e in run]),
         ("parent_block_hash", None if parent is None else external_hash(parent)),
-        ("token_ids", [t for e in run for t in e.token_ids]),
+        ("token_ids", [t for e in run for t in e.token_ids] if token_ids else []),
         ("block_size", block_size),
         ("lora_id", None),
         ("medium", MEDIUM),
@@ -90,17 +92,21 @@ def _event(tag: str, fields: tuple, encoding: KVEventEncoding) -> list | dict:
 
 
 def wire_events(
-    events: Sequence[CacheEvent], block_size: int, encoding: KVEventEncoding = "array"
+    events: Sequence[CacheEvent],
+    block_size: int,
+    encoding: KVEventEncoding = "array",
+    token_ids: bool = True,
 ) -> list:
     """The pool's events as vLLM's, in order; consecutive stores of one chain (each the
-    parent of the next) and consecutive removals are merged into one event each."""
+    parent of the next) and consecutive removals are merged into one event each. Without
+    ``token_ids`` a BlockStored carries an empty token list (hashes only)."""
     out: list = []
     run: list[BlockStored] = []
     removed: list[int] = []
 
     def flush() -> None:
         if run:
-            out.append(_stored(run, block_size, encoding))
+            out.append(_stored(run, block_size, encoding, token_ids))
             run.clear()
         if removed:
             fields = (("block_hashes", list(removed)), ("medium", MEDIUM))
@@ -135,6 +141,7 @@ class KVEventPublisher:
         encoding: str = "array",
         data_parallel_rank: int = 0,
         linger_s: float = 1.0,
+        token_ids: bool = True,
     ) -> None:
         try:
             import msgspec
@@ -148,6 +155,7 @@ class KVEventPublisher:
             raise ValueError(f"KV event encoding must be 'array' or 'map', got {encoding!r}")
         self.endpoint = endpoint
         self.block_size = block_size
+        self.token_ids = token_ids
         self.encoding: KVEventEncoding = "map" if encoding == "map" else "array"
         self._topic = topic.encode("utf-8")
         self._rank = data_parallel_rank
@@ -183,7 +191,7 @@ class KVEventPublisher:
     def publish(self, events: Sequence[CacheEvent]) -> None:
         """Send ``events`` as one EventBatch (nothing when there are none)."""
         if events:
-            wire = wire_events(events, self.block_size, self.encoding)
+            wire = wire_events(events, self.block_size, self.encoding, self.token_ids)
             if self._clear is not None:
                 wire, self._clear = self._clear + wire, None
             self._send(wire)
@@ -199,6 +207,15 @@ class KVEventPublisher:
 
     def close(self) -> None:
         self._socket.close()
+
+
+def binds_remotely(endpoint: str) -> bool:
+    """Whether the endpoint binds a TCP socket that other machines can reach (a wildcard
+    or a non-loopback address): then anyone who can connect reads the events."""
+    if not endpoint.startswith("tcp://") or not _binds(endpoint):
+        return False
+    host = endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    return host not in ("127.0.0.1", "localhost", "::1")
 
 
 def _binds(endpoint: str) -> bool:

@@ -87,11 +87,30 @@ class ReplayResult:
     divergence: Divergence | None
 
 
+#: A record larger than this is refused before it is read (the engine's own records are
+#: capped far below it: engine/flight_recorder.py).
+MAX_RECORD_FILE_BYTES = 1 << 30
+#: Sizes a checkpoint may claim; the scheduler it restores allocates one object per block.
+MAX_REPLAY_BLOCKS = 1 << 20
+MAX_REPLAY_HOST_BLOCKS = 1 << 20
+
+
 def load_record(path: str | Path) -> FlightRecord:
-    """Read a flight record file; raises ``FlightRecordError`` on a foreign format."""
-    with open(path, encoding="utf-8") as f:
-        lines = [json.loads(line) for line in f if line.strip()]
-    if not lines or lines[0].get("format") != RECORD_FORMAT:
+    """Read a flight record file; raises ``FlightRecordError`` on anything that is not a
+    well-formed record of this version, before allocating what it describes."""
+    size = Path(path).stat().st_size
+    if size > MAX_RECORD_FILE_BYTES:
+        raise FlightRecordError(
+            f"{path} is {size} bytes; flight records are at most {MAX_RECORD_FILE_BYTES}"
+        )
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [json.loads(line) for line in f if line.strip()]
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise FlightRecordError(f"{path} is not a pagewarden flight record ({exc})") from None
+    if not lines or not all(isinstance(line, dict) for line in lines):
+        raise FlightRecordError(f"{path} is not a pagewarden flight record")
+    if lines[0].get("format") != RECORD_FORMAT:
         raise FlightRecordError(f"{path} is not a pagewarden flight record")
     header = lines[0]
     if header.get("version") != RECORD_VERSION:
@@ -101,18 +120,46 @@ def load_record(path: str | Path) -> FlightRecord:
         )
     if len(lines) < 2 or lines[1].get("type") != "checkpoint":
         raise FlightRecordError(f"{path}: the second line must be the checkpoint")
+    _check_sizes(path, lines[1].get("state"))
     steps = [line for line in lines[2:] if line.get("type") == "step"]
+    if not all(isinstance(s.get("ops"), list) and isinstance(s.get("step"), int) for s in steps):
+        raise FlightRecordError(f"{path}: a step entry lacks its step number or ops")
     return FlightRecord(header, lines[1]["state"], steps)
 
 
+def _check_sizes(path: str | Path, state: Any) -> None:
+    """The checkpoint's claimed pool sizes are within limits and match what it holds."""
+    try:
+        config, blocks = state["config"], state["kv"]["blocks"]
+        num_blocks = config["num_blocks"]
+        num_host = config.get("num_host_blocks", 0)
+    except (KeyError, TypeError):
+        raise FlightRecordError(f"{path}: the checkpoint lacks its config or blocks") from None
+    for name, value, limit in (
+        ("num_blocks", num_blocks, MAX_REPLAY_BLOCKS),
+        ("num_host_blocks", num_host, MAX_REPLAY_HOST_BLOCKS),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= limit:
+            raise FlightRecordError(f"{path}: checkpoint {name} {value!r} is not in 0..{limit}")
+    if not isinstance(blocks, list) or len(blocks) != num_blocks:
+        raise FlightRecordError(
+            f"{path}: the checkpoint claims {num_blocks} blocks and holds "
+            f"{len(blocks) if isinstance(blocks, list) else 'no list of'} blocks"
+        )
+
+
 def replay(record: FlightRecord, external: ExternalOps | None = None) -> ReplayResult:
-    """Replay ``record`` from its checkpoint; the result names the first divergence."""
-    sched = snapshot.restore(record.checkpoint)
+    """Replay ``record`` from its checkpoint; the result names the first divergence.
+    A record whose contents do not fit together raises ``FlightRecordError``."""
+    try:
+        sched = snapshot.restore(record.checkpoint)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        raise FlightRecordError(f"the checkpoint cannot be restored: {exc!r}") from None
     player = _Player(sched, external or {})
     divergence = None
     num_ops = 0
     for entry in record.steps:
-        divergence = player.play_step(entry)
+        divergence = player.play_step(entry)  # an op that raises is a divergence
         num_ops += len(entry["ops"])
         if divergence is not None:
             break

@@ -10,6 +10,9 @@ import logging
 import signal
 import threading
 
+from pagewarden.server.admission import BODY_TIMEOUT_S
+from pagewarden.server.fast_reject import HEADER_TIMEOUT_S
+
 logger = logging.getLogger("pagewarden.server")
 
 
@@ -39,6 +42,32 @@ def add_serve_parser(subparsers) -> None:
         default=True,
         help="also export vLLM's metric names (vllm:num_requests_running, ...) in /metrics, "
         "for routers and dashboards built for vLLM",
+    )
+    p.add_argument(
+        "--admin-key",
+        action="append",
+        default=None,
+        help="the bearer key of /admin/* (and /debug/*); repeat for several. Without one "
+        "those routes answer only on a loopback-only server, under --api-key",
+    )
+    p.add_argument(
+        "--allowed-hosts",
+        default=None,
+        metavar="NAMES",
+        help="comma-separated Host header names the server answers ('*': any); default: "
+        "the bind address and localhost, 127.0.0.1, [::1] when it listens on loopback, "
+        "any otherwise (a DNS-rebinding page arrives under its own name)",
+    )
+    p.add_argument(
+        "--enable-docs",
+        action="store_true",
+        help="serve FastAPI's /docs and /redoc (their pages load scripts from a CDN)",
+    )
+    p.add_argument(
+        "--kv-events-allow-remote",
+        action="store_true",
+        help="allow --kv-events-endpoint to bind a wildcard or non-loopback TCP address "
+        "while --api-key is set (events are unauthenticated: see docs/kv-events.md)",
     )
     _add_limit_args(p)
     add_engine_args(p)
@@ -90,6 +119,28 @@ def _add_limit_args(p) -> None:
         default=None,
         help="429 when this many prompt tokens wait in the engine (default: no limit)",
     )
+    p.add_argument(
+        "--max-inflight-per-key",
+        type=int,
+        default=None,
+        help="most generation requests one API key may have in flight (default: a fair "
+        "share, the admission limit divided by the keys with requests in flight)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=BODY_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a generation request's body must arrive within this long (408 otherwise); "
+        "no admission slot is held while it arrives",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=HEADER_TIMEOUT_S,
+        metavar="SECONDS",
+        help="close a connection whose request line and headers take longer than this",
+    )
     p.add_argument("--max-logprobs", type=int, default=20, help="as vLLM's (default 20)")
     p.add_argument("--max-n", type=int, default=8, help="largest n per request")
     p.add_argument(
@@ -106,14 +157,46 @@ def _add_limit_args(p) -> None:
 
 
 def _check_limits(args: argparse.Namespace) -> None:
-    for name in ("max_logprobs", "max_n", "max_prompts_per_request", "max_inflight_requests"):
+    for name in (
+        "max_logprobs",
+        "max_n",
+        "max_prompts_per_request",
+        "max_inflight_requests",
+        "max_inflight_per_key",
+    ):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "max_logprobs" else 1):
             raise SystemExit(f"--{name.replace('_', '-')} is out of range: {value}")
+    if args.body_timeout <= 0 or args.header_timeout <= 0:
+        raise SystemExit("--body-timeout and --header-timeout must be > 0")
     if args.engine_stall_timeout <= 0 or args.admission_target_queue_time <= 0:
         raise SystemExit("--engine-stall-timeout and --admission-target-queue-time must be > 0")
     if args.admission_target_itl_ratio <= 1:
         raise SystemExit("--admission-target-itl-ratio must be > 1")
+    _check_kv_events_exposure(args)
+
+
+def _check_kv_events_exposure(args: argparse.Namespace) -> None:
+    """With API keys, KV events (which carry prompt token ids) must not be readable by
+    anyone who can reach a port: a wildcard bind needs --kv-events-allow-remote."""
+    from pagewarden.engine.kv_events import binds_remotely
+
+    endpoint = getattr(args, "kv_events_endpoint", None)
+    if args.api_key and endpoint and binds_remotely(endpoint):
+        if not args.kv_events_allow_remote:
+            raise SystemExit(
+                f"--kv-events-endpoint {endpoint} binds an address other machines can reach, "
+                "and KV events are not authenticated while --api-key is set: bind "
+                "tcp://127.0.0.1:PORT or ipc://PATH, add --kv-events-no-token-ids and "
+                "--kv-events-allow-remote to publish hashes only, or see docs/kv-events.md "
+                "for ZeroMQ CURVE"
+            )
+        if args.kv_events_token_ids:
+            logger.warning(
+                "pagewarden: KV events on %s carry prompt token ids to any subscriber; "
+                "--kv-events-no-token-ids sends hashes only",
+                endpoint,
+            )
 
 
 def _graceful_server(config):
@@ -152,7 +235,9 @@ def _graceful_server(config):
 
 def _build_app(args: argparse.Namespace, engine, name: str):
     """The app with the front-door limits and admission control the flags ask for."""
+    from pagewarden.server.admin import AdminPolicy
     from pagewarden.server.api import build_app, default_admission
+    from pagewarden.server.browser_guard import default_allowed_hosts
     from pagewarden.server.context import ServerLimits
 
     limits = ServerLimits(
@@ -174,7 +259,32 @@ def _build_app(args: argparse.Namespace, engine, name: str):
         limits=limits,
         admission=admission,
         vllm_metrics=args.vllm_metrics,
+        admin=AdminPolicy(
+            admin_keys=list(args.admin_key or []),
+            enabled=bool(args.admin_key) or is_loopback(args.host),
+            switch_interval_s=args.safe_mode_clean_period,
+        ),
+        allowed_hosts=(
+            default_allowed_hosts(args.host, is_loopback(args.host))
+            if args.allowed_hosts is None
+            else [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
+        ),
+        enable_docs=args.enable_docs,
+        body_timeout_s=args.body_timeout,
+        max_inflight_per_key=args.max_inflight_per_key,
     )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (as given to --host) listens on this machine's loopback only."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _serve_on_ray(args: argparse.Namespace) -> int:
@@ -217,7 +327,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     gc.freeze()
     app = _build_app(args, engine, name)
     # 429s straight from the HTTP parser where uvicorn allows it (see fast_reject.py).
-    http = reject_fast_protocol(app.controller, app) if fast_reject_available() else "auto"
+    http = (
+        reject_fast_protocol(app.controller, app, args.header_timeout)
+        if fast_reject_available()
+        else "auto"
+    )
     server = _graceful_server(
         uvicorn.Config(
             app,

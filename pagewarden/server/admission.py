@@ -6,6 +6,14 @@ answered) with the current limit; past it, it answers 429 itself from pre-encode
 without routing, parsing or tokenizing, so a rejected request costs a few microseconds
 of this process's CPU. Every other route passes through untouched.
 
+A request under the limit takes its slot only once its whole body has arrived: the gate
+reads the body first, within ``body_timeout_s`` (408 and the connection closed past it;
+413 past ``max_body_bytes``), so a client trickling bodies on many connections holds no
+slot. The slot is then taken if the limit and the key's share allow: each API key (the
+``Authorization`` header) may hold at most ``max_inflight_per_key`` slots, by default a
+fair share of the limit, ``ceil(limit / keys with requests in flight)`` (all of it for a
+key alone), so one tenant's flood cannot take the slots of another.
+
 ``AdmissionController`` sets the limit:
 
 - capacity: what the engine can hold at once, ``min(max_num_seqs, KV pool tokens /
@@ -27,10 +35,16 @@ of this process's CPU. Every other route passes through untouched.
     good, raise the ratio.
 
   Either over its target cuts the limit by a quarter; both under raise it by one. A
-  window where the limit did not bind leaves it alone: a slow first token there comes
+  window where the limit did not bind never cuts it: a slow first token there comes
   from a burst the engine is already holding (32 prompts arriving at once take about
   2.5 s to prefill on 2 cores), and a lower limit would only turn away requests the
   engine serves;
+- recovery: a window that is light (at most half the limit in flight at its peak, idle
+  included) halves the distance from the limit to capacity, and lets the ITL baseline
+  rise to the window's mean time per token where that is higher (by at most half per
+  window): what one client's burst taught the controller is forgotten within about
+  ``RECOVERY_S`` of light load, so the next client starts at capacity. Windows roll on
+  every gate call and engine report, so idle time counts too;
 - ``fixed_limit`` pins it (``--max-inflight-requests``); ``enabled=False`` turns the gate
   off (``--no-admission-control``).
 
@@ -43,11 +57,13 @@ the OpenAI SDKs read first).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import random
 import threading
 import time
+from collections.abc import Awaitable, Callable
 
 #: Default of ``target_queue_s`` (``--admission-target-queue-time``).
 DEFAULT_TARGET_QUEUE_S = 2.0
@@ -59,6 +75,14 @@ MIN_ITL_TOKENS = 8
 #: Prompt + output tokens of a typical request, to turn the KV pool into a request count.
 TYPICAL_REQUEST_TOKENS = 512
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+#: Seconds a generation request's whole body may take to arrive (``--body-timeout``).
+BODY_TIMEOUT_S = 30.0
+#: A light window moves the limit this share of the way back to capacity, and the
+#: baseline up by at most this factor; from the minimum to capacity takes about
+#: ``RECOVERY_S`` of light load with the default 0.5 s window (the gap halves 6 times).
+RECOVERY_SHARE = 0.5
+BASELINE_RISE = 1.5
+RECOVERY_S = 3.0
 
 
 class AdmissionController:
@@ -97,6 +121,7 @@ class AdmissionController:
         self._rng = rng or random.Random()
         self._lock = threading.Lock()
         self._window_start = time.monotonic()
+        self._window_peak = 0  # most requests in flight at once in the window
         self._window_max_queue = 0.0
         self._window_saturated = False
         self._window_token_time = 0.0  # seconds streams waited for the window's tokens
@@ -107,10 +132,15 @@ class AdmissionController:
     # ---- the gate (event loop) -----------------------------------------------------
     def try_enter(self) -> bool:
         """Admit one generation request unless the limit is reached."""
+        now = time.monotonic()
+        if now - self._window_start >= self.window_s:
+            with self._lock:
+                self._roll_window(now)
         if self.enabled and self.in_flight >= self.limit:
             self.note_rejected()
             return False
         self.in_flight += 1
+        self._window_peak = max(self._window_peak, self.in_flight)
         return True
 
     def note_rejected(self) -> None:
@@ -154,17 +184,33 @@ class AdmissionController:
         if elapsed < self.window_s:
             return
         self._drain_rate = self._done_in_window / elapsed
+        light = not self._window_saturated and max(self._window_peak, self.in_flight) <= (
+            self.limit // 2
+        )
         itl = None
         if self._window_tokens >= MIN_ITL_TOKENS:
             itl = self._window_token_time / self._window_tokens
-            self.base_itl_s = itl if self.base_itl_s is None else min(self.base_itl_s, itl)
-        if not self.fixed and self._window_saturated:  # the limit only moves where it binds
+            if self.base_itl_s is None:
+                self.base_itl_s = itl
+            elif light:  # a light window's mean is what a token costs unloaded
+                self.base_itl_s = min(itl, self.base_itl_s * BASELINE_RISE)
+            else:
+                self.base_itl_s = min(self.base_itl_s, itl)
+        if not self.fixed and self._window_saturated:  # cut only where the limit binds
             slow_itl = itl is not None and itl > self.target_itl_ratio * self.base_itl_s
             if self._window_max_queue > self.target_queue_s or slow_itl:
                 self.limit = max(self.min_limit, math.floor(self.limit * 0.75))
             else:
                 self.limit = min(self.capacity, self.limit + 1)
+        # Windows in which nothing rolled (no request, no token: the engine sat idle) are
+        # light whenever what is in flight now is.
+        quiet = int(elapsed / self.window_s) - 1 if self.window_s > 0 else 0
+        quiet = min(64, quiet) if self.in_flight <= self.limit // 2 else 0
+        if not self.fixed and not self._window_saturated and (light or quiet > 0):
+            gap = (self.capacity - self.limit) * (1 - RECOVERY_SHARE) ** (light + quiet)
+            self.limit = self.capacity - math.floor(gap)
         self._window_start = now
+        self._window_peak = self.in_flight
         self._window_max_queue = 0.0
         self._window_saturated = False
         self._window_token_time = 0.0
@@ -180,23 +226,30 @@ def engine_capacity(max_num_seqs: int, num_blocks: int, block_size: int, max_mod
 
 
 class AdmissionGate:
-    """Raw ASGI middleware: 429 without parsing when the controller says no.
+    """Raw ASGI middleware: 429 without parsing when the controller says no; a slot taken
+    only once the body is in, within the key's share (module doc).
 
     ``body`` is the pre-encoded 429 body (``fast_reject.py`` sends the same bytes)."""
 
-    def __init__(self, app, controller: AdmissionController) -> None:
+    def __init__(
+        self,
+        app,
+        controller: AdmissionController,
+        *,
+        max_body_bytes: int = 10 * 1024 * 1024,
+        body_timeout_s: float = BODY_TIMEOUT_S,
+        max_inflight_per_key: int | None = None,
+    ) -> None:
+        if body_timeout_s <= 0 or (max_inflight_per_key is not None and max_inflight_per_key < 1):
+            raise ValueError("admission: body timeout and per-key limit must be positive")
         self.app = app
         self.controller = controller
-        self.body = json.dumps(
-            {
-                "error": {
-                    "message": "the server is at capacity; retry after the Retry-After delay",
-                    "type": "RateLimitError",
-                    "param": None,
-                    "code": 429,
-                }
-            }
-        ).encode()
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+        self.max_inflight_per_key = max_inflight_per_key
+        self.per_key: dict[bytes, int] = {}  # in-flight requests by Authorization header
+        self.rejected_per_key = 0
+        self.body = _error_body(429, "the server is at capacity; retry after the Retry-After delay")
 
     async def __call__(self, scope, receive, send) -> None:
         if (
@@ -207,13 +260,75 @@ class AdmissionGate:
             await self.app(scope, receive, send)
             return
         ctl = self.controller
+        if ctl.enabled and ctl.in_flight >= ctl.limit:  # shed before reading the body
+            ctl.note_rejected()
+            await self._reject(send, ctl.retry_after_s())
+            return
+        messages = await self._read_body(receive, send)
+        if messages is None:
+            return
+        key = _header(scope, b"authorization")
+        if ctl.enabled and not self._key_admits(key):
+            self.rejected_per_key += 1
+            await self._reject(send, ctl.retry_after_s())
+            return
         if not ctl.try_enter():
             await self._reject(send, ctl.retry_after_s())
             return
+        self.per_key[key] = self.per_key.get(key, 0) + 1
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, _replay(messages, receive), send)
         finally:
             ctl.leave()
+            left = self.per_key[key] - 1
+            if left:
+                self.per_key[key] = left
+            else:
+                del self.per_key[key]
+
+    def key_share(self, key: bytes) -> int:
+        """The most slots ``key`` may hold now."""
+        if self.max_inflight_per_key is not None:
+            return self.max_inflight_per_key
+        active = len(self.per_key) + (key not in self.per_key)
+        return max(1, math.ceil(self.controller.limit / active))
+
+    def _key_admits(self, key: bytes) -> bool:
+        return self.per_key.get(key, 0) < self.key_share(key)
+
+    async def _read_body(self, receive, send) -> list[dict] | None:
+        """The body's messages, or None once the client is gone or has been answered."""
+        messages: list[dict] = []
+
+        async def read() -> bool:
+            size = 0
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return False
+                messages.append(message)
+                size += len(message.get("body", b""))
+                if size > self.max_body_bytes:
+                    await _send_error(
+                        send,
+                        413,
+                        f"the request body exceeds the limit of {self.max_body_bytes} bytes",
+                    )
+                    return False
+                if not message.get("more_body", False):
+                    return True
+
+        try:
+            complete = await asyncio.wait_for(read(), self.body_timeout_s)
+        except asyncio.TimeoutError:
+            await _send_error(
+                send,
+                408,
+                f"the request body did not arrive within {self.body_timeout_s:g} s",
+                close=True,
+            )
+            return None
+        return messages if complete else None
 
     async def _reject(self, send, retry_after: float) -> None:
         await send(
@@ -229,3 +344,43 @@ class AdmissionGate:
             }
         )
         await send({"type": "http.response.body", "body": self.body})
+
+
+def _header(scope, name: bytes) -> bytes:
+    for key, value in scope.get("headers") or ():
+        if key == name:
+            return value
+    return b""
+
+
+def _replay(messages: list[dict], receive) -> Callable[[], Awaitable[dict]]:
+    """A ``receive`` that hands out the body already read, then the client's own."""
+    pending = list(reversed(messages))
+
+    async def replay() -> dict:
+        return pending.pop() if pending else await receive()
+
+    return replay
+
+
+def _error_body(status: int, message: str) -> bytes:
+    kind = {408: "RequestTimeout", 413: "RequestTooLarge", 429: "RateLimitError"}
+    return json.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": kind.get(status, "APIError"),
+                "param": None,
+                "code": status,
+            }
+        }
+    ).encode()
+
+
+async def _send_error(send, status: int, message: str, close: bool = False) -> None:
+    body = _error_body(status, message)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -14,14 +14,21 @@ results back as server-sent events. ``build_app`` wires the pieces:
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pagewarden.engine.async_engine import AsyncEngine
 from pagewarden.metrics import prometheus
-from pagewarden.server.admin import add_admin_routes
-from pagewarden.server.admission import AdmissionController, AdmissionGate, engine_capacity
+from pagewarden.server.admin import AdminPolicy, add_admin_routes
+from pagewarden.server.admission import (
+    BODY_TIMEOUT_S,
+    AdmissionController,
+    AdmissionGate,
+    engine_capacity,
+)
+from pagewarden.server.browser_guard import BrowserGuard
 from pagewarden.server.chat import create_chat_completion
 from pagewarden.server.completions import create_completion
 from pagewarden.server.context import DEFAULT_MAX_BODY_BYTES, ServerContext, ServerLimits
@@ -52,23 +59,42 @@ def build_app(
     limits: ServerLimits | None = None,
     admission: AdmissionController | None = None,
     vllm_metrics: bool = True,
+    admin: AdminPolicy | None = None,
+    allowed_hosts: Iterable[str] | None = None,
+    enable_docs: bool = False,
+    body_timeout_s: float = BODY_TIMEOUT_S,
+    max_inflight_per_key: int | None = None,
 ) -> AdmissionGate:
     """The ASGI app (FastAPI behind the admission gate); the caller owns ``engine``.
-    ``vllm_metrics``: /metrics also exports the ``vllm:*`` twins of pagewarden's metrics."""
+    ``vllm_metrics``: /metrics also exports the ``vllm:*`` twins of pagewarden's metrics.
+    ``admin``: who may call /admin/* and /debug/* (default: the API keys, no rate limit;
+    ``pagewarden serve`` builds it from --admin-key, --host and the clean period).
+    ``allowed_hosts``: the Host allow-list (None: any; ``browser_guard.py``); POSTs must
+    be JSON either way. ``enable_docs``: FastAPI's /docs and /redoc, whose pages load
+    their scripts from a CDN (off by default; /openapi.json is always served).
+    ``body_timeout_s``, ``max_inflight_per_key``: see ``AdmissionGate``."""
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     limits = limits or ServerLimits(max_n=max_n, max_body_bytes=max_body_bytes)
     admission = admission or default_admission(engine)
     engine.observer = admission
     ctx = ServerContext(engine, served_model_name, keys, limits, admission)
-    app = FastAPI(title="pagewarden", version=__version__)
+    docs = {} if enable_docs else {"docs_url": None, "redoc_url": None}
+    app = FastAPI(title="pagewarden", version=__version__, **docs)
     app.state.server = ctx
     install_error_handlers(app)
     _add_info_routes(app, ctx, vllm_metrics)
     _add_generation_routes(app, ctx)
-    add_dashboard_routes(app, ctx)
-    add_admin_routes(app, ctx)
+    admin = admin or AdminPolicy()
+    add_dashboard_routes(app, ctx, admin)
+    add_admin_routes(app, ctx, admin)
     _document_request_bodies(app)
-    return AdmissionGate(app, admission)
+    return AdmissionGate(
+        BrowserGuard(app, allowed_hosts),
+        admission,
+        max_body_bytes=limits.max_body_bytes,
+        body_timeout_s=body_timeout_s,
+        max_inflight_per_key=max_inflight_per_key,
+    )
 
 
 def _add_info_routes(app: FastAPI, ctx: ServerContext, vllm_metrics: bool) -> None:

@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import hmac
+import json
+import secrets
 import time
 from pathlib import Path
 
@@ -29,14 +32,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
 from pagewarden.faults import remote
-from pagewarden.server.context import ServerContext
+from pagewarden.server.admin import AdminPolicy
+from pagewarden.server.context import ServerContext, read_body
 from pagewarden.server.dashboard_history import DashboardHistory, HistorySampler, profile_name
 from pagewarden.server.errors import APIError
 
 STATIC_DIR = Path(__file__).parent / "static"
 #: The files under /dashboard/static/ (nothing else there is served).
 STATIC_FILES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
-COOKIE = "pagewarden_dashboard_key"
+COOKIE = "pagewarden_dashboard_session"
+#: How long a dashboard session lasts without a poll; each poll renews it.
+SESSION_TTL_S = 3600.0
 #: Ask the engine core for a new snapshot at most this often.
 REFRESH_S = 0.5
 FIRST_SNAPSHOT_WAIT_S = 1.0
@@ -44,20 +50,23 @@ FIRST_SNAPSHOT_WAIT_S = 1.0
 STATE_VERSION = 1
 
 
-def add_dashboard_routes(app: FastAPI, ctx: ServerContext) -> None:
+def add_dashboard_routes(app: FastAPI, ctx: ServerContext, admin: AdminPolicy) -> None:
     """Add /dashboard, /dashboard/static/*, /dashboard/state and, when fault injection
     is enabled (``faults/remote.py``), ``POST /debug/faults`` and ``POST /debug/pause``."""
     feed = _SnapshotFeed(ctx)
+    sessions = SessionTokens()
     history = DashboardHistory()
     sampler = HistorySampler(history, lambda: (ctx.engine.engine_stats(), ctx.engine.stats()))
     app.router.on_shutdown.append(sampler.stop)
 
     @app.get("/dashboard", include_in_schema=False)
     async def dashboard(request: Request) -> Response:
-        key = _authorize(ctx, request)
+        # The one place a key may come in the URL: exchanged for a session cookie at once
+        # (the page then strips it from the address bar).
+        key_index = _authorize(ctx, request, sessions, allow_query=True)
         page = FileResponse(STATIC_DIR / "dashboard.html", headers={"Cache-Control": "no-store"})
-        if key is not None and request.query_params.get("key") is not None:
-            page.set_cookie(COOKIE, key, path="/dashboard", httponly=True, samesite="strict")
+        if key_index is not None:
+            _set_session(page, sessions.issue(key_index))
         return page
 
     @app.get("/dashboard/static/{name}", include_in_schema=False)
@@ -68,16 +77,20 @@ def add_dashboard_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.get("/dashboard/state")
     async def state(request: Request) -> Response:
-        _authorize(ctx, request)
+        key_index = _authorize(ctx, request, sessions, allow_query=False)
         snapshot = await feed.latest()
-        return JSONResponse(_state(ctx, snapshot, history), headers={"Cache-Control": "no-store"})
+        body = JSONResponse(_state(ctx, snapshot, history), headers={"Cache-Control": "no-store"})
+        if key_index is not None and request.cookies.get(COOKIE):
+            _set_session(body, sessions.issue(key_index))  # renewed while the page polls
+        return body
 
     if remote.enabled():
 
         @app.post("/debug/faults", include_in_schema=False)
         async def inject_fault(request: Request) -> Response:
-            ctx.authorize(request)
-            kind = (await request.json()).get("kind")
+            admin.authorize(ctx, request)
+            body = await _debug_body(ctx, request)
+            kind = body.get("kind")
             if not isinstance(kind, str):
                 raise APIError(400, 'send {"kind": "<fault kind>"} (faults/injector.py)')
             ctx.engine.send_debug(("inject", kind))
@@ -85,28 +98,89 @@ def add_dashboard_routes(app: FastAPI, ctx: ServerContext) -> None:
 
         @app.post("/debug/pause", include_in_schema=False)
         async def pause(request: Request) -> Response:
-            ctx.authorize(request)
-            seconds = (await request.json()).get("seconds")
-            if not isinstance(seconds, (int, float)) or not 0 < seconds <= remote.MAX_PAUSE_S:
+            admin.authorize(ctx, request)
+            seconds = (await _debug_body(ctx, request)).get("seconds")
+            if (
+                not isinstance(seconds, (int, float))
+                or isinstance(seconds, bool)
+                or not 0 < seconds <= remote.MAX_PAUSE_S
+            ):
                 raise APIError(400, f'send {{"seconds": s}} with 0 < s <= {remote.MAX_PAUSE_S:g}')
             ctx.engine.send_debug(("pause", float(seconds)))
             return JSONResponse({"paused_s": seconds}, 202)
 
 
-def _authorize(ctx: ServerContext, request: Request) -> str | None:
-    """The key the request carries (None without keys); 401 when it is missing or wrong."""
+async def _debug_body(ctx: ServerContext, request: Request) -> dict:
+    """A debug route's body: a JSON object, else 400 (never a 500)."""
+    raw = await read_body(request, ctx.limits.max_body_bytes)
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        raise APIError(400, "the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+class SessionTokens:
+    """Dashboard sessions: ``index.expiry.mac``, an HMAC under a per-process secret of
+    which API key (by its index) opened the page and until when. The cookie never holds
+    the key itself; a restart of the server ends every session."""
+
+    def __init__(self, ttl_s: float = SESSION_TTL_S) -> None:
+        self.secret = secrets.token_bytes(32)
+        self.ttl_s = ttl_s
+
+    def _mac(self, message: str) -> str:
+        return hmac.new(self.secret, message.encode(), hashlib.sha256).hexdigest()
+
+    def issue(self, key_index: int, now: float | None = None) -> str:
+        expiry = int((time.time() if now is None else now) + self.ttl_s)
+        message = f"{key_index}.{expiry}"
+        return f"{message}.{self._mac(message)}"
+
+    def verify(self, token: str, now: float | None = None) -> int | None:
+        """The key index a valid, unexpired token names; None otherwise."""
+        parts = token.split(".")
+        if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
+            return None
+        message = f"{parts[0]}.{parts[1]}"
+        if not hmac.compare_digest(parts[2], self._mac(message)):
+            return None
+        if int(parts[1]) < (time.time() if now is None else now):
+            return None
+        return int(parts[0])
+
+
+def _set_session(response: Response, token: str) -> None:
+    response.set_cookie(
+        COOKIE,
+        token,
+        max_age=int(SESSION_TTL_S),
+        path="/dashboard",
+        httponly=True,
+        samesite="strict",
+    )
+
+
+def _authorize(
+    ctx: ServerContext, request: Request, sessions: SessionTokens, allow_query: bool
+) -> int | None:
+    """The index of the API key the request proves (None without keys): a bearer key, a
+    session cookie, or (``allow_query``, the page itself) ``?key=``; else 401."""
     if not ctx.api_keys:
         return None
     auth = request.headers.get("authorization", "")
-    candidates = [
-        auth[7:] if auth.lower().startswith("bearer ") else "",
-        request.query_params.get("key") or "",
-        request.cookies.get(COOKIE) or "",
-    ]
+    candidates = [auth[7:] if auth.lower().startswith("bearer ") else ""]
+    if allow_query:
+        candidates.append(request.query_params.get("key") or "")
     for token in candidates:
-        for key in ctx.api_keys:
+        for index, key in enumerate(ctx.api_keys):
             if token and hmac.compare_digest(token.encode(), key.encode()):
-                return key
+                return index
+    session = sessions.verify(request.cookies.get(COOKIE) or "")
+    if session is not None and session < len(ctx.api_keys):
+        return session
     raise APIError(
         401,
         "missing or invalid API key; open /dashboard?key=KEY or send 'Authorization: Bearer KEY'",

@@ -9,6 +9,11 @@ headers are parsed; on "no" it writes pre-encoded 429 bytes to the socket, marks
 request answered so the body that follows is skipped by the parser callbacks, and keeps
 the connection alive. Every other request takes uvicorn's normal path.
 
+The same protocol gives request headers a deadline, which uvicorn does not: a connection
+that has not finished sending a request's line and headers ``header_timeout_s`` after it
+opened (or after that request's first byte) is closed. Without it, connections that send
+half a header and stop stay open for ever, each holding a socket and a file descriptor.
+
 It relies on uvicorn's ``HttpToolsProtocol`` internals (``on_headers_complete``,
 ``cycle.response_complete``, ``on_response_complete``); ``available()`` is False when
 they are not there (no httptools, another uvicorn), and the server then uses uvicorn's
@@ -22,6 +27,8 @@ import math
 from pagewarden.server.admission import GENERATION_PATHS, AdmissionController, AdmissionGate
 
 _PATHS = frozenset(p.encode() for p in GENERATION_PATHS)
+#: Seconds a request's line and headers may take to arrive (``--header-timeout``).
+HEADER_TIMEOUT_S = 10.0
 
 
 class _NullEvent:
@@ -63,20 +70,51 @@ def _response(retry_after: float, body: bytes) -> bytes:
     return head.encode() + body
 
 
-def reject_fast_protocol(controller: AdmissionController, gate: AdmissionGate) -> type:
-    """A uvicorn ``http=`` protocol class that sheds with ``controller``'s limit."""
+def reject_fast_protocol(
+    controller: AdmissionController,
+    gate: AdmissionGate,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
+) -> type:
+    """A uvicorn ``http=`` protocol class that sheds with ``controller``'s limit and
+    closes connections whose headers do not arrive within ``header_timeout_s``."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     body = gate.body
 
     class RejectFastProtocol(HttpToolsProtocol):
+        _header_timer = None
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_header_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_header_timer()
+            super().connection_lost(exc)
+
+        def _arm_header_timer(self) -> None:
+            self._cancel_header_timer()
+            self._header_timer = self.loop.call_later(header_timeout_s, self._headers_late)
+
+        def _cancel_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
         def on_message_begin(self) -> None:
             # A request pipelined behind a fast 429 must not inherit the keep-alive
             # timer that answering armed.
             self._unset_keepalive_if_required()
+            self._arm_header_timer()
             super().on_message_begin()
 
         def on_headers_complete(self) -> None:
+            self._cancel_header_timer()
             if (
                 controller.enabled
                 and controller.in_flight >= controller.limit

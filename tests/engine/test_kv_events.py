@@ -14,6 +14,7 @@ from pagewarden.engine.config import EngineConfig, EngineConfigError
 from pagewarden.engine.kv_events import (
     KVEventPublisher,
     KVEventsUnavailable,
+    binds_remotely,
     external_hash,
     prompt_block_hashes,
     wire_events,
@@ -210,3 +211,49 @@ def test_bad_endpoints_and_missing_packages_give_clear_errors(monkeypatch) -> No
     monkeypatch.setitem(sys.modules, "zmq", None)  # as if pyzmq were not installed
     with pytest.raises(KVEventsUnavailable, match=r"pagewarden\[kv-events\]"):
         KVEventPublisher("tcp://*:5557", block_size=4)
+
+
+def test_without_token_ids_events_carry_hashes_only() -> None:
+    wire = wire_events(POOL_EVENTS, block_size=2, token_ids=False)
+    batch = msgspec.msgpack.Decoder(type=KVEventBatch).decode(
+        msgspec.msgpack.encode([0.0, wire, 0])
+    )
+    stored = [e for e in batch.events if isinstance(e, BlockStoredV)]
+    assert [e.block_hashes for e in stored] == [[1, 2], [9]]
+    assert all(e.token_ids == [] for e in stored)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "remote"),
+    [
+        ("tcp://*:5557", True),
+        ("tcp://[::]:5557", True),
+        ("tcp://127.0.0.1:5557", False),
+        ("tcp://router-host:5557", False),  # connects out to a subscriber the operator named
+        ("ipc:///tmp/kv", False),
+    ],
+)
+def test_which_endpoints_bind_remotely(endpoint, remote) -> None:
+    assert binds_remotely(endpoint) is remote
+
+
+def _serve_args(*extra: str):
+    from pagewarden.cli import build_parser
+
+    return build_parser().parse_args(["serve", *extra])
+
+
+def test_serve_refuses_a_wildcard_kv_events_bind_with_api_keys(caplog) -> None:
+    from pagewarden.serve.cli import _check_limits
+
+    keyed = ("--api-key", "k", "--kv-events-endpoint", "tcp://*:5557")
+    with pytest.raises(SystemExit, match="kv-events-allow-remote"):
+        _check_limits(_serve_args(*keyed))
+    _check_limits(_serve_args("--kv-events-endpoint", "tcp://*:5557"))  # no keys: as vLLM
+    _check_limits(_serve_args("--api-key", "k", "--kv-events-endpoint", "tcp://127.0.0.1:1"))
+    _check_limits(_serve_args(*keyed, "--kv-events-allow-remote"))
+    assert "carry prompt token ids" in caplog.text
+    caplog.clear()
+    args = _serve_args(*keyed, "--kv-events-allow-remote", "--kv-events-no-token-ids")
+    _check_limits(args)
+    assert args.kv_events_token_ids is False and "carry prompt token ids" not in caplog.text

@@ -4,6 +4,7 @@ recoveries, replayed: no divergence; an altered record diverges at the altered s
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
@@ -177,3 +178,52 @@ def test_fault_triggers_are_coalesced_within_the_cooldown(tmp_path):
     # Step 2 writes at once; steps 3 and 5 wait for the cooldown (4 steps), written at 6.
     reasons = sorted(json.loads(open(p).readline())["reason"] for p in rec.dumps)
     assert reasons == ["fault detected in step 2", "fault detected in steps 3, 5"]
+
+
+def test_records_are_private_and_capped(tmp_path):
+    rec = _campaign(tmp_path / "records", 6)
+    rec.max_files = 3
+    paths = [rec.dump(f"test {i}") for i in range(5)]
+    kept = sorted(p.name for p in (tmp_path / "records").glob("flight-*.jsonl"))
+    assert kept == sorted(p.name for p in paths[-3:])  # the oldest deleted first
+    assert oct(os.stat(tmp_path / "records").st_mode & 0o777) == oct(0o700)
+    assert all(os.stat(p).st_mode & 0o777 == 0o600 for p in paths[-3:])
+    rec.max_files, rec.max_bytes = 100, paths[-1].stat().st_size + 1
+    rec.dump("over the byte cap")
+    assert len(list((tmp_path / "records").glob("flight-*.jsonl"))) == 1
+
+
+def test_recorder_refuses_a_world_writable_directory(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    rec = _campaign(shared, 6)
+    assert rec.dump("test") is None and not list(shared.glob("flight-*"))
+
+
+@pytest.mark.parametrize(
+    "alter,message",
+    [
+        (lambda lines: lines[1]["state"]["config"].update(num_blocks=10**12), "num_blocks"),
+        (lambda lines: lines[1]["state"]["kv"]["blocks"].pop(), "claims 48 blocks"),
+        (lambda lines: lines[1]["state"].pop("requests"), "cannot be restored"),
+        (lambda lines: lines.__setitem__(2, [1, 2]), "not a pagewarden flight record"),
+    ],
+)
+def test_hostile_records_get_one_line_errors_fast(tmp_path, capsys, alter, message):
+    from pagewarden.cli import main
+
+    path = _campaign(tmp_path, 6).dump("test")
+    _rewrite(path, alter)
+    assert main(["replay", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_a_file_that_is_not_json_is_refused(tmp_path, capsys):
+    from pagewarden.cli import main
+
+    path = tmp_path / "junk.jsonl"
+    path.write_bytes(b"\xff\xfe not json\n")
+    assert main(["replay", str(path)]) == 2
+    assert "not a pagewarden flight record" in capsys.readouterr().err

@@ -7,6 +7,8 @@ import json
 import random
 import types
 
+import pytest
+
 from pagewarden.server import admission
 from pagewarden.server.admission import AdmissionController, AdmissionGate, engine_capacity
 
@@ -46,10 +48,9 @@ def test_limit_adapts_to_queue_time():
     assert ctl.limit == 9
     ctl.first_token(2.0)
     assert ctl.limit == 6
-    for _ in range(40):
+    for _ in range(34):  # answers drain to the limit: busy windows, the limit holds
         ctl.leave()
-    for _ in range(ctl.limit):
-        assert ctl.try_enter()
+    assert ctl.limit == 6 and ctl.in_flight == 6
     assert not ctl.try_enter()  # saturated ...
     ctl.first_token(0.1)  # ... and under the target: one more
     assert ctl.limit == 7
@@ -57,6 +58,14 @@ def test_limit_adapts_to_queue_time():
     for _ in range(100):
         ctl.first_token(10.0)
     assert ctl.limit == ctl.min_limit == 2
+    for _ in range(7):  # the load leaves: light windows climb back to capacity
+        ctl.leave()
+    assert ctl.in_flight == 0
+    climb = []
+    while ctl.limit < ctl.capacity and len(climb) < 10:
+        ctl.first_token(0.1)
+        climb.append(ctl.limit)
+    assert ctl.limit == 40 and len(climb) <= 7, climb  # halving the gap each window
 
 
 def test_limit_adapts_to_inter_token_latency(monkeypatch):
@@ -73,9 +82,11 @@ def test_limit_adapts_to_inter_token_latency(monkeypatch):
 
     window(0.02, 8)  # a light load: the baseline token gap, 20 ms
     assert ctl.base_itl_s == 0.02 and ctl.limit == 40
-    window(0.2, 39)  # slow tokens where the limit does not bind move nothing
-    assert ctl.limit == 40
-    for _ in range(40):
+    for _ in range(21):  # over half the limit in flight: not a light window ...
+        assert ctl.try_enter()
+    window(0.2, 39)  # ... slow tokens where the limit does not bind move nothing
+    assert ctl.limit == 40 and ctl.base_itl_s == 0.02
+    for _ in range(19):
         assert ctl.try_enter()
     assert not ctl.try_enter()  # the gate is full ...
     window(0.06, 8)  # ... and tokens come 3x slower than the baseline: cut
@@ -114,13 +125,18 @@ def test_gate_answers_429_without_reading_the_body():
 
     async def app(scope, receive, send):
         calls.append(scope["path"])
+        if scope["method"] == "POST":  # the body the gate read comes to the app intact
+            assert await receive() == {"type": "http.request", "body": b"{}", "more_body": False}
 
     ctl = AdmissionController(4, fixed_limit=1)
     gate = AdmissionGate(app, ctl)
     sent: list[dict] = []
 
     async def receive():
-        raise AssertionError("the gate must not read the body")
+        # Under the limit the gate reads the body before taking a slot; at the limit never.
+        assert ctl.in_flight < ctl.limit, "the gate must not read the body at the limit"
+        assert not calls, "read by the gate before the app runs"
+        return {"type": "http.request", "body": b"{}", "more_body": False}
 
     async def send(msg):
         sent.append(msg)
@@ -190,6 +206,191 @@ def test_fast_reject_protocol_answers_at_the_parser_and_keeps_the_connection():
         assert data.startswith(b"HTTP/1.1 429") and b"HTTP/1.1 200" in data
         assert seen == ["/v1/completions", "/health", "/version"]
         assert ctl.rejected == 2
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_an_idle_engine_forgets_a_burst_within_the_recovery_time(monkeypatch):
+    """One client's abandoned burst cut the limit to the floor; nothing happens for
+    RECOVERY_S; the next client's first request finds the limit back at capacity and a
+    16-stream load under it is never refused."""
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(admission.time, "monotonic", lambda: clock.now)
+    ctl = AdmissionController(64, target_queue_s=2.0, window_s=0.5)
+    for _ in range(64):
+        assert ctl.try_enter()
+    for _ in range(60):  # a saturated, slow burst
+        assert not ctl.try_enter()
+        ctl.first_token(10.0)
+        clock.now += 0.5
+    assert ctl.limit == ctl.min_limit
+    for _ in range(64):  # the client hangs up: its streams are aborted and answered
+        ctl.leave()
+    clock.now += admission.RECOVERY_S  # idle: no event at all
+    accepted = sum(ctl.try_enter() for _ in range(16))
+    assert accepted == 16 and ctl.limit >= 60
+
+
+def test_the_itl_baseline_rises_back_after_light_windows(monkeypatch):
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(admission.time, "monotonic", lambda: clock.now)
+    ctl = AdmissionController(40, window_s=1.0)
+    for gap in (0.005, 0.02, 0.02, 0.02, 0.02, 0.02):
+        for _ in range(10):
+            ctl.inter_token(gap)
+        clock.now += 1.0
+        ctl.inter_token(gap)
+    # One unusually fast window set the baseline; light windows at 20 ms raise it back.
+    assert ctl.base_itl_s == pytest.approx(0.02, rel=0.1)
+
+
+def _drive(gate, scopes_and_bodies):
+    """Run the gate on (scope, receive) pairs concurrently; returns the statuses sent."""
+    statuses: list[int] = []
+
+    async def one(scope, receive):
+        async def send(msg):
+            if msg["type"] == "http.response.start":
+                statuses.append(msg["status"])
+
+        await gate(scope, receive, send)
+
+    async def run():
+        await asyncio.gather(*(one(s, r) for s, r in scopes_and_bodies))
+
+    asyncio.run(run())
+    return statuses
+
+
+def _scope(key: bytes = b"") -> dict:
+    headers = [(b"authorization", key)] if key else []
+    return {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}
+
+
+def test_a_slow_body_holds_no_slot_and_times_out_with_408():
+    held = []
+
+    async def app(scope, receive, send):
+        held.append(ctl.in_flight)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    ctl = AdmissionController(4, fixed_limit=1)
+    gate = AdmissionGate(app, ctl, body_timeout_s=0.2)
+
+    async def trickle():  # the first byte, then nothing
+        if not hasattr(trickle, "sent"):
+            trickle.sent = True
+            return {"type": "http.request", "body": b"{", "more_body": True}
+        await asyncio.sleep(10)
+
+    async def whole():
+        await asyncio.sleep(0.05)  # arrives while the trickler is mid-body
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    statuses = _drive(gate, [(_scope(), trickle), (_scope(), whole)])
+    # The complete request got the one slot; the trickler never held it and got 408.
+    assert sorted(statuses) == [200, 408] and held == [1] and ctl.in_flight == 0
+
+
+def test_a_body_over_the_limit_is_413_before_any_slot():
+    async def app(scope, receive, send):
+        raise AssertionError("never routed")
+
+    ctl = AdmissionController(4, fixed_limit=2)
+    gate = AdmissionGate(app, ctl, max_body_bytes=10)
+
+    async def big():
+        return {"type": "http.request", "body": b"x" * 11, "more_body": False}
+
+    assert _drive(gate, [(_scope(), big)]) == [413] and ctl.in_flight == 0
+
+
+def test_one_key_cannot_take_another_keys_share():
+    release = asyncio.Event
+    events: dict[str, object] = {}
+
+    async def app(scope, receive, send):
+        await events["go"].wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    ctl = AdmissionController(8, fixed_limit=8)
+    gate = AdmissionGate(app, ctl)
+
+    async def body():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def run():
+        events["go"] = release()
+        statuses: dict[bytes, list[int]] = {b"Bearer a": [], b"Bearer b": []}
+
+        async def one(key):
+            async def send(msg):
+                if msg["type"] == "http.response.start":
+                    statuses[key].append(msg["status"])
+
+            await gate(_scope(key), body, send)
+
+        flood = [asyncio.create_task(one(b"Bearer a")) for _ in range(20)]
+        await asyncio.sleep(0.05)  # key a alone: it may use the whole limit
+        assert gate.per_key == {b"Bearer a": 8} and statuses[b"Bearer a"].count(429) == 12
+        events["go"].set()
+        await asyncio.gather(*flood)
+        events["go"] = release()
+        first = [asyncio.create_task(one(b"Bearer b")) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        second = [asyncio.create_task(one(b"Bearer a")) for _ in range(20)]
+        await asyncio.sleep(0.05)
+        # With b in flight, a's share is half the limit: b's requests were all admitted.
+        assert gate.per_key == {b"Bearer b": 2, b"Bearer a": 4}
+        events["go"].set()
+        await asyncio.gather(*first, *second)
+        assert statuses[b"Bearer b"] == [200, 200] and statuses[b"Bearer a"].count(429) == 28
+
+    asyncio.run(run())
+
+
+def test_half_sent_headers_are_closed_at_the_deadline():
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from pagewarden.server.fast_reject import reject_fast_protocol
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    ctl = AdmissionController(4)
+    gate = AdmissionGate(app, ctl)
+    proto = reject_fast_protocol(ctl, gate, header_timeout_s=0.5)
+    server = uvicorn.Server(uvicorn.Config(gate, http=proto, port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        slow = []
+        for i in range(40):
+            s = socket.create_connection(("127.0.0.1", port))
+            if i % 2:  # half send part of a request, half nothing at all
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
+            slow.append(s)
+        with socket.create_connection(("127.0.0.1", port)) as ok:  # a whole one is served
+            ok.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert ok.recv(1024).startswith(b"HTTP/1.1 200")
+        time.sleep(1.5)
+        for s in slow:
+            s.settimeout(2)
+            assert s.recv(1024) == b""  # closed by the server
+            s.close()
     finally:
         server.should_exit = True
         thread.join(10)

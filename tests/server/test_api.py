@@ -151,7 +151,11 @@ def test_long_prompt_400(srv):
 
 
 def test_body_too_large_413(srv):
-    r = httpx.post(srv.url + "/v1/completions", content=b"x" * (100 * 1024 * 1024))
+    r = httpx.post(
+        srv.url + "/v1/completions",
+        content=b"x" * (100 * 1024 * 1024),
+        headers={"Content-Type": "application/json"},
+    )
     assert r.status_code == 413
 
 

@@ -97,10 +97,21 @@ def test_state_needs_the_key_and_matches_the_pool(srv):
     assert httpx.get(srv.url + "/dashboard?key=wrong").status_code == 401
     page = httpx.get(srv.url + f"/dashboard?key={KEY}")
     assert page.status_code == 200 and "blockmap" in page.text
-    cookie = page.cookies.get("pagewarden_dashboard_key")
-    assert cookie == KEY  # the page's own polls carry it
-    by_cookie = httpx.get(srv.url + "/dashboard/state", cookies={"pagewarden_dashboard_key": KEY})
+    cookie = page.cookies.get("pagewarden_dashboard_session")
+    assert cookie and KEY not in cookie  # a signed session, never the key itself
+    by_cookie = httpx.get(
+        srv.url + "/dashboard/state", cookies={"pagewarden_dashboard_session": cookie}
+    )
     assert by_cookie.status_code == 200
+    assert by_cookie.cookies.get("pagewarden_dashboard_session")  # renewed by each poll
+    # The raw key as a cookie, a forged or tampered session, or ?key= on the data route: 401.
+    for cookies in (
+        {"pagewarden_dashboard_session": KEY},
+        {"pagewarden_dashboard_session": cookie[:-1] + ("0" if cookie[-1] != "0" else "1")},
+        {"pagewarden_dashboard_session": "0.99999999999." + "0" * 64},
+    ):
+        assert httpx.get(srv.url + "/dashboard/state", cookies=cookies).status_code == 401
+    assert httpx.get(srv.url + f"/dashboard/state?key={KEY}").status_code == 401
     assert httpx.get(srv.url + "/dashboard/static/dashboard.js").status_code == 200
     assert httpx.get(srv.url + "/dashboard/static/..%2Fapi.py").status_code == 404
 

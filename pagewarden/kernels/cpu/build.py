@@ -5,7 +5,9 @@ live. Every one may include ``pool.h`` (the item pool's interface).
 One directory per (extension, source, flags, torch version), under
 ``$PAGEWARDEN_EXTENSIONS_DIR`` or ``~/.cache/pagewarden``: a changed source never reuses
 a stale build, and two checkouts of the same source (or two processes starting at once,
-such as Ray replicas) share one build instead of rebuilding over each other.
+such as Ray replicas) share one build instead of rebuilding over each other. The
+directories are created 0700 and refused when another user owns them or may write them
+(``private_dir.py``): a planted build would be loaded as code.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from pagewarden.private_dir import ensure_private_dir
 
 _POOL_HEADER = Path(__file__).with_name("pool.h")
 
@@ -44,9 +48,9 @@ def build_directory(name: str, source: Path, flags: list[str]) -> Path:
     digest = hashlib.sha256(source.read_bytes() + _POOL_HEADER.read_bytes())
     digest.update(" ".join([*flags, torch.__version__]).encode())
     root = os.environ.get("PAGEWARDEN_EXTENSIONS_DIR") or Path.home() / ".cache/pagewarden"
-    path = Path(root) / f"{name}_{digest.hexdigest()[:12]}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    # Code the process will load: the directories are this user's and no one else's.
+    ensure_private_dir(root)
+    return ensure_private_dir(Path(root) / f"{name}_{digest.hexdigest()[:12]}")
 
 
 def built_once(
