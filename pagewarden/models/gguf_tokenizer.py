@@ -64,19 +64,15 @@ def _split_then_bytes(regex: str) -> Callable[[], pre_tokenizers.PreTokenizer]:
     return build
 
 
-def _digits_then_gpt2() -> pre_tokenizers.PreTokenizer:
-    # SmolLM's own tokenizer.json and llama.cpp split every digit off before GPT-2's regex.
-    # transformers' GGUF loader applies GPT-2's regex alone; the two agree on any vocabulary
-    # trained this way, since it has no token holding two digits (SmolLM2's has none).
-    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2()])
-
-
 #: `tokenizer.ggml.pre` -> the pre-tokenizer of a byte-level BPE vocabulary. The names
 #: are llama.cpp's (convert_hf_to_gguf.py writes them); aliases share one entry.
 BYTE_LEVEL_PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
     "gpt2": _gpt2,
     "gpt-2": _gpt2,
-    "smollm": _digits_then_gpt2,
+    # SmolLM's own tokenizer.json and llama.cpp also split off every \p{N} character
+    # first; transformers' GGUF loader does not. On SmolLM2's vocabulary (no token holds
+    # two digits) the two differ only on a space before a non-ASCII number such as " ⅓".
+    "smollm": _gpt2,
     "llama-bpe": _split_then_bytes(_LLAMA3_SPLIT),  # Llama 3.x
     "llama3": _split_then_bytes(_LLAMA3_SPLIT),
     "llama-v3": _split_then_bytes(_LLAMA3_SPLIT),

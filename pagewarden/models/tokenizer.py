@@ -18,14 +18,14 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 
 from pagewarden.models.chat_template import ChatTemplateError, render_chat_template
+from pagewarden.models.gguf_metadata import GGUFMetadataError, read_gguf_metadata
 from pagewarden.models.gguf_tokenizer import (
     GGUFVocab,
     TokenizerLoadError,
     build_gguf_tokenizer,
-    set_bos_eos_post_processor,
 )
 
-__all__ = ["Tokenizer", "TokenizerLoadError", "load_tokenizer", "read_gguf_fields"]
+__all__ = ["Tokenizer", "TokenizerLoadError", "load_tokenizer"]
 
 # Control tokens llama.cpp also treats as end of generation (llama-vocab.cpp), besides
 # `tokenizer.ggml.eos_token_id` / `eot_token_id` / `eom_token_id`.
@@ -170,27 +170,15 @@ class Tokenizer:
         )
 
 
-def read_gguf_fields(path: str | Path, prefix: str = "") -> dict[str, Any]:
-    """The metadata of a GGUF file whose keys start with `prefix`, as plain values."""
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(str(path))
-    except Exception as e:  # gguf raises plain ValueError/struct errors on bad files
-        raise TokenizerLoadError(f"{path}: not a readable GGUF file: {e}") from e
-    return {k: f.contents() for k, f in reader.fields.items() if k.startswith(prefix)}
-
-
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer of an HF model directory or of a GGUF file (vocab-only too)."""
     p = Path(path)
     if p.is_dir():
         return _from_hf_dir(p)
     if p.is_file() and p.suffix == ".gguf":
-        fields = read_gguf_fields(p, prefix="")
         try:
-            return Tokenizer.from_gguf_fields(fields)
-        except TokenizerLoadError as e:
+            return Tokenizer.from_gguf_fields(read_gguf_metadata(p))
+        except (TokenizerLoadError, GGUFMetadataError) as e:
             raise TokenizerLoadError(f"{p}: {e}") from e
     raise TokenizerLoadError(f"{p}: expected an HF model directory or a .gguf file")
 
@@ -202,6 +190,8 @@ def _token_str(tok: Any) -> str | None:
 
 
 def _from_hf_dir(path: Path) -> Tokenizer:
+    # tokenizer.json is used as it is, post-processor (BOS/EOS) included: transformers 5
+    # ignores tokenizer_config.json's add_bos_token / add_eos_token when it loads one.
     tj = path / "tokenizer.json"
     if not tj.is_file():
         if (path / "tokenizer.model").is_file():
@@ -227,13 +217,6 @@ def _from_hf_dir(path: Path) -> Tokenizer:
     def tid(token: str | None) -> int | None:
         return None if token is None else tok.token_to_id(token)
 
-    if "add_bos_token" in cfg or "add_eos_token" in cfg:
-        # transformers rewrites the post-processor when the config states either flag.
-        set_bos_eos_post_processor(
-            tok,
-            specials.bos_token if cfg.get("add_bos_token") else None,
-            specials.eos_token if cfg.get("add_eos_token") else None,
-        )
     extra: set[int] = set()
     gen = path / "generation_config.json"
     if gen.is_file():

@@ -96,18 +96,26 @@ def train_byte_level(pre: str, vocab_size: int = 700) -> HFTokenizer:
     return tok
 
 
-def train_sentencepiece(vocab_size: int = 700) -> tuple[list[str], list[float], list[int]]:
-    """A SentencePiece-style BPE vocabulary as llama.cpp writes it: `<unk>`, `<s>`, `</s>`,
-    the 256 byte tokens `<0xNN>`, then pieces best-first with score -rank, plus two
-    user-defined tokens. Returns (tokens, scores, token types)."""
+LLAMA_SPECIALS = [("<unk>", 2), ("<s>", 3), ("</s>", 3)]
+GEMMA_SPECIALS = [("<pad>", 3), ("<eos>", 3), ("<bos>", 3), ("<unk>", 3), ("<mask>", 3)]
+GEMMA_SPECIALS += [("<start_of_turn>", 3), ("<end_of_turn>", 3), ("\n", 4), ("\n\n", 4)]
+
+
+def train_sentencepiece(
+    specials: list[tuple[str, int]] = LLAMA_SPECIALS, vocab_size: int = 700
+) -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece-style BPE vocabulary as llama.cpp writes it: the special tokens
+    (with their llama.cpp token types), the 256 byte tokens `<0xNN>`, then pieces
+    best-first with score -rank, plus two user-defined tokens. Returns (tokens, scores,
+    token types)."""
     tok = HFTokenizer(models.BPE())
     tok.normalizer = normalizers.Replace(" ", "\u2581")
     tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False)
     tok.train_from_iterator([t.replace("<|im_start|>", "") for t in CORPUS], trainer)
     pieces = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    types = [2, 3, 3] + [6] * 256
+    tokens = [t for t, _ in specials] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [ty for _, ty in specials] + [6] * 256
     scores = [0.0] * len(tokens)
     for rank, (piece, _) in enumerate(pieces):
         if piece not in tokens:
