@@ -10,6 +10,7 @@ import torch
 
 from pagewarden.engine.profiles import ProfileError, SafeModePolicy
 from pagewarden.kernels.backend import AttentionBackendError, check_backend, default_backend
+from pagewarden.models.chat_template import ChatTemplateError, read_chat_template
 from pagewarden.sched.config import MIN_MAX_MODEL_LEN
 from pagewarden.worker.cpu_threads import CpuBindError, parse_cpu_list
 from pagewarden.worker.device import DeviceError, resolve_device
@@ -98,6 +99,9 @@ class EngineConfig:
     device: str | None = None
     attention_backend: str | None = None
     gpu_memory_utilization: float = 0.9  # on CUDA, share of the GPU the engine may fill
+    # A Jinja chat template (a file's path, or the template itself) that replaces the
+    # model's own; None: the model's.
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -199,6 +203,11 @@ class EngineConfig:
             raise EngineConfigError(
                 f"gpu_memory_utilization is a fraction in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if self.chat_template is not None:
+            try:
+                read_chat_template(self.chat_template)
+            except ChatTemplateError as exc:
+                raise EngineConfigError(str(exc)) from None
         if self.max_model_len is not None and self.max_model_len < MIN_MAX_MODEL_LEN:
             raise EngineConfigError(
                 f"max_model_len must be >= {MIN_MAX_MODEL_LEN}, got {self.max_model_len}"

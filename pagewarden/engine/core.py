@@ -26,6 +26,7 @@ from pagewarden.engine.output_processor import OutputProcessor
 from pagewarden.engine.outputs import RequestOutput
 from pagewarden.engine.profiles import ProfileState, ProfileSwitch
 from pagewarden.engine.safe_mode import SafeMode
+from pagewarden.models.chat_template import read_chat_template
 from pagewarden.models.loader import LoadedModel, load_model
 from pagewarden.sampling_params import SamplingParams
 from pagewarden.sched.admission import RequestRejected, check_request
@@ -76,6 +77,9 @@ class EngineCore:
             self.loaded.model.use_compute_dtype()  # the storage dtype, off the CPU
         mcfg = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
+        if config.chat_template is not None:
+            template = read_chat_template(config.chat_template)
+            self.tokenizer = self.tokenizer.with_chat_template(template)
         shape_args = dict(
             num_layers=mcfg.num_hidden_layers,
             block_size=config.block_size,

@@ -127,9 +127,9 @@ class IncrementalDetokenizer:
         output's first bytes."""
         start = max(self._read_offset - _INITIAL_CONTEXT_TOKENS, 0)
         floor = max(start - _MAX_EXTRA_CONTEXT_TOKENS, 0)
-        while start > floor and self._decode(
-            self._all_ids[start : self._read_offset]
-        ).startswith(_REPLACEMENT_CHAR):
+        while start > floor and self._decode(self._all_ids[start : self._read_offset]).startswith(
+            _REPLACEMENT_CHAR
+        ):
             start -= 1
         return start
 

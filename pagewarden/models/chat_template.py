@@ -144,6 +144,9 @@ def render_chat_template(
     """Render `messages` with the template `source` (see the module docstring)."""
     if not messages:
         raise ChatTemplateError("cannot apply a chat template to an empty conversation")
+    reserved = {"messages", "tools", "documents", "add_generation_prompt"} & set(template_kwargs)
+    if reserved:
+        raise ChatTemplateError(f"chat template variables {sorted(reserved)} cannot be overridden")
     context = {**special_tokens, **template_kwargs}
     try:
         return _compile(source).render(

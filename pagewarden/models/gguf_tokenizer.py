@@ -57,7 +57,9 @@ def _split_then_bytes(regex: str) -> Callable[[], pre_tokenizers.PreTokenizer]:
         return pre_tokenizers.Sequence(
             [
                 pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
+                pre_tokenizers.ByteLevel(
+                    add_prefix_space=False, trim_offsets=True, use_regex=False
+                ),
             ]
         )
 
@@ -188,7 +190,9 @@ class GGUFVocab:
         scores = fields.get("tokenizer.ggml.scores")
         for key, seq in (("token_type", types), ("scores", scores)):
             if seq is not None and len(seq) != n:
-                raise TokenizerLoadError(f"tokenizer.ggml.{key} has {len(seq)} entries for {n} tokens")
+                raise TokenizerLoadError(
+                    f"tokenizer.ggml.{key} has {len(seq)} entries for {n} tokens"
+                )
 
         def token_id(key: str) -> int | None:
             value = fields.get(f"tokenizer.ggml.{key}")
@@ -315,9 +319,7 @@ def _sentencepiece(vocab: GGUFVocab) -> tuple[HFTokenizer, bool]:
     else:
         raise TokenizerLoadError("SentencePiece GGUF vocabulary has neither merges nor scores")
     unk = (vocab.token(vocab.unk_token_id) or "<unk>") if style.unk_in_model else None
-    tok = HFTokenizer(
-        models.BPE(table, merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
-    )
+    tok = HFTokenizer(models.BPE(table, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
     normalizer = style.normalizer()
     if normalizer is not None:
         tok.normalizer = normalizer
@@ -371,7 +373,9 @@ def set_bos_eos_post_processor(tok: HFTokenizer, bos: str | None, eos: str | Non
     """Add `bos` before and `eos` after each text (None: not that one), as transformers'
     `update_post_processor` writes it."""
     single = " ".join([*([f"{bos}:0"] if bos else []), "$A:0", *([f"{eos}:0"] if eos else [])])
-    pair = " ".join([single, *([f"{bos}:1"] if bos else []), "$B:1", *([f"{eos}:1"] if eos else [])])
+    pair = " ".join(
+        [single, *([f"{bos}:1"] if bos else []), "$B:1", *([f"{eos}:1"] if eos else [])]
+    )
     specials = [(t, tok.token_to_id(t)) for t in (bos, eos) if t]
     tok.post_processor = processors.TemplateProcessing(
         single=single, pair=pair, special_tokens=[(t, i) for t, i in specials if i is not None]

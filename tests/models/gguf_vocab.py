@@ -192,7 +192,10 @@ def byte_level_gguf(path: Path, pre: str, arch: str = "llama", **kw) -> tuple[Pa
     types = [3 if t in SPECIALS else 1 for t in tokens]
     import json
 
-    merges = [" ".join(m) if isinstance(m, list) else m for m in json.loads(tok.to_str())["model"]["merges"]]
+    merges = [
+        " ".join(m) if isinstance(m, list) else m
+        for m in json.loads(tok.to_str())["model"]["merges"]
+    ]
     kw.setdefault("bos", tokens.index("<|im_start|>"))
     kw.setdefault("eos", tokens.index("<|im_end|>"))
     write_vocab_gguf(path, arch, "gpt2", tokens, types, pre=pre, merges=merges, **kw)

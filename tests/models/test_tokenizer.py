@@ -10,6 +10,14 @@ import random
 from pathlib import Path
 
 import pytest
+from gguf_vocab import (
+    CORPUS,
+    GEMMA_SPECIALS,
+    TEXTS,
+    byte_level_gguf,
+    train_sentencepiece,
+    write_vocab_gguf,
+)
 from transformers import AutoTokenizer
 
 from pagewarden.engine.detokenizer import IncrementalDetokenizer
@@ -20,15 +28,6 @@ from pagewarden.models.gguf_wheels import WHEEL_GGUFS, GGUFWheelError, gguf_from
 from pagewarden.models.loader import default_model_path
 from pagewarden.models.tokenizer import Tokenizer, TokenizerLoadError, load_tokenizer
 from pagewarden.sampling_params import SamplingParams
-
-from gguf_vocab import (
-    CORPUS,
-    GEMMA_SPECIALS,
-    TEXTS,
-    byte_level_gguf,
-    train_sentencepiece,
-    write_vocab_gguf,
-)
 
 GEMMA_TEMPLATE = (Path(__file__).parent / "data" / "gemma3_chat_template.jinja").read_text()
 ALL_TEXTS = TEXTS + sorted(set(CORPUS))
@@ -141,7 +140,10 @@ def test_sentencepiece_gguf_matches_transformers(tmp_path, arch, add_bos):
     path = spm_gguf(tmp_path, arch, add_bos=add_bos)
     same_as = {"mistral": "llama", "gemma": "gemma3"}.get(arch)
     if same_as:  # transformers cannot read these GGUFs' configs; they share a style
-        ours, twin = load_tokenizer(path), load_tokenizer(spm_gguf(tmp_path, same_as, add_bos=add_bos))
+        ours, twin = (
+            load_tokenizer(path),
+            load_tokenizer(spm_gguf(tmp_path, same_as, add_bos=add_bos)),
+        )
         assert all(ours.encode(t) == twin.encode(t) for t in ALL_TEXTS)
         return
     ours = load_tokenizer(path)
@@ -154,9 +156,7 @@ def test_sentencepiece_byte_fallback_and_space_handling(tmp_path):
     ids = ours.encode("ẞ", add_special_tokens=False)  # not in the vocabulary: UTF-8 bytes
     assert [ours.id_to_token(i) for i in ids] == ["\u2581", "<0xE1>", "<0xBA>", "<0x9E>"]
     assert ours.decode(ids) == "ẞ"
-    assert ours.id_to_token(ours.encode("Hello", add_special_tokens=False)[0]).startswith(
-        "\u2581"
-    )
+    assert ours.id_to_token(ours.encode("Hello", add_special_tokens=False)[0]).startswith("\u2581")
     gemma = load_tokenizer(spm_gguf(tmp_path, "gemma3", add_bos=False))
     assert not gemma.id_to_token(gemma.encode("Hello", add_special_tokens=False)[0]).startswith(
         "\u2581"
@@ -250,7 +250,7 @@ CONVERSATIONS = [
         {"role": "system", "content": "You are a pirate."},
         {"role": "user", "content": "  Hello  "},
         {"role": "assistant", "content": "Arr!"},
-        {"role": "user", "content": "日本語 🙂 and \"quotes\" <b>tags</b>"},
+        {"role": "user", "content": '日本語 🙂 and "quotes" <b>tags</b>'},
     ],
 ]
 
@@ -262,9 +262,10 @@ def assert_same_chat(ours: Tokenizer, ref, template: str | None = None) -> None:
                 messages, tokenize=False, add_generation_prompt=gen, chat_template=template
             )
             assert ours.apply_chat_template(messages, add_generation_prompt=gen) == want
-            assert ours.encode(want, add_special_tokens=False) == ref(
-                want, add_special_tokens=False
-            ).input_ids
+            assert (
+                ours.encode(want, add_special_tokens=False)
+                == ref(want, add_special_tokens=False).input_ids
+            )
 
 
 def test_template_helpers_have_transformers_semantics(tmp_path):
@@ -290,7 +291,9 @@ def test_template_helpers_have_transformers_semantics(tmp_path):
 
 
 def test_template_errors_and_sandbox(tmp_path):
-    path, _ = byte_level_gguf(tmp_path / "v.gguf", "gpt2", chat_template="{{ raise_exception('no') }}")
+    path, _ = byte_level_gguf(
+        tmp_path / "v.gguf", "gpt2", chat_template="{{ raise_exception('no') }}"
+    )
     tok = load_tokenizer(path)
     with pytest.raises(ChatTemplateError, match="no"):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
@@ -372,13 +375,18 @@ def test_gemma3_gguf_matches_transformers(gemma3):
     assert_same(ours, ref, ALL_TEXTS + EXTRA)
     assert ours.vocab_size == len(ref) == 262144
     assert ours.encode("Hi")[0] == ours.bos_token_id == 2
-    assert ours.eos_token_id == 1 and ours.backend.token_to_id("<end_of_turn>") in ours.eos_token_ids
+    assert (
+        ours.eos_token_id == 1 and ours.backend.token_to_id("<end_of_turn>") in ours.eos_token_ids
+    )
     # The GGUF of the base model has no template: the instruction-tuned Gemma 3 one,
     # with its system message folded into the first user turn.
     ours = ours.with_chat_template(GEMMA_TEMPLATE)
     assert_same_chat(ours, ref, GEMMA_TEMPLATE)
     text = ours.apply_chat_template(CONVERSATIONS[1])
-    assert text == "<bos><start_of_turn>user\nBe brief.\n\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n"
+    assert (
+        text
+        == "<bos><start_of_turn>user\nBe brief.\n\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n"
+    )
     with pytest.raises(ChatTemplateError, match="alternate"):
         ours.apply_chat_template([{"role": "assistant", "content": "x"}])
 
