@@ -220,8 +220,8 @@ def _from_hf_dir(path: Path) -> Tokenizer:
     extra: set[int] = set()
     gen = path / "generation_config.json"
     if gen.is_file():
-        e = json.loads(gen.read_text()).get("eos_token_id")
-        extra |= set(e) if isinstance(e, list) else ({e} if e is not None else set())
+        ids = json.loads(gen.read_text()).get("eos_token_id")
+        extra |= set(ids) if isinstance(ids, list) else ({ids} if ids is not None else set())
     return Tokenizer(
         tok,
         tid(specials.bos_token),
