@@ -207,6 +207,13 @@ def _from_hf_dir(path: Path) -> Tokenizer:
     cfg: dict[str, Any] = {}
     if (path / "tokenizer_config.json").is_file():
         cfg = json.loads((path / "tokenizer_config.json").read_text())
+    model_type = json.loads(tok.model.__getstate__()).get("type")
+    if cfg.get("clean_up_tokenization_spaces") and model_type != "BPE":
+        # transformers then rewrites decoded text (" ." -> "."); it skips that for BPE.
+        raise TokenizerLoadError(
+            f"{path}: clean_up_tokenization_spaces=true with a {model_type} tokenizer is "
+            "unsupported (transformers would rewrite the decoded text)"
+        )
     template = cfg.get("chat_template")
     if (path / "chat_template.jinja").is_file():
         template = (path / "chat_template.jinja").read_text()

@@ -226,6 +226,23 @@ def test_hf_dir_matches_transformers(tmp_path, kind, cls, add_bos):
     assert (ours.encode("hi")[0] == ours.bos_token_id) == kind.startswith("spm-")
 
 
+def test_hf_dir_clean_up_tokenization_spaces(tmp_path):
+    """transformers skips the " ." -> "." clean-up for BPE, so a BPE tokenizer with the
+    flag set decodes as it is; any other model with it set is refused."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    gguf, _ = byte_level_gguf(tmp_path / "v.gguf", "gpt2")
+    d = tmp_path / "hf"
+    d.mkdir()
+    load_tokenizer(gguf).backend.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"clean_up_tokenization_spaces": True}))
+    assert_same(load_tokenizer(d), AutoTokenizer.from_pretrained(str(d)), ["Hi , you . ok ?"])
+    HFTokenizer(models.Unigram([("<unk>", 0.0), ("a", -1.0)], 0)).save(str(d / "tokenizer.json"))
+    with pytest.raises(TokenizerLoadError, match="clean_up_tokenization_spaces.*Unigram"):
+        load_tokenizer(d)
+
+
 def test_hf_dir_with_only_tokenizer_model_is_refused(tmp_path):
     (tmp_path / "tokenizer.model").write_bytes(b"\x00")
     with pytest.raises(TokenizerLoadError, match="tokenizer.model.*save_pretrained"):
