@@ -249,6 +249,21 @@ def test_hf_dir_with_only_tokenizer_model_is_refused(tmp_path):
         load_tokenizer(tmp_path)
 
 
+def test_metadata_reader_equals_gguf_reader(tmp_path):
+    from gguf import GGUFReader
+
+    path = spm_gguf(tmp_path, "gemma3", chat_template="{{ 1 }}")
+    want = {k: f.contents() for k, f in GGUFReader(str(path)).fields.items()}
+    got = read_gguf_metadata(path)
+    assert got.keys() == {k for k in want if not k.startswith("GGUF.")}
+    for k, v in got.items():
+        assert v == pytest.approx(want[k]) if k.endswith("scores") else v == want[k], k
+    data = path.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
+    with pytest.raises(TokenizerLoadError, match="truncated|out of bounds|past the file"):
+        load_tokenizer(tmp_path / "cut.gguf")
+
+
 def test_load_tokenizer_rejects_other_paths(tmp_path):
     (tmp_path / "x.bin").write_bytes(b"")
     with pytest.raises(TokenizerLoadError, match="HF model directory or a .gguf"):
