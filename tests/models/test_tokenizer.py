@@ -185,8 +185,9 @@ def test_sentencepiece_incremental_decode_equals_full_decode(tmp_path):
         # Prompts ending in byte tokens, outputs starting with them.
         for prompt_text in ("Once upon a time", "ends in bytes ẞ☃", "ẞ𝔘𝔫𝔦"):
             prompt = tok.encode(prompt_text, add_special_tokens=False)
-            for _ in range(12):
-                text = "".join(rng.sample(ALL_TEXTS, 3)).lstrip()
+            starts = ["𝔠𝔬𝔡𝔢 and more", "☃ snow "]
+            for start in starts + [""] * 10:
+                text = start + "".join(rng.sample(ALL_TEXTS, 3)).lstrip()
                 ids = tok.encode(text, add_special_tokens=False)
                 det = IncrementalDetokenizer(tok, prompt, SamplingParams())
                 streamed = "".join(det.add_tokens([i]).text for i in ids) + det.flush()
