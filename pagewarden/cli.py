@@ -83,7 +83,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     llm = _llm(args)
     params = _sampling(args)
-    if args.chat_template:
+    if args.chat_template is not None:  # --chat-template [TEMPLATE]
         text, ids = chat_prompt(llm, [{"role": "user", "content": args.prompt}])
     else:
         text, ids = args.prompt, llm.engine.tokenizer.encode(args.prompt)
@@ -304,11 +304,6 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=DefaultsHelpFormatter,
     )
     gen.add_argument("prompt", help="the text to complete")
-    gen.add_argument(
-        "--chat-template",
-        action="store_true",
-        help="wrap the prompt as a user message with the model's chat template",
-    )
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)

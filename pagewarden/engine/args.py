@@ -248,6 +248,15 @@ def _add_device_args(parser: argparse.ArgumentParser, d: EngineConfig) -> None:
         "is for tests only)",
     )
     parser.add_argument(
+        "--chat-template",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="TEMPLATE",
+        help="a Jinja chat template file, or the template itself, used instead of the "
+        "model's (generate: given alone, wrap the prompt in the model's chat template)",
+    )
+    parser.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=d.gpu_memory_utilization,
@@ -281,4 +290,7 @@ def _add_device_args(parser: argparse.ArgumentParser, d: EngineConfig) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     names = {f.name for f in fields(EngineConfig)}
-    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+    values = {k: v for k, v in vars(args).items() if k in names}
+    if values.get("chat_template") == "":  # a bare --chat-template: the model's own
+        values["chat_template"] = None
+    return EngineConfig(**values)

@@ -8,6 +8,7 @@ import torch
 
 from pagewarden.engine.profiles import ProfileError, SafeModePolicy
 from pagewarden.kernels.backend import AttentionBackendError, check_backend, default_backend
+from pagewarden.models.chat_template import ChatTemplateError, read_chat_template
 from pagewarden.private_dir import user_state_dir
 from pagewarden.sched.config import MIN_MAX_MODEL_LEN
 from pagewarden.worker.cpu_threads import CpuBindError, parse_cpu_list
@@ -98,6 +99,9 @@ class EngineConfig:
     device: str | None = None
     attention_backend: str | None = None
     gpu_memory_utilization: float = 0.9  # on CUDA, share of the GPU the engine may fill
+    # A Jinja chat template (a file's path, or the template itself) that replaces the
+    # model's own; None: the model's.
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         self._check_model_and_cache()
@@ -107,6 +111,15 @@ class EngineConfig:
         self._check_recorder_and_events()
         self._check_batch_and_profiles()
         self._check_device()
+        self._check_chat_template()
+
+    def _check_chat_template(self) -> None:
+        """A template given by path or inline must parse."""
+        if self.chat_template is not None:
+            try:
+                read_chat_template(self.chat_template)
+            except ChatTemplateError as exc:
+                raise EngineConfigError(str(exc)) from None
 
     def _check_model_and_cache(self) -> None:
         """The dtype, the KV cache's size and what one step may hold."""

@@ -27,6 +27,7 @@ from pagewarden.engine.output_processor import OutputProcessor
 from pagewarden.engine.outputs import RequestOutput
 from pagewarden.engine.profiles import ProfileState, ProfileSwitch
 from pagewarden.engine.safe_mode import SafeMode
+from pagewarden.models.chat_template import read_chat_template
 from pagewarden.models.loader import LoadedModel, load_model
 from pagewarden.sampling_params import SamplingParams
 from pagewarden.sched.admission import RequestRejected, check_request
@@ -78,6 +79,9 @@ class EngineCore:
             config.resolved_device,
         )
         self.tokenizer = self.loaded.tokenizer
+        if config.chat_template is not None:
+            template = read_chat_template(config.chat_template)
+            self.tokenizer = self.tokenizer.with_chat_template(template)
         self.kv_store = _build_kv_store(config, self.loaded)
         self.max_model_len = config.max_model_len or self.loaded.config.max_position_embeddings
         self.scheduler = self._build_scheduler()

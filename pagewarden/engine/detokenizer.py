@@ -12,7 +12,9 @@ window::
     delta       = new_text[len(prefix_text):]
 
 Decoding a few tokens of context before ``read_offset`` keeps tokenizers that
-strip or merge spaces at the start of a decode honest. If ``new_text`` ends with
+strip or merge spaces at the start of a decode honest (SentencePiece drops the ``▁`` of
+the first piece). The context starts on a whole character: byte-fallback tokens
+(``<0xE6><0x97><0xA5>``) decode as one run, all U+FFFD if the run starts mid-character. If ``new_text`` ends with
 U+FFFD, the pending tokens end inside a multi-byte UTF-8 character: nothing is read and
 the offsets stay until a later token completes it. Otherwise the window slides:
 ``prefix_offset, read_offset = read_offset, len(all_ids)``.
@@ -31,6 +33,8 @@ from pagewarden.sampling_params import SamplingParams
 
 #: Tokens of prompt context decoded before the first output token.
 _INITIAL_CONTEXT_TOKENS = 5
+#: How much further back the context may start to begin on a whole character.
+_MAX_EXTRA_CONTEXT_TOKENS = 8
 _REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -70,7 +74,7 @@ class IncrementalDetokenizer:
         self._max_stop_len = max((len(s) for s in self._stop_strings), default=0)
         self._all_ids = list(prompt_token_ids)
         self._read_offset = len(self._all_ids)
-        self._prefix_offset = max(self._read_offset - _INITIAL_CONTEXT_TOKENS, 0)
+        self._prefix_offset = self._context_start()
         self._output_text = ""  # decoded output text, truncated at a stop string
         self._num_emitted = 0  # chars of _output_text already returned
         self._stop_string: str | None = None
@@ -115,6 +119,19 @@ class IncrementalDetokenizer:
         text = self._output_text[self._num_emitted :]
         self._num_emitted = len(self._output_text)
         return text
+
+    def _context_start(self) -> int:
+        """Where the prompt context starts: a few tokens back, and further back while
+        that window decodes to a leading U+FFFD, i.e. starts inside a character spelled by
+        byte tokens (SentencePiece byte fallback), whose broken run would swallow the
+        output's first bytes."""
+        start = max(self._read_offset - _INITIAL_CONTEXT_TOKENS, 0)
+        floor = max(start - _MAX_EXTRA_CONTEXT_TOKENS, 0)
+        while start > floor and self._decode(self._all_ids[start : self._read_offset]).startswith(
+            _REPLACEMENT_CHAR
+        ):
+            start -= 1
+        return start
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from pagewarden.models.llama import LlamaConfig, LlamaForCausalLM
-from pagewarden.models.tokenizer import Tokenizer, TokenizerLoadError
+from pagewarden.models.tokenizer import Tokenizer, TokenizerLoadError, load_tokenizer
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -92,7 +92,7 @@ def _load_hf_dir(p: Path, dtype: torch.dtype) -> LoadedModel:
             yield from load_file(f).items()
 
     try:
-        tokenizer = Tokenizer.from_hf_dir(p)
+        tokenizer = load_tokenizer(p)
     except TokenizerLoadError as e:
         raise ModelLoadError(str(e)) from e
     model = _build(config, weights(), dtype, p)
@@ -155,7 +155,7 @@ def _load_gguf(p: Path, dtype: torch.dtype) -> LoadedModel:
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
         )
-        tokenizer = Tokenizer.from_gguf_fields(fields)
+        tokenizer = load_tokenizer(p)
     except (KeyError, ValueError) as e:
         raise ModelLoadError(f"{p}: GGUF metadata incomplete or malformed: {e}") from e
 

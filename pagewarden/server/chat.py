@@ -49,12 +49,15 @@ def _render(req: ChatCompletionRequest, ctx: ServerContext) -> tuple[str | None,
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     try:
         rendered = ctx.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=req.add_generation_prompt
+            messages,
+            add_generation_prompt=req.add_generation_prompt,
+            **(req.chat_template_kwargs or {}),
         )
     except Exception as exc:  # noqa: BLE001 - template errors are the client's input
         raise APIError(400, f"cannot apply the chat template: {exc}", "messages") from None
     if isinstance(rendered, str):
-        return rendered, ctx.tokenizer.encode(rendered)
+        # The template writes the special tokens (BOS) itself, as in LLM.chat.
+        return rendered, ctx.tokenizer.encode(rendered, add_special_tokens=False)
     return None, list(rendered)
 
 

@@ -89,6 +89,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
     # accepted and ignored (OpenAI chat fields with no effect here)
     reasoning_effort: str | None = None
     verbosity: str | None = None
