@@ -8,8 +8,11 @@ Tensor layouts (one layer):
     seq_info      (3, S) int32               first token, query length, context length
 
 Sequence i brings query_len new tokens after context_len cached ones; its token j sits
-at position context_len + j and may attend to keys at positions <= context_len + j (a
-decode is query_len 1, a fresh prompt context_len 0: one kernel covers all three).
+at position p = context_len + j and may attend to keys at positions <= p (a decode is
+query_len 1, a fresh prompt context_len 0: one kernel covers all three); with a sliding
+window of W keys (``SLIDING``), only to keys j with p - W < j <= p, and the blocks before
+the tile's first query's first key are not read at all. With ``SOFTCAP`` the scaled
+scores become ``softcap * tanh(scores / softcap)`` before the mask and softmax.
 
 Grid (num_tiles, n_kv, num_splits), ``tiles`` (2, num_tiles) int32 naming the (sequence,
 query tile) of each program, so a batch of decodes and one long chunk launches as many
@@ -18,7 +21,8 @@ and one kv head, the G = n_heads / n_kv query heads of that kv head packed into 
 (grouped-query attention without repeating K/V), and one split of the key range:
 
     row r of tile t:  token (t * BLOCK_M + r) // G,  head kv_head * G + (t * BLOCK_M + r) % G
-    split s reads logical blocks [s * blocks_per_split, (s + 1) * blocks_per_split)
+    split s reads logical blocks [lo + s * blocks_per_split, lo + (s + 1) * blocks_per_split)
+    lo = 0, or with a window the block of the tile's first query's first key
 
 Loop order: over the split's logical blocks lb, one paged block (bs keys) per iteration,
 read in place through ``block_tables[i, lb]`` (no gathered copy); online softmax in
@@ -30,9 +34,11 @@ Checks, through the same block id the K/V were read with, never raised here:
 
 * tags: each key slot read must hold ``expected_tags[i, position]``; a mismatch sets
   ``tag_faults[i, lb] = 1`` (every tile and layer compares what it reads).
-* checksums (strict): tile 0 of each sequence reads every cached block once per
-  (layer, kv head); it adds that block's share of the content checksum of
-  ``worker/integrity.py`` to ``read_sums[i, kv_head, lb]``. The scheme is linear mod
+* checksums (strict): tile 0 of each sequence reads every cached block its layer reads
+  once per (layer, kv head) (its window starts earliest); it adds that block's share of
+  the content checksum of ``worker/integrity.py`` to ``read_sums[i, kv_head, lb]``, and
+  kv head 0 counts the layer in ``read_layers[i, lb]`` (a sliding layer skips the blocks
+  before its window, so only blocks every layer read sum to the block checksum). The scheme is linear mod
   2^64, so summing the shares over kv heads and layers gives the block checksum bit for
   bit. A 32-bit limb of a 16-bit cache is two elements (low half first, little endian):
 
@@ -65,6 +71,12 @@ def _limb_weights(x, d, ELEM_BITS: tl.constexpr):
         return tl.where((d % 2 == 0)[None, :], bits & 0xFFFF, bits << 16)
     else:
         return x.to(tl.int32, bitcast=True).to(tl.int64)
+
+
+@triton.jit
+def _tanh(x):
+    """tanh in float32 from exp (saturates to +-1 where exp overflows or vanishes)."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
 @triton.jit
@@ -104,7 +116,10 @@ def _paged_attention_kernel(
     element_keys_ptr,
     offset_keys_ptr,
     read_sums_ptr,
+    read_layers_ptr,
     scale_log2,
+    window,
+    softcap,
     num_seqs,
     tiles_ptr,
     num_tiles,
@@ -127,6 +142,8 @@ def _paged_attention_kernel(
     ELEM_BITS: tl.constexpr,
     USE_DOT: tl.constexpr,
     IEEE: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.load(tiles_ptr + tl.program_id(0))
     tile = tl.load(tiles_ptr + num_tiles + tl.program_id(0))
@@ -151,7 +168,10 @@ def _paged_attention_kernel(
     # Keys this tile needs: up to its last token's own position (causal).
     last_tok = tl.minimum(q_len - 1, (tile * BLOCK_M + BLOCK_M - 1) // G)
     kv_stop = ctx + last_tok + 1
-    lb_start = split * blocks_per_split
+    lb_lo = 0
+    if SLIDING:  # the block of the tile's first query's first key
+        lb_lo = tl.maximum(ctx + (tile * BLOCK_M) // G - window + 1, 0) // BS
+    lb_start = lb_lo + split * blocks_per_split
     lb_stop = tl.minimum(tl.cdiv(kv_stop, BS), lb_start + blocks_per_split)
     if tile * BLOCK_M >= q_len * G:  # a tile past this sequence's rows reads nothing
         lb_stop = lb_start
@@ -182,8 +202,17 @@ def _paged_attention_kernel(
                 share = tl.sum(slot_sum * tl.load(offset_keys_ptr + o), axis=0)
                 sums = read_sums_ptr + (seq * HKV + kv_head) * stride_bt + lb
                 tl.store(sums, tl.load(sums) + share)
-        s = _scores(q, k, USE_DOT, IEEE) * scale_log2  # (M, BS)
+                if kv_head == 0:
+                    layers = read_layers_ptr + seq * stride_bt + lb
+                    tl.store(layers, tl.load(layers) + 1)
+        if SOFTCAP:  # softcap * tanh(scale * s / softcap), in log2 units
+            raw = _scores(q, k, USE_DOT, IEEE) * (scale_log2 / 1.4426950408889634)
+            s = _tanh(raw / softcap) * (softcap * 1.4426950408889634)
+        else:
+            s = _scores(q, k, USE_DOT, IEEE) * scale_log2  # (M, BS)
         allowed = (pos[None, :] <= ctx + tok[:, None]) & key_ok[None, :]
+        if SLIDING:
+            allowed = allowed & (pos[None, :] > ctx + tok[:, None] - window)
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -244,6 +273,8 @@ class ReadCheckBuffers:
     read_sums: torch.Tensor | None  # (S, n_kv, max_blocks) int64, out; None: no checksums
     element_keys: torch.Tensor | None  # (2, n_kv * D) int64, this layer's keys
     offset_keys: torch.Tensor | None  # (bs,) int64
+    # (S, max_blocks) int32, out: layers that added their checksum shares; None: not kept
+    read_layers: torch.Tensor | None = None
 
 
 def _interpreting() -> bool:
@@ -275,8 +306,11 @@ def paged_attention(
     num_splits: int | None = None,
     block_m: int = 16,
     tiles: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of q (T, n_heads, D) over the paged cache; returns (T, n_heads, D).
+    ``sliding_window`` and ``softcap`` as ``AttentionOps.attend`` says (None: off).
 
     ``tiles`` is ``query_tiles(query_lens, G, block_m)`` on q's device; None: every
     sequence gets the tiles of the longest query (simpler, more idle programs).
@@ -294,9 +328,14 @@ def paged_attention(
         program = torch.arange(num_seqs * q_tiles, dtype=torch.int32, device=q.device)
         tiles = torch.stack([program // q_tiles, program % q_tiles])
     num_tiles = tiles.shape[1]
+    # Blocks one tile may read: all, or those a window and the tile's tokens can touch.
+    span = max_blocks
+    if sliding_window is not None:
+        keys = sliding_window - 1 + block_m // group + 1
+        span = min(max_blocks, triton.cdiv(keys, bs) + 1)
     if num_splits is None:
-        num_splits = choose_num_splits(num_tiles, n_kv, max_blocks)
-    blocks_per_split = triton.cdiv(max_blocks, num_splits)
+        num_splits = choose_num_splits(num_tiles, n_kv, span)
+    blocks_per_split = triton.cdiv(span, num_splits)
     out = torch.empty_like(q)
     if num_splits > 1:
         part_lse = torch.empty(t * n_heads * num_splits, dtype=torch.float32, device=q.device)
@@ -307,14 +346,17 @@ def paged_attention(
         part_lse = part_out = out
     unused = block_tables  # stands in for the pointers of checks that are off
     tag_args: tuple[torch.Tensor, ...] = (unused,) * 3
-    sum_args: tuple[torch.Tensor, ...] = (unused,) * 3
+    sum_args: tuple[torch.Tensor, ...] = (unused,) * 4
     stride_exp = 0
     if checks is not None:
         tag_args = (checks.slot_tags, checks.expected_tags, checks.tag_faults)
         stride_exp = checks.expected_tags.stride(0)
         if checks.read_sums is not None:
             assert checks.element_keys is not None and checks.offset_keys is not None
-            sum_args = (checks.element_keys, checks.offset_keys, checks.read_sums)
+            layers = checks.read_layers
+            if layers is None:  # counted, then dropped
+                layers = torch.zeros(num_seqs, max_blocks, dtype=torch.int32, device=q.device)
+            sum_args = (checks.element_keys, checks.offset_keys, checks.read_sums, layers)
     tags_on, sums_on = checks is not None, sum_args[0] is not unused
     elem_bits = cache.element_size() * 8
     assert not sums_on or elem_bits in (16, 32), "checksums need a 16- or 32-bit cache"
@@ -329,6 +371,8 @@ def paged_attention(
         *tag_args,
         *sum_args,
         scale * 1.4426950408889634,  # exp(x) = exp2(x * log2(e))
+        sliding_window or 0,
+        softcap or 1.0,
         num_seqs,
         tiles,
         num_tiles,
@@ -353,6 +397,8 @@ def paged_attention(
         # float32 caches must not round through tf32; the interpreter's tl.dot mishandles
         # 16-bit floats, so there the products (exact in float32) are formed in float32.
         IEEE=cache.dtype == torch.float32 or _interpreting(),
+        SLIDING=sliding_window is not None,
+        SOFTCAP=softcap is not None,
     )
     if num_splits > 1:
         _combine_kernel[(t, n_heads)](
