@@ -25,6 +25,13 @@ each computed by the cheapest kernel that is exact for it:
     chunked  a chunk over a cached prefix: K/V gathered through block_index, queries
              padded to the longest chunk of this batch only, an explicit mask.
 
+A layer with a sliding window of W keys (``sliding_window``; query at position p sees
+keys j with p - W < j <= p) gathers only the blocks of its windows: the decode and
+chunked batches read through ``meta.windowed(batch, W)`` (the block ids from each row's
+first window block, and the mask in absolute positions, built once per step), fresh
+prompts use a band mask. ``softcap`` c caps the scaled logits to c * tanh(logits / c)
+(``softcapped_attention``, float32). See docs/attention.md.
+
 Gathering whole blocks of S sequences (K and V together, once per layer and batch):
 
     cache (2, num_blocks, bs, n_kv, D) --index_select(dim 1, block index of the batch)-->

@@ -68,6 +68,7 @@ class WindowedRead:
     first_block: list[int]  # (S_b,) first logical block each row reads
     num_blocks: int
     attn_mask: torch.Tensor  # (S_b, 1, Q, num_blocks * block_size) bool, True = may attend
+    source: torch.Tensor  # the meta.block_index it was taken from
 
 
 @dataclass
@@ -191,7 +192,9 @@ class AttentionMetadata:
         of ``window`` keys, built from ``block_index`` on the first call of the step."""
         key = (batch, window)
         read = self._windowed.get(key)
-        if read is None:
+        # Built from the block_index this forward call reads with (a fault injector may
+        # swap the tensor between build and forward).
+        if read is None or read.source is not self.block_index:
             seqs = [
                 i
                 for i, (q, c) in enumerate(zip(self.query_lens, self.context_lens))
@@ -313,4 +316,4 @@ def windowed_read(meta: AttentionMetadata, seqs: list[int], window: int) -> Wind
     mask = (key <= pos) & (key > pos - window) & (key < ctx_t + q_t)  # (S_b, Q, K)
     # Padded query rows see key 0 only, so softmax never meets an all-masked row.
     mask = mask | ((j >= q_t) & (torch.arange(num_blocks * bs) == 0))
-    return WindowedRead(index, first, num_blocks, mask.unsqueeze(1).to(device))
+    return WindowedRead(index, first, num_blocks, mask.unsqueeze(1).to(device), meta.block_index)

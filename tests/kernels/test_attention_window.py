@@ -115,3 +115,17 @@ def test_window_and_softcap_follow_transformers(arch):
             step.q, step.caches[0], step.meta, 0.25, sliding_window=window, softcap=softcap
         )
         torch.testing.assert_close(got, want[ctx[0] :], atol=1e-5, rtol=1e-5)
+
+
+def test_a_replaced_block_index_is_what_a_windowed_read_uses():
+    """A fault injector swaps ``meta.block_index`` for one forward call: the windowed
+    read built from the old tensor is not reused, the new index is read."""
+    step = make_step([1], [40], block_size=4)
+    before = paged_attention(step.q, step.caches[0], step.meta, 0.3, sliding_window=6)
+    redirected = step.meta.block_index.clone()
+    redirected[9] = redirected[2]  # logical block 9 (positions 36..39, in the window)
+    step.meta.block_index = redirected
+    after = paged_attention(step.q, step.caches[0], step.meta, 0.3, sliding_window=6)
+    step.tables[0][9] = step.tables[0][2]
+    torch.testing.assert_close(after.double(), reference_attention(step, 0.3, 6, None))
+    assert not torch.equal(before, after)
