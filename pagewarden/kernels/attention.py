@@ -41,6 +41,7 @@ Gathering whole blocks of S sequences (K and V together, once per layer and batc
 
 from __future__ import annotations
 
+import operator
 from typing import Protocol
 
 import torch
@@ -243,8 +244,7 @@ def paged_attention(
     the blocks holding them are read; `softcap` c: logits c * tanh(logits / c) before
     the mask and softmax. None: off.
     """
-    check_window_args(sliding_window, softcap)
-    w, c = sliding_window, softcap
+    w, c = check_window_args(sliding_window, softcap)
     parts: list[tuple[torch.Tensor | None, torch.Tensor]] = []
     if meta.decode is not None:
         parts.append((meta.decode.token_index, _decode(q, cache, meta, meta.decode, scale, w, c)))
@@ -265,17 +265,27 @@ def paged_attention(
     return out
 
 
-def check_window_args(sliding_window: int | None, softcap: float | None) -> None:
-    """Raise ValueError unless the window is None or a positive int and the cap None or
-    a positive finite float."""
-    if sliding_window is not None and (
-        not isinstance(sliding_window, int)
-        or isinstance(sliding_window, bool)
-        or sliding_window < 1
-    ):
-        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
-    if softcap is not None and not (0 < float(softcap) < float("inf")):
-        raise ValueError(f"softcap must be a positive finite float or None, got {softcap!r}")
+def check_window_args(
+    sliding_window: int | None, softcap: float | None
+) -> tuple[int | None, float | None]:
+    """The window as a positive int and the cap as a positive finite float (None: off),
+    from any integer / real type a config holds; ValueError otherwise."""
+    window: int | None = None
+    cap: float | None = None
+    if sliding_window is not None:
+        try:
+            window = operator.index(sliding_window)
+        except TypeError:
+            window = 0
+        if isinstance(sliding_window, bool) or window < 1:
+            raise ValueError(
+                f"sliding_window must be a positive int or None, got {sliding_window!r}"
+            )
+    if softcap is not None:
+        cap = float(softcap)
+        if not 0 < cap < float("inf"):
+            raise ValueError(f"softcap must be a positive finite float or None, got {softcap!r}")
+    return window, cap
 
 
 class AttentionOps(Protocol):

@@ -129,3 +129,18 @@ def test_a_replaced_block_index_is_what_a_windowed_read_uses():
     step.tables[0][9] = step.tables[0][2]
     torch.testing.assert_close(after.double(), reference_attention(step, 0.3, 6, None))
     assert not torch.equal(before, after)
+
+
+def test_window_and_cap_arguments_are_checked_and_normalised():
+    import numpy as np
+
+    from pagewarden.kernels.attention import check_window_args
+
+    assert check_window_args(np.int64(4096), np.float32(50.0)) == (4096, 50.0)
+    assert check_window_args(None, None) == (None, None)
+    for bad in (0, -3, True, 2.5, "8"):
+        with pytest.raises(ValueError, match="sliding_window"):
+            check_window_args(bad, None)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="softcap"):
+            check_window_args(None, bad)

@@ -146,8 +146,7 @@ class CpuAttention:
         """Attention (T, n_heads, D) of the step's queries over the paged cache (the
         window and cap as ``AttentionOps.attend`` says)."""
         assert meta.seq_info is not None, "build the metadata with AttentionMetadata.build"
-        check_window_args(sliding_window, softcap)
-        w, c = sliding_window, softcap
+        w, c = check_window_args(sliding_window, softcap)
         decode_rows, other_rows = self._step_rows(meta)
         out = torch.empty_like(q)  # (T, n_heads, D)
         if meta.decode is not None:

@@ -54,7 +54,7 @@ class TritonAttention:
         """Attention (T, n_heads, D); the step's own K/V are read back from the cache, so
         ``new_kv`` is not needed (window and cap as ``AttentionOps.attend`` says)."""
         assert meta.seq_info is not None, "build the metadata with AttentionMetadata.build"
-        check_window_args(sliding_window, softcap)
+        sliding_window, softcap = check_window_args(sliding_window, softcap)
         tables = meta.block_index.view(meta.num_seqs, meta.max_blocks)
         return paged_attention(
             q,
