@@ -25,6 +25,13 @@ each computed by the cheapest kernel that is exact for it:
     chunked  a chunk over a cached prefix: K/V gathered through block_index, queries
              padded to the longest chunk of this batch only, an explicit mask.
 
+A layer with a sliding window of W keys (``sliding_window``; query at position p sees
+keys j with p - W < j <= p) gathers only the blocks of its windows: the decode and
+chunked batches read through ``meta.windowed(batch, W)`` (the block ids from each row's
+first window block, and the mask in absolute positions, built once per step), fresh
+prompts use a band mask. ``softcap`` c caps the scaled logits to c * tanh(logits / c)
+(``softcapped_attention``, float32). See docs/attention.md.
+
 Gathering whole blocks of S sequences (K and V together, once per layer and batch):
 
     cache (2, num_blocks, bs, n_kv, D) --index_select(dim 1, block index of the batch)-->
@@ -34,238 +41,37 @@ Gathering whole blocks of S sequences (K and V together, once per layer and batc
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import operator
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from pagewarden.kernels.attention_metadata import (
+    AttentionMetadata,
+    ChunkedBatch,
+    DecodeBatch,
+    FreshBatch,
+    ReadChecks,
+    WindowedRead,
+)
+
+__all__ = [
+    "AttentionMetadata",
+    "AttentionOps",
+    "ChunkedBatch",
+    "DecodeBatch",
+    "FreshBatch",
+    "ReadChecks",
+    "TorchAttention",
+    "WindowedRead",
+    "paged_attention",
+    "read_new_kv",
+    "write_kv",
+]
+
 # SDPA grew `enable_gqa` in torch 2.5; older versions get K/V repeated per query head.
 _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
-
-
-@dataclass
-class DecodeBatch:
-    """Sequences with one new token each; their token i is decode sequence i."""
-
-    token_index: torch.Tensor | None  # (S_d,) flat token of each; None: all T tokens, in order
-    table_rows: torch.Tensor | None  # (S_d,) rows of the block tables; None: all rows
-    max_blocks: int
-    kv_len: int
-    attn_mask: torch.Tensor | None  # (S_d, 1, 1, kv_len) bool, True = may attend
-
-
-@dataclass
-class FreshBatch:
-    """Prompt chunks of `query_len` tokens each with no cached context (causal only)."""
-
-    token_index: torch.Tensor | None  # (n * Q,) flat tokens, sequence-major; None: all T
-    num_seqs: int
-    query_len: int
-
-
-@dataclass
-class ChunkedBatch:
-    """Chunks of more than one token over a cached prefix."""
-
-    token_index: torch.Tensor | None  # (T_c,) flat tokens; None: all T tokens
-    table_rows: torch.Tensor | None  # (S_c,) rows of the block tables; None: all rows
-    token_to_padded: torch.Tensor | None  # (T_c,) into the (S_c * Q) padded queries
-    attn_mask: torch.Tensor  # (S_c, 1, Q, kv_len) bool, True = may attend
-    num_seqs: int
-    max_query_len: int
-    max_blocks: int
-    kv_len: int
-
-
-@dataclass
-class ReadChecks:
-    """Tensors of the checks an attention kernel runs on what it reads (fused backends).
-
-    Invariant: ``tag_faults[i, lb]`` is nonzero iff some layer read a slot of sequence
-    i's logical block lb whose tag differed from ``expected_tags[i, position]``;
-    ``read_sums[i, h, lb]`` is the sum over layers of kv head h's share of that block's
-    content checksum (complete for blocks inside the cached context).
-    """
-
-    expected_tags: torch.Tensor  # (S, kv_len) int64: tag of sequence i's position p
-    tag_faults: torch.Tensor  # (S, max_blocks) int32, written by the kernel
-    read_sums: torch.Tensor | None  # (S, n_kv, max_blocks) int64; None: no checksums
-
-    def block_sums(self) -> torch.Tensor:
-        """(S, max_blocks) int64: each read block's checksum (sum over kv heads, mod 2^64)."""
-        assert self.read_sums is not None
-        return self.read_sums.sum(dim=1)
-
-
-@dataclass
-class AttentionMetadata:
-    """Everything one step's attention needs, built once and shared by all layers.
-
-    Invariant: sequence i owns the flat tokens [cu_q[i], cu_q[i] + query_lens[i]),
-    and its keys are the context_lens[i] cached tokens followed by those new tokens.
-
-    Index contract: `slot_mapping` is the only index a kernel writes the cache with and
-    `block_index` the only one it reads it with (the decode and chunked batches select
-    their rows of it; fresh prompts read only their own new K/V). The integrity guard writes slot tags
-    through the same `slot_mapping` tensor, in the same `write_kv` call, and checks them
-    through this object's `block_index` after the forward pass, so a kernel that keeps
-    to the contract is covered by construction. `slot_tags` (num_slots,) int64 is the
-    guard's tag store and `new_tags` (T,) int64 the tag of each new token; both None
-    when tags are off.
-    """
-
-    slot_mapping: torch.Tensor  # (T,) int64 slot of each new token
-    block_index: torch.Tensor  # (S * max_blocks,) int64 padded block tables, flat
-    num_seqs: int
-    max_query_len: int
-    max_blocks: int
-    block_size: int
-    kv_len: int
-    decode: DecodeBatch | None = None
-    fresh: list[FreshBatch] = field(default_factory=list)
-    chunked: ChunkedBatch | None = None
-    slot_tags: torch.Tensor | None = None  # (num_blocks * block_size,) int64, a view
-    new_tags: torch.Tensor | None = None  # (T,) int64
-    # (3, S) int32: first flat token, query length, context length of each sequence;
-    # the query lengths also on the host (for kernels' launch grids).
-    seq_info: torch.Tensor | None = None
-    query_lens: list[int] = field(default_factory=list)
-    # Set by the guard when the backend checks its reads itself (AttentionOps.fused_reads).
-    read_checks: ReadChecks | None = None
-
-    @property
-    def is_decode(self) -> bool:
-        """Every sequence brings exactly one new token."""
-        return self.max_query_len == 1
-
-    @staticmethod
-    def build(
-        query_lens: list[int],
-        context_lens: list[int],
-        block_tables: list[list[int]],
-        slot_mapping: list[int],
-        block_size: int,
-        device: torch.device | str = "cpu",
-    ) -> AttentionMetadata:
-        """Precompute the block index and the per-batch indices and masks for one step."""
-        num_seqs = len(query_lens)
-        assert len(context_lens) == num_seqs == len(block_tables)
-        assert len(slot_mapping) == sum(query_lens)
-        seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
-        kv_len = max(seq_lens)
-        max_blocks = -(-kv_len // block_size)
-        for s, t in zip(seq_lens, block_tables):
-            assert len(t) * block_size >= s, "block table too short for its tokens"
-        # Only the blocks that hold keys are read; padding entries point at block 0.
-        padded = [t[:max_blocks] + [0] * (max_blocks - len(t)) for t in block_tables]
-        starts, decode, chunked = [0] * num_seqs, [], []
-        fresh: dict[int, list[int]] = {}
-        for i in range(num_seqs):
-            starts[i] = starts[i - 1] + query_lens[i - 1] if i else 0
-            if query_lens[i] == 1:
-                decode.append(i)
-            elif context_lens[i] == 0:
-                fresh.setdefault(query_lens[i], []).append(i)
-            else:
-                chunked.append(i)
-        plan = _StepPlan(query_lens, context_lens, starts, block_size, num_seqs, device)
-        return AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
-            block_index=torch.tensor(padded, dtype=torch.long, device=device).view(-1),
-            num_seqs=num_seqs,
-            max_query_len=max(query_lens),
-            max_blocks=max_blocks,
-            block_size=block_size,
-            kv_len=kv_len,
-            decode=plan.decode(decode) if decode else None,
-            fresh=[plan.fresh(seqs) for seqs in fresh.values()],
-            chunked=plan.chunked(chunked) if chunked else None,
-            seq_info=torch.tensor(
-                [starts, query_lens, context_lens], dtype=torch.int32, device=device
-            ),
-            query_lens=list(query_lens),
-        )
-
-
-@dataclass
-class _StepPlan:
-    """Builds each batch's indices from the step's per-sequence lengths."""
-
-    query_lens: list[int]
-    context_lens: list[int]
-    starts: list[int]  # first flat token of each sequence
-    block_size: int
-    num_seqs: int
-    device: torch.device | str
-
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
-
-    def _tokens(self, seqs: list[int]) -> torch.Tensor | None:
-        """Flat tokens of `seqs`, sequence-major; None when that is every token in order."""
-        if len(seqs) == self.num_seqs:
-            return None
-        return self._tensor(
-            [t for i in seqs for t in range(self.starts[i], self.starts[i] + self.query_lens[i])]
-        )
-
-    def _rows(self, seqs: list[int]) -> torch.Tensor | None:
-        return None if len(seqs) == self.num_seqs else self._tensor(seqs)
-
-    def decode(self, seqs: list[int]) -> DecodeBatch:
-        lens = [self.context_lens[i] + 1 for i in seqs]
-        kv_len = max(lens)
-        mask = None
-        if any(n != kv_len for n in lens):
-            keys = torch.arange(kv_len).view(1, kv_len)  # (1, K)
-            mask = (keys < torch.tensor(lens).view(-1, 1)).view(len(seqs), 1, 1, kv_len)
-            mask = mask.to(self.device)
-        return DecodeBatch(
-            token_index=self._tokens(seqs),
-            table_rows=self._rows(seqs),
-            max_blocks=-(-kv_len // self.block_size),
-            kv_len=kv_len,
-            attn_mask=mask,
-        )
-
-    def fresh(self, seqs: list[int]) -> FreshBatch:
-        return FreshBatch(self._tokens(seqs), len(seqs), self.query_lens[seqs[0]])
-
-    def chunked(self, seqs: list[int]) -> ChunkedBatch:
-        q_lens = [self.query_lens[i] for i in seqs]
-        ctx = [self.context_lens[i] for i in seqs]
-        max_q = max(q_lens)
-        kv_len = max(q + c for q, c in zip(q_lens, ctx))
-        token_to_padded = None
-        if any(q != max_q for q in q_lens):
-            token_to_padded = self._tensor(
-                [n * max_q + j for n, q in enumerate(q_lens) for j in range(q)]
-            )
-        return ChunkedBatch(
-            token_index=self._tokens(seqs),
-            table_rows=self._rows(seqs),
-            token_to_padded=token_to_padded,
-            attn_mask=_attention_mask(q_lens, ctx, max_q, kv_len).to(self.device),
-            num_seqs=len(seqs),
-            max_query_len=max_q,
-            max_blocks=-(-kv_len // self.block_size),
-            kv_len=kv_len,
-        )
-
-
-def _attention_mask(
-    query_lens: list[int], context_lens: list[int], max_q: int, kv_len: int
-) -> torch.Tensor:
-    """(S, 1, Q, K) bool: causal inside each chunk, full view of its cached prefix."""
-    q_lens = torch.tensor(query_lens, dtype=torch.long).view(-1, 1, 1)  # (S, 1, 1)
-    ctx = torch.tensor(context_lens, dtype=torch.long).view(-1, 1, 1)  # (S, 1, 1)
-    j = torch.arange(max_q).view(1, max_q, 1)  # (1, Q, 1)
-    k = torch.arange(kv_len).view(1, 1, kv_len)  # (1, 1, K)
-    mask = (k <= ctx + j) & (k < ctx + q_lens)  # (S, Q, K)
-    # Padded query rows see key 0 only, so softmax never meets an all-masked row.
-    mask = mask | ((j >= q_lens) & (k == 0))
-    return mask.unsqueeze(1)  # (S, 1, Q, K)
 
 
 def write_kv(
@@ -309,17 +115,27 @@ def _rows_of(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
     return x if index is None else x.index_select(0, index)
 
 
-def _decode(q, cache, meta: AttentionMetadata, batch: DecodeBatch, scale: float) -> torch.Tensor:
+def _decode(
+    q, cache, meta: AttentionMetadata, batch: DecodeBatch, scale: float, window, softcap
+) -> torch.Tensor:
     """(S_d, n_heads, D) attention of the decode tokens (module docstring)."""
     qd = _rows_of(q, batch.token_index)  # (S_d, n_heads, D)
     s, n_heads, head_dim = qd.shape
     n_kv = cache.shape[3]
-    index = batch_block_index(meta, batch.table_rows, batch.max_blocks)
-    k, v = gather_kv(cache, index, s, batch.kv_len)  # (S_d, n_kv, K, D)
+    if window is None:
+        index = batch_block_index(meta, batch.table_rows, batch.max_blocks)
+        kv_len, mask = batch.kv_len, batch.attn_mask
+    else:  # only the blocks of each window (meta.windowed)
+        read = meta.windowed("decode", window)
+        index, kv_len, mask = read.block_index, read.num_blocks * meta.block_size, read.attn_mask
+    k, v = gather_kv(cache, index, s, kv_len)  # (S_d, n_kv, K, D)
     # A wider q is cast down to the cache's dtype: far fewer bytes than K/V cast up.
     qf = qd.view(s, n_kv, n_heads // n_kv, head_dim).to(cache.dtype)  # (S_d, n_kv, G, D)
-    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=batch.attn_mask, scale=scale)
-    return out.view(s, n_heads, head_dim).to(q.dtype)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
+    else:
+        out = softcapped_attention(qf, k, v, scale, softcap, mask)
+    return out.reshape(s, n_heads, head_dim).to(q.dtype)
 
 
 def _sdpa_gqa(q, k, v, scale: float, mask=None, causal: bool = False) -> torch.Tensor:
@@ -333,24 +149,67 @@ def _sdpa_gqa(q, k, v, scale: float, mask=None, causal: bool = False) -> torch.T
     )
 
 
-def _fresh(q, k, v, cache_dtype, batch: FreshBatch, scale: float) -> torch.Tensor:
+def softcapped_attention(q, k, v, scale: float, softcap: float, mask=None) -> torch.Tensor:
+    """Attention of q (S, n_heads, Q, D) over k, v (S, n_kv, K, D) with logits
+    ``softcap * tanh(scale * q.k / softcap)`` (Gemma 2), in float32; mask (S or 1, 1, Q,
+    K) bool, True = may attend. Returns (S, n_heads, Q, D) in q's dtype."""
+    s, n_heads, qlen, head_dim = q.shape
+    n_kv, group = k.shape[1], n_heads // k.shape[1]
+    # The G query heads of a kv head as G * Q rows over its keys: K/V never repeated.
+    qg = q.float().reshape(s, n_kv, group * qlen, head_dim)  # (S, n_kv, G * Q, D)
+    scores = qg @ k.float().transpose(-1, -2) * scale  # (S, n_kv, G * Q, K)
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        n, keys = mask.shape[0], mask.shape[-1]
+        m = mask.unsqueeze(2).expand(n, 1, group, qlen, keys)  # (S, 1, G, Q, K)
+        scores = scores.masked_fill(~m.reshape(n, 1, group * qlen, keys), float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v.float()  # (S, n_kv, G * Q, D)
+    return out.view(s, n_heads, qlen, head_dim).to(q.dtype)
+
+
+def _band_mask(qlen: int, window: int, device) -> torch.Tensor:
+    """(1, 1, Q, Q) bool: query i sees keys j with i - window < j <= i."""
+    i = torch.arange(qlen, device=device).view(-1, 1)
+    j = torch.arange(qlen, device=device).view(1, -1)
+    return ((j <= i) & (j > i - window)).view(1, 1, qlen, qlen)
+
+
+def _fresh(
+    q, k, v, cache_dtype, batch: FreshBatch, scale: float, window=None, softcap=None
+) -> torch.Tensor:
     """(n * Q, n_heads, D) causal attention of fresh prompt tokens over their own K/V."""
     n, qlen = batch.num_seqs, batch.query_len
     qf, kf, vf = (_rows_of(x, batch.token_index) for x in (q, k, v))  # (n * Q, heads, D)
     if cache_dtype != q.dtype:  # see exactly what a later read of the cache returns
         kf, vf = kf.to(cache_dtype).to(q.dtype), vf.to(cache_dtype).to(q.dtype)
     qh, kh, vh = (x.view(n, qlen, x.shape[1], x.shape[2]).transpose(1, 2) for x in (qf, kf, vf))
-    out = _sdpa_gqa(qh, kh, vh, scale, causal=True)  # (n, n_heads, Q, D)
+    if window is not None and window >= qlen:
+        window = None  # every key of the prompt is inside every query's window
+    if window is None and softcap is None:
+        out = _sdpa_gqa(qh, kh, vh, scale, causal=True)  # (n, n_heads, Q, D)
+    else:
+        mask = _band_mask(qlen, window or qlen, q.device)
+        if softcap is None:
+            out = _sdpa_gqa(qh, kh, vh, scale, mask=mask)
+        else:
+            out = softcapped_attention(qh, kh, vh, scale, softcap, mask)
     return out.transpose(1, 2).reshape(n * qlen, q.shape[1], q.shape[2])
 
 
-def _chunked(q, cache, meta: AttentionMetadata, batch: ChunkedBatch, scale: float) -> torch.Tensor:
+def _chunked(
+    q, cache, meta: AttentionMetadata, batch: ChunkedBatch, scale: float, window=None, softcap=None
+) -> torch.Tensor:
     """(T_c, n_heads, D) attention of chunks over their cached prefix and themselves."""
     qc = _rows_of(q, batch.token_index)  # (T_c, n_heads, D)
     _, n_heads, head_dim = qc.shape
     s, qlen = batch.num_seqs, batch.max_query_len
-    index = batch_block_index(meta, batch.table_rows, batch.max_blocks)
-    k, v = gather_kv(cache, index, s, batch.kv_len)  # (S_c, n_kv, K, D)
+    if window is None:
+        index = batch_block_index(meta, batch.table_rows, batch.max_blocks)
+        kv_len, mask = batch.kv_len, batch.attn_mask
+    else:  # only the blocks of each chunk's windows (meta.windowed)
+        read = meta.windowed("chunked", window)
+        index, kv_len, mask = read.block_index, read.num_blocks * meta.block_size, read.attn_mask
+    k, v = gather_kv(cache, index, s, kv_len)  # (S_c, n_kv, K, D)
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
     if batch.token_to_padded is not None:
@@ -359,7 +218,10 @@ def _chunked(q, cache, meta: AttentionMetadata, batch: ChunkedBatch, scale: floa
     else:
         qp = qc  # already (S_c * Q, n_heads, D)
     qh = qp.view(s, qlen, n_heads, head_dim).transpose(1, 2)  # (S_c, n_heads, Q, D)
-    out = _sdpa_gqa(qh, k, v, scale, mask=batch.attn_mask)  # (S_c, n_heads, Q, D)
+    if softcap is None:
+        out = _sdpa_gqa(qh, k, v, scale, mask=mask)  # (S_c, n_heads, Q, D)
+    else:
+        out = softcapped_attention(qh, k, v, scale, softcap, mask)
     out = out.transpose(1, 2).reshape(s * qlen, n_heads, head_dim)  # (S_c * Q, n_heads, D)
     return _rows_of(out, batch.token_to_padded)  # (T_c, n_heads, D)
 
@@ -370,22 +232,30 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of new queries q (T, n_heads, D) over cached K/V; returns (T, n_heads, D).
 
     `new_kv` is the step's own K/V (T, n_kv, D), already written to the cache; fresh
     prompts attend to it directly. Without it they are read back from the cache.
+    `sliding_window` W: a query at position p sees keys j with p - W < j <= p, and only
+    the blocks holding them are read; `softcap` c: logits c * tanh(logits / c) before
+    the mask and softmax. None: off.
     """
+    w, c = check_window_args(sliding_window, softcap)
     parts: list[tuple[torch.Tensor | None, torch.Tensor]] = []
     if meta.decode is not None:
-        parts.append((meta.decode.token_index, _decode(q, cache, meta, meta.decode, scale)))
+        parts.append((meta.decode.token_index, _decode(q, cache, meta, meta.decode, scale, w, c)))
     if meta.fresh and new_kv is None:
         new_kv = read_new_kv(cache, meta.slot_mapping)
     for batch in meta.fresh:
         k, v = new_kv  # type: ignore[misc]
-        parts.append((batch.token_index, _fresh(q, k, v, cache.dtype, batch, scale)))
+        parts.append((batch.token_index, _fresh(q, k, v, cache.dtype, batch, scale, w, c)))
     if meta.chunked is not None:
-        parts.append((meta.chunked.token_index, _chunked(q, cache, meta, meta.chunked, scale)))
+        chunked = _chunked(q, cache, meta, meta.chunked, scale, w, c)
+        parts.append((meta.chunked.token_index, chunked))
     if len(parts) == 1 and parts[0][0] is None:
         return parts[0][1]
     out = torch.empty_like(q)  # (T, n_heads, D)
@@ -397,6 +267,29 @@ def paged_attention(
 
 class AttentionBackendError(ValueError):
     """The requested attention backend cannot run on this device; the message says why."""
+
+
+def check_window_args(
+    sliding_window: int | None, softcap: float | None
+) -> tuple[int | None, float | None]:
+    """The window as a positive int and the cap as a positive finite float (None: off),
+    from any integer / real type a config holds; ValueError otherwise."""
+    window: int | None = None
+    cap: float | None = None
+    if sliding_window is not None:
+        try:
+            window = operator.index(sliding_window)
+        except TypeError:
+            window = 0
+        if isinstance(sliding_window, bool) or window < 1:
+            raise ValueError(
+                f"sliding_window must be a positive int or None, got {sliding_window!r}"
+            )
+    if softcap is not None:
+        cap = float(softcap)
+        if not 0 < cap < float("inf"):
+            raise ValueError(f"softcap must be a positive finite float or None, got {softcap!r}")
+    return window, cap
 
 
 class AttentionOps(Protocol):
@@ -416,7 +309,15 @@ class AttentionOps(Protocol):
         meta: AttentionMetadata,
         scale: float,
         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor: ...
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """Attention (T, n_heads, D) of the step's queries over the paged cache: a query
+        at position p sees keys j with p - sliding_window < j <= p (all j <= p when None),
+        reading only the blocks that hold them; logits are capped to
+        ``softcap * tanh(logits / softcap)`` before masking and softmax (None: not)."""
+        ...
 
 
 class TorchAttention:
@@ -436,8 +337,13 @@ class TorchAttention:
         meta: AttentionMetadata,
         scale: float,
         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        return paged_attention(q, cache, meta, scale, new_kv)
+        return paged_attention(
+            q, cache, meta, scale, new_kv, sliding_window=sliding_window, softcap=softcap
+        )
 
 
 def read_new_kv(

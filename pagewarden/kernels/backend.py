@@ -4,8 +4,8 @@
 ``triton``: the kernels of this package. On CUDA they are compiled; on CPU they run only
 through Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is imported),
 which is for tests: it is orders of magnitude slower than the torch path.
-``cpu``: the C++ kernel of ``cpu_attention.cpp`` for decode on CPU caches (``cpu_attention.py``),
-compiled on first use; it needs a C++ compiler and the ninja build tool. The default on
+``cpu``: the C++ kernels of ``kernels/cpu/attention_*.cpp`` on CPU caches
+(``kernels/cpu/attention.py``), compiled on first use; it needs a C++ compiler and the ninja build tool. The default on
 the CPU where both are found (``PAGEWARDEN_NO_CPU_EXT=1`` keeps the torch path).
 """
 

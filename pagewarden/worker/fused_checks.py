@@ -38,7 +38,7 @@ def element_keys(caches: list[torch.Tensor]) -> torch.Tensor:
 
 def limb_keys(caches: list[torch.Tensor]) -> torch.Tensor:
     """(num_layers, 2, limbs per slot row) int64: the key of each 32-bit limb of a slot row
-    (for kernels that read the cache as limbs, as ``cpu_attention.cpp`` does)."""
+    (for kernels that read the cache as limbs, as ``kernels/cpu/attention_decode.cpp`` does)."""
     _, _, _, n_kv, head_dim = caches[0].shape
     row_bytes = n_kv * head_dim * caches[0].element_size()
     assert row_bytes % 4 == 0, f"a slot row has {row_bytes} bytes; 32-bit limbs need 4k"
@@ -62,5 +62,8 @@ def allocate_read_checks(
             torch.zeros(s, num_kv_heads, max_blocks, dtype=torch.int64, device=device)
             if checksums
             else None
+        ),
+        read_layers=(
+            torch.zeros(s, max_blocks, dtype=torch.int32, device=device) if checksums else None
         ),
     )

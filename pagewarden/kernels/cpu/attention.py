@@ -1,8 +1,10 @@
-"""The CPU attention backend: ``AttentionOps`` over the C++ kernel ``cpu_attention.cpp``.
+"""The CPU attention backend: ``AttentionOps`` over the C++ kernels of this folder
+(``attention_decode.cpp``, ``attention_fresh.cpp``, shared pieces in ``attention_common.h``,
+bound in ``attention_module.cpp``).
 
 The extension is compiled on first use with ``torch.utils.cpp_extension.load`` (g++ and
 the ninja binary, ``-O3 -march=native``, so the loops vectorise for the CPU they run on)
-into a build directory keyed by the source's hash, and loaded from there afterwards.
+into a build directory keyed by the sources' hash, and loaded from there afterwards.
 Where it cannot build (no compiler, no ninja, a compile error), ``load_extension``
 returns None and logs one line saying why; ``kernels/backend.check_backend`` reports the
 same reason to whoever asked for ``--attention-backend cpu``.
@@ -21,6 +23,11 @@ and for the fresh and chunked rows the kernel's ``check_reads`` over the same ro
 ``meta.block_index``: tags of every position [0, context + query), checksums of the
 cached context; so every position any row reads is checked through the index it is read
 with, as the guard's ``fused_reads`` contract asks. K/V writes are the torch ``write_kv``.
+
+A sliding-window layer (``sliding_window``) reads only the blocks of its window on every
+path (the kernel skips the blocks before it; the torch path gathers through
+``meta.windowed``), and ``check_reads`` checks exactly those blocks; ``softcap`` caps the
+logits on every path.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from pagewarden.kernels.attention import (
     AttentionMetadata,
     _chunked,
     _fresh,
+    check_window_args,
     read_new_kv,
     write_kv,
 )
@@ -44,7 +52,10 @@ from pagewarden.kernels.cpu.build import compile_extension
 
 logger = logging.getLogger("pagewarden.kernels")
 
-_SOURCE = Path(__file__).with_name("attention.cpp")
+_SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("attention_module.cpp", "attention_decode.cpp", "attention_fresh.cpp")
+]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 # Work items (row, split) per thread below which each row's key range is split.
 _ITEMS_PER_THREAD = 4
@@ -64,7 +75,7 @@ def load_extension() -> ModuleType | None:
 
         if not cpp_extension.is_ninja_available():
             raise RuntimeError("the ninja build tool is not on PATH (apt-get install ninja-build)")
-        _extension = compile_extension("cpu_attention", _SOURCE, _CFLAGS)
+        _extension = compile_extension("cpu_attention", _SOURCES, _CFLAGS)
         cpu_pool.bind(_extension)
     except Exception as exc:  # a compiler's failure comes in many types; all mean "no"
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -128,15 +139,20 @@ class CpuAttention:
         meta: AttentionMetadata,
         scale: float,
         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """Attention (T, n_heads, D) of the step's queries over the paged cache."""
+        """Attention (T, n_heads, D) of the step's queries over the paged cache (the
+        window and cap as ``AttentionOps.attend`` says)."""
         assert meta.seq_info is not None, "build the metadata with AttentionMetadata.build"
+        w, c = check_window_args(sliding_window, softcap)
         decode_rows, other_rows = self._step_rows(meta)
         out = torch.empty_like(q)  # (T, n_heads, D)
         if meta.decode is not None:
-            self._decode(q, cache, meta, decode_rows, scale, out)
+            self._decode(q, cache, meta, decode_rows, scale, out, w, c)
         if other_rows.numel():
-            self._check_reads(cache, meta, other_rows)
+            self._check_reads(cache, meta, other_rows, w)
             if meta.fresh and new_kv is None:
                 new_kv = read_new_kv(cache, meta.slot_mapping)
             if meta.fresh:
@@ -145,12 +161,15 @@ class CpuAttention:
             for batch in meta.fresh:
                 if fused:  # writes its rows of out itself
                     self._ext.fresh_attention(
-                        q, k, v, out, batch.token_index, batch.num_seqs, batch.query_len, scale
-                    )
+                        q, k, v, out, batch.token_index, batch.num_seqs, batch.query_len,
+                        scale, w, c,
+                    )  # fmt: skip
                 else:
-                    _put(out, batch.token_index, _fresh(q, k, v, cache.dtype, batch, scale))
+                    part = _fresh(q, k, v, cache.dtype, batch, scale, w, c)
+                    _put(out, batch.token_index, part)
             if meta.chunked is not None:
-                _put(out, meta.chunked.token_index, _chunked(q, cache, meta, meta.chunked, scale))
+                part = _chunked(q, cache, meta, meta.chunked, scale, w, c)
+                _put(out, meta.chunked.token_index, part)
         return out
 
     def _fresh_kernel_fits(self, q, k, v, cache) -> bool:
@@ -173,7 +192,9 @@ class CpuAttention:
             self._rows = (meta, _int64(decode), _int64(other))
         return self._rows[1], self._rows[2]
 
-    def _decode(self, q, cache, meta: AttentionMetadata, rows, scale: float, out) -> None:
+    def _decode(
+        self, q, cache, meta: AttentionMetadata, rows, scale: float, out, window, softcap
+    ) -> None:
         """Writes the decode tokens' rows of ``out`` (T, n_heads, D)."""
         # A wider q is cast down to the cache's dtype, as the torch path does.
         qc = q if q.dtype == cache.dtype else q.to(cache.dtype)
@@ -182,30 +203,35 @@ class CpuAttention:
         splits = choose_num_splits(rows.numel(), meta.decode.max_blocks)
         self._ext.decode_attention(
             qc, cache, tables, meta.seq_info, rows, scale, target,
-            *self._check_args(cache, meta), splits,
+            *self._check_args(cache, meta), splits, window, softcap,
         )  # fmt: skip
         if target is not out:
             index = meta.decode.token_index
             part = target if index is None else target.index_select(0, index)
             _put(out, index, part.to(out.dtype))
 
-    def _check_reads(self, cache: torch.Tensor, meta: AttentionMetadata, rows) -> None:
+    def _check_reads(self, cache: torch.Tensor, meta: AttentionMetadata, rows, window) -> None:
         if meta.read_checks is None:
             return
         tables = meta.block_index.view(meta.num_seqs, meta.max_blocks)
-        self._ext.check_reads(cache, tables, meta.seq_info, rows, *self._check_args(cache, meta))
+        args = self._check_args(cache, meta)
+        self._ext.check_reads(cache, tables, meta.seq_info, rows, *args, window)
 
     def _check_args(self, cache: torch.Tensor, meta: AttentionMetadata) -> list:
-        """slot_tags, expected, tag_faults, read_sums, limb_keys, offset_keys (None: off)."""
+        """slot_tags, expected, tag_faults, read_sums, read_layers, limb_keys, offset_keys
+        (None: off)."""
         checks = meta.read_checks
         if checks is None:
-            return [None] * 6
+            return [None] * 7
         assert meta.slot_tags is not None, "read checks compare the tags write_kv wrote"
-        args = [meta.slot_tags, checks.expected_tags, checks.tag_faults, None, None, None]
+        args = [meta.slot_tags, checks.expected_tags, checks.tag_faults, None, None, None, None]
         if checks.read_sums is not None:
             assert self.limb_keys is not None, "checksums need their keys"
+            assert checks.read_layers is not None, "checksums count the layers that read"
             layer = self._layer_of[cache.data_ptr()]
-            args[3:] = [checks.read_sums, self.limb_keys[layer], self.offset_keys]
+            args[3:] = [
+                checks.read_sums, checks.read_layers, self.limb_keys[layer], self.offset_keys,
+            ]  # fmt: skip
         return args
 
 

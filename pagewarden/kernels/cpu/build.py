@@ -1,6 +1,7 @@
 """How the C++ extensions built at first use (``cpu_fused``, ``cpu_gemm``,
 ``kernels/cpu/attention``, ``cpu_pool``) are compiled (``compile_extension``) and where they
-live. Every one may include ``pool.h`` (the item pool's interface).
+live. Every one may include ``pool.h`` (the item pool's interface) and the headers beside
+it (``attention_common.h``).
 
 One directory per (extension, source, flags, torch version), under
 ``$PAGEWARDEN_EXTENSIONS_DIR`` or ``~/.cache/pagewarden``: a changed source never reuses
@@ -15,6 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -27,15 +29,17 @@ from pagewarden.private_dir import ensure_private_dir
 _POOL_HEADER = Path(__file__).with_name("pool.h")
 
 
-def compile_extension(name: str, source: Path, cflags: list[str]) -> ModuleType:
+def compile_extension(name: str, source: Path | list[Path], cflags: list[str]) -> ModuleType:
     """Build (or load the cached build of) the OpenMP extension ``pagewarden_<name>``
-    from ``source`` with ``cflags``; raises whatever the compiler or loader raises."""
+    from ``source`` (one file or several) with ``cflags``; raises whatever the compiler or
+    loader raises."""
     from torch.utils import cpp_extension
 
+    sources = source if isinstance(source, list) else [source]
     return cpp_extension.load(
         name=f"pagewarden_{name}",
-        sources=[str(source)],
-        build_directory=str(build_directory(name, source, cflags)),
+        sources=[str(s) for s in sources],
+        build_directory=str(build_directory(name, sources, cflags)),
         extra_cflags=cflags,
         extra_include_paths=[str(_POOL_HEADER.parent)],
         extra_ldflags=["-fopenmp"],
@@ -43,14 +47,22 @@ def compile_extension(name: str, source: Path, cflags: list[str]) -> ModuleType:
     )
 
 
-def build_directory(name: str, source: Path, flags: list[str]) -> Path:
-    """The build directory of extension ``name`` compiled from ``source`` with ``flags``."""
-    digest = hashlib.sha256(source.read_bytes() + _POOL_HEADER.read_bytes())
+def build_directory(name: str, source: Path | list[Path], flags: list[str]) -> Path:
+    """The build directory of extension ``name`` compiled from ``source`` with ``flags``
+    (keyed by the sources, ``pool.h`` and the headers beside it that they include)."""
+    sources = source if isinstance(source, list) else [source]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in [*sources, *_headers(sources)]))
     digest.update(" ".join([*flags, torch.__version__]).encode())
     root = os.environ.get("PAGEWARDEN_EXTENSIONS_DIR") or Path.home() / ".cache/pagewarden"
     # Code the process will load: the directories are this user's and no one else's.
     ensure_private_dir(root)
     return ensure_private_dir(Path(root) / f"{name}_{digest.hexdigest()[:12]}")
+
+
+def _headers(sources: list[Path]) -> list[Path]:
+    """``pool.h``, then the headers of this directory the sources include by name."""
+    names = {n for s in sources for n in re.findall(r'#include "([^"]+)"', s.read_text())}
+    return [_POOL_HEADER, *sorted(_POOL_HEADER.parent / n for n in names if n != "pool.h")]
 
 
 def built_once(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from pagewarden.kernels.attention import AttentionMetadata
+from pagewarden.kernels.attention import AttentionMetadata, check_window_args
 from pagewarden.kernels.triton import kv_write
 from pagewarden.kernels.triton.attention import ReadCheckBuffers, paged_attention, query_tiles
 
@@ -47,10 +47,14 @@ class TritonAttention:
         meta: AttentionMetadata,
         scale: float,
         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Attention (T, n_heads, D); the step's own K/V are read back from the cache, so
-        ``new_kv`` is not needed."""
+        ``new_kv`` is not needed (window and cap as ``AttentionOps.attend`` says)."""
         assert meta.seq_info is not None, "build the metadata with AttentionMetadata.build"
+        sliding_window, softcap = check_window_args(sliding_window, softcap)
         tables = meta.block_index.view(meta.num_seqs, meta.max_blocks)
         return paged_attention(
             q,
@@ -61,6 +65,8 @@ class TritonAttention:
             scale,
             checks=self._buffers(cache, meta),
             tiles=self._step_tiles(meta, q.shape[1] // cache.shape[3]),
+            sliding_window=sliding_window,
+            softcap=softcap,
         )
 
     def _step_tiles(self, meta: AttentionMetadata, group: int) -> torch.Tensor:
@@ -79,6 +85,7 @@ class TritonAttention:
             expected_tags=checks.expected_tags,
             tag_faults=checks.tag_faults,
             read_sums=checks.read_sums,
+            read_layers=checks.read_layers,
             element_keys=None,
             offset_keys=None,
         )

@@ -1,0 +1,14 @@
+// The cpu_attention extension's Python module: the entry points of attention_decode.cpp
+// and attention_fresh.cpp (declared in attention_common.h), bound for
+// kernels/cpu/attention.py.
+
+#include "attention_common.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("set_pool", &pw::set_pool, "hand work items to the pool behind a cpu_pool capsule");
+  m.def("decode_attention", &pw_attn::decode_attention,
+        "paged decode attention with fused read checks");
+  m.def("check_reads", &pw_attn::check_reads, "the read checks of rows attended by the torch path");
+  m.def("fresh_attention", &pw_attn::fresh_attention, "causal attention of fresh bf16 prompts");
+  m.def("has_fresh_attention", &pw_attn::has_fresh_attention, "whether fresh_attention runs here");
+}
