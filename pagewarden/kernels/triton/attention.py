@@ -102,49 +102,110 @@ def _weighted(p, v, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _paged_attention_kernel(
-    q_ptr,
-    out_ptr,
-    cache_ptr,
-    block_tables_ptr,
-    seq_info_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    slot_tags_ptr,
-    expected_tags_ptr,
-    tag_faults_ptr,
-    element_keys_ptr,
-    offset_keys_ptr,
-    read_sums_ptr,
-    read_layers_ptr,
-    scale_log2,
-    window,
-    softcap,
-    num_seqs,
-    tiles_ptr,
-    num_tiles,
-    blocks_per_split,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_kv,
-    stride_bt,
-    stride_exp,
-    G: tl.constexpr,
-    HKV: tl.constexpr,
-    D: tl.constexpr,
-    BS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+def _key_blocks(
+    tile, split, q_len, ctx, window, blocks_per_split, G: tl.constexpr, BS: tl.constexpr,
+    BLOCK_M: tl.constexpr, SLIDING: tl.constexpr,
+):  # fmt: skip
+    """(kv_stop, lb_start, lb_stop): the end of the keys the tile needs and the logical
+    blocks [lb_start, lb_stop) its split reads."""
+    # Keys this tile needs: up to its last token's own position (causal).
+    last_tok = tl.minimum(q_len - 1, (tile * BLOCK_M + BLOCK_M - 1) // G)
+    kv_stop = ctx + last_tok + 1
+    lb_lo = 0
+    if SLIDING:  # the block of the tile's first query's first key
+        lb_lo = tl.maximum(ctx + (tile * BLOCK_M) // G - window + 1, 0) // BS
+    lb_start = lb_lo + split * blocks_per_split
+    lb_stop = tl.minimum(tl.cdiv(kv_stop, BS), lb_start + blocks_per_split)
+    if tile * BLOCK_M >= q_len * G:  # a tile past this sequence's rows reads nothing
+        lb_stop = lb_start
+    return kv_stop, lb_start, lb_stop
+
+
+@triton.jit
+def _check_slot_tags(
+    slot_tags_ptr, expected_tags_ptr, tag_faults_ptr, block, seq, lb, pos, o, key_ok,
+    stride_exp, stride_bt, BS: tl.constexpr,
+):  # fmt: skip
+    """Flag logical block ``lb`` of sequence ``seq`` in ``tag_faults`` when a slot it
+    reads (physical ``block``, offsets ``o``, positions ``pos``) holds another token's tag."""
+    got = tl.load(slot_tags_ptr + block * BS + o, mask=key_ok, other=0)
+    want = tl.load(expected_tags_ptr + seq * stride_exp + pos, mask=key_ok, other=0)
+    n_bad = tl.sum(((got != want) & key_ok).to(tl.int32), axis=0)
+    tl.store(tag_faults_ptr + seq * stride_bt + lb, 1, mask=n_bad > 0)
+
+
+@triton.jit
+def _add_block_checksum(
+    k, v, element_keys_ptr, offset_keys_ptr, read_sums_ptr, read_layers_ptr, seq, kv_head, lb,
+    d, o, stride_bt, HKV: tl.constexpr, D: tl.constexpr, ELEM_BITS: tl.constexpr,
+):  # fmt: skip
+    """Add this KV head's share of the block checksum of ``k`` and ``v`` (BS, D), as read,
+    to ``read_sums[seq, kv_head, lb]``; kv head 0 counts the layer in ``read_layers``."""
+    keys_k = tl.load(element_keys_ptr + kv_head * D + d)  # (D,) int64
+    keys_v = tl.load(element_keys_ptr + HKV * D + kv_head * D + d)
+    wk = _limb_weights(k, d, ELEM_BITS)  # (BS, D) int64
+    wv = _limb_weights(v, d, ELEM_BITS)
+    slot_sum = tl.sum(wk * keys_k[None, :] + wv * keys_v[None, :], axis=1)
+    share = tl.sum(slot_sum * tl.load(offset_keys_ptr + o), axis=0)
+    sums = read_sums_ptr + (seq * HKV + kv_head) * stride_bt + lb
+    tl.store(sums, tl.load(sums) + share)
+    if kv_head == 0:
+        layers = read_layers_ptr + seq * stride_bt + lb
+        tl.store(layers, tl.load(layers) + 1)
+
+
+@triton.jit
+def _masked_scores(
+    q, k, pos, key_ok, ctx, tok, scale_log2, window, softcap, USE_DOT: tl.constexpr,
+    IEEE: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    """Scores (M, BS) of q against k in log2 units, soft-capped with ``SOFTCAP``, and
+    -inf where a key is past the query (causal), outside its window or not read."""
+    if SOFTCAP:  # softcap * tanh(scale * s / softcap), in log2 units
+        raw = _scores(q, k, USE_DOT, IEEE) * (scale_log2 / 1.4426950408889634)
+        s = _tanh(raw / softcap) * (softcap * 1.4426950408889634)
+    else:
+        s = _scores(q, k, USE_DOT, IEEE) * scale_log2  # (M, BS)
+    allowed = (pos[None, :] <= ctx + tok[:, None]) & key_ok[None, :]
+    if SLIDING:
+        allowed = allowed & (pos[None, :] > ctx + tok[:, None] - window)
+    return tl.where(allowed, s, float("-inf"))
+
+
+@triton.jit
+def _store_result(
+    acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, q_rows, head, row_ok, d, split,
+    stride_ot, stride_oh, G: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    CHECK_TAGS: tl.constexpr,
-    CHECKSUM: tl.constexpr,
-    ELEM_BITS: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    IEEE: tl.constexpr,
-    SLIDING: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-):
+):  # fmt: skip
+    """The tile's output rows (one split), or its partial output and log2-sum-exp for
+    ``_combine_kernel`` (several splits)."""
+    if NUM_SPLITS == 1:
+        out = acc / tl.maximum(l_i, 1.0e-30)[:, None]
+        dst = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        # Partials indexed (token, head, split): log2-sum-exp, -inf for an empty split.
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1.0e-30)), float("-inf"))
+        part = (q_rows * (HKV * G) + head) * NUM_SPLITS + split  # (M,)
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+        out = acc / tl.maximum(l_i, 1.0e-30)[:, None]
+        tl.store(part_out_ptr + part[:, None] * D + d[None, :], out, mask=row_ok[:, None])
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, out_ptr, cache_ptr, block_tables_ptr, seq_info_ptr,  # the step's tensors
+    part_out_ptr, part_lse_ptr,  # per-split partials (NUM_SPLITS > 1)
+    slot_tags_ptr, expected_tags_ptr, tag_faults_ptr,  # the tag check (CHECK_TAGS)
+    element_keys_ptr, offset_keys_ptr, read_sums_ptr, read_layers_ptr,  # checksums (CHECKSUM)
+    scale_log2, window, softcap, num_seqs, tiles_ptr, num_tiles, blocks_per_split,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kv, stride_bt, stride_exp,
+    G: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr, CHECK_TAGS: tl.constexpr,
+    CHECKSUM: tl.constexpr, ELEM_BITS: tl.constexpr, USE_DOT: tl.constexpr,
+    IEEE: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
+):  # fmt: skip
     seq = tl.load(tiles_ptr + tl.program_id(0))
     tile = tl.load(tiles_ptr + num_tiles + tl.program_id(0))
     kv_head = tl.program_id(1)
@@ -165,16 +226,9 @@ def _paged_attention_kernel(
         other=0.0,
     ).to(cache_ptr.dtype.element_ty)  # (M, D)
 
-    # Keys this tile needs: up to its last token's own position (causal).
-    last_tok = tl.minimum(q_len - 1, (tile * BLOCK_M + BLOCK_M - 1) // G)
-    kv_stop = ctx + last_tok + 1
-    lb_lo = 0
-    if SLIDING:  # the block of the tile's first query's first key
-        lb_lo = tl.maximum(ctx + (tile * BLOCK_M) // G - window + 1, 0) // BS
-    lb_start = lb_lo + split * blocks_per_split
-    lb_stop = tl.minimum(tl.cdiv(kv_stop, BS), lb_start + blocks_per_split)
-    if tile * BLOCK_M >= q_len * G:  # a tile past this sequence's rows reads nothing
-        lb_stop = lb_start
+    kv_stop, lb_start, lb_stop = _key_blocks(
+        tile, split, q_len, ctx, window, blocks_per_split, G, BS, BLOCK_M, SLIDING
+    )  # fmt: skip
 
     o = tl.arange(0, BS)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -188,32 +242,20 @@ def _paged_attention_kernel(
         k = tl.load(kv, mask=key_ok[:, None], other=0.0)  # (BS, D)
         v = tl.load(kv + stride_kv, mask=key_ok[:, None], other=0.0)  # (BS, D)
         if CHECK_TAGS:
-            got = tl.load(slot_tags_ptr + block * BS + o, mask=key_ok, other=0)
-            want = tl.load(expected_tags_ptr + seq * stride_exp + pos, mask=key_ok, other=0)
-            n_bad = tl.sum(((got != want) & key_ok).to(tl.int32), axis=0)
-            tl.store(tag_faults_ptr + seq * stride_bt + lb, 1, mask=n_bad > 0)
+            _check_slot_tags(
+                slot_tags_ptr, expected_tags_ptr, tag_faults_ptr, block, seq, lb, pos, o,
+                key_ok, stride_exp, stride_bt, BS,
+            )  # fmt: skip
         if CHECKSUM:
-            if tile == 0:
-                keys_k = tl.load(element_keys_ptr + kv_head * D + d)  # (D,) int64
-                keys_v = tl.load(element_keys_ptr + HKV * D + kv_head * D + d)
-                wk = _limb_weights(k, d, ELEM_BITS)  # (BS, D) int64
-                wv = _limb_weights(v, d, ELEM_BITS)
-                slot_sum = tl.sum(wk * keys_k[None, :] + wv * keys_v[None, :], axis=1)
-                share = tl.sum(slot_sum * tl.load(offset_keys_ptr + o), axis=0)
-                sums = read_sums_ptr + (seq * HKV + kv_head) * stride_bt + lb
-                tl.store(sums, tl.load(sums) + share)
-                if kv_head == 0:
-                    layers = read_layers_ptr + seq * stride_bt + lb
-                    tl.store(layers, tl.load(layers) + 1)
-        if SOFTCAP:  # softcap * tanh(scale * s / softcap), in log2 units
-            raw = _scores(q, k, USE_DOT, IEEE) * (scale_log2 / 1.4426950408889634)
-            s = _tanh(raw / softcap) * (softcap * 1.4426950408889634)
-        else:
-            s = _scores(q, k, USE_DOT, IEEE) * scale_log2  # (M, BS)
-        allowed = (pos[None, :] <= ctx + tok[:, None]) & key_ok[None, :]
-        if SLIDING:
-            allowed = allowed & (pos[None, :] > ctx + tok[:, None] - window)
-        s = tl.where(allowed, s, float("-inf"))
+            if tile == 0:  # one tile of the sequence sums each block once
+                _add_block_checksum(
+                    k, v, element_keys_ptr, offset_keys_ptr, read_sums_ptr, read_layers_ptr,
+                    seq, kv_head, lb, d, o, stride_bt, HKV, D, ELEM_BITS,
+                )  # fmt: skip
+        s = _masked_scores(
+            q, k, pos, key_ok, ctx, tok, scale_log2, window, softcap, USE_DOT, IEEE, SLIDING,
+            SOFTCAP,
+        )  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])  # (M, BS)
@@ -221,17 +263,10 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + _weighted(p, v, USE_DOT, IEEE)
         m_i = m_new
 
-    if NUM_SPLITS == 1:
-        out = acc / tl.maximum(l_i, 1.0e-30)[:, None]
-        dst = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    else:
-        # Partials indexed (token, head, split): log2-sum-exp, -inf for an empty split.
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1.0e-30)), float("-inf"))
-        part = (q_rows * (HKV * G) + head) * NUM_SPLITS + split  # (M,)
-        tl.store(part_lse_ptr + part, lse, mask=row_ok)
-        out = acc / tl.maximum(l_i, 1.0e-30)[:, None]
-        tl.store(part_out_ptr + part[:, None] * D + d[None, :], out, mask=row_ok[:, None])
+    _store_result(
+        acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, q_rows, head, row_ok, d, split,
+        stride_ot, stride_oh, G, HKV, D, NUM_SPLITS,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -337,69 +372,30 @@ def paged_attention(
         num_splits = choose_num_splits(num_tiles, n_kv, span)
     blocks_per_split = triton.cdiv(span, num_splits)
     out = torch.empty_like(q)
-    if num_splits > 1:
-        part_lse = torch.empty(t * n_heads * num_splits, dtype=torch.float32, device=q.device)
-        part_out = torch.empty(
-            t * n_heads * num_splits, head_dim, dtype=torch.float32, device=q.device
-        )
-    else:
-        part_lse = part_out = out
+    part_out, part_lse = _partials(q, num_splits, out)
     unused = block_tables  # stands in for the pointers of checks that are off
-    tag_args: tuple[torch.Tensor, ...] = (unused,) * 3
-    sum_args: tuple[torch.Tensor, ...] = (unused,) * 4
-    stride_exp = 0
-    if checks is not None:
-        tag_args = (checks.slot_tags, checks.expected_tags, checks.tag_faults)
-        stride_exp = checks.expected_tags.stride(0)
-        if checks.read_sums is not None:
-            assert checks.element_keys is not None and checks.offset_keys is not None
-            layers = checks.read_layers
-            if layers is None:  # counted, then dropped
-                layers = torch.zeros(num_seqs, max_blocks, dtype=torch.int32, device=q.device)
-            sum_args = (checks.element_keys, checks.offset_keys, checks.read_sums, layers)
+    tag_args, sum_args, stride_exp = _check_pointers(checks, unused, q.device)
     tags_on, sums_on = checks is not None, sum_args[0] is not unused
     elem_bits = cache.element_size() * 8
     assert not sums_on or elem_bits in (16, 32), "checksums need a 16- or 32-bit cache"
     _paged_attention_kernel[(num_tiles, n_kv, num_splits)](
-        q,
-        out,
-        cache,
-        block_tables,
-        seq_info,
-        part_out,
-        part_lse,
+        q, out, cache, block_tables, seq_info,
+        part_out, part_lse,
         *tag_args,
         *sum_args,
         scale * 1.4426950408889634,  # exp(x) = exp2(x * log2(e))
-        sliding_window or 0,
-        softcap or 1.0,
-        num_seqs,
-        tiles,
-        num_tiles,
-        blocks_per_split,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        cache.stride(0),
-        max_blocks,
+        sliding_window or 0, softcap or 1.0,
+        num_seqs, tiles, num_tiles, blocks_per_split,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), cache.stride(0), max_blocks,
         stride_exp,
-        G=group,
-        HKV=n_kv,
-        D=head_dim,
-        BS=bs,
-        BLOCK_M=block_m,
-        NUM_SPLITS=num_splits,
-        CHECK_TAGS=tags_on,
-        CHECKSUM=sums_on,
-        ELEM_BITS=elem_bits,
+        G=group, HKV=n_kv, D=head_dim, BS=bs, BLOCK_M=block_m, NUM_SPLITS=num_splits,
+        CHECK_TAGS=tags_on, CHECKSUM=sums_on, ELEM_BITS=elem_bits,
         USE_DOT=min(bs, head_dim, block_m) >= 16,
         # float32 caches must not round through tf32; the interpreter's tl.dot mishandles
         # 16-bit floats, so there the products (exact in float32) are formed in float32.
         IEEE=cache.dtype == torch.float32 or _interpreting(),
-        SLIDING=sliding_window is not None,
-        SOFTCAP=softcap is not None,
-    )
+        SLIDING=sliding_window is not None, SOFTCAP=softcap is not None,
+    )  # fmt: skip
     if num_splits > 1:
         _combine_kernel[(t, n_heads)](
             part_out,
@@ -413,3 +409,38 @@ def paged_attention(
             SPLITS_P2=triton.next_power_of_2(num_splits),
         )
     return out
+
+
+def _check_pointers(
+    checks: ReadCheckBuffers | None, unused: torch.Tensor, device: torch.device
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], int]:
+    """The kernel's tag-check and checksum pointers (``unused``, the (S, max_blocks) block
+    tables, for a check that is off) and the row stride of the expected tags. Without
+    ``checks.read_layers`` the layers are counted in a scratch tensor, then dropped."""
+    tag_args: tuple[torch.Tensor, ...] = (unused,) * 3
+    sum_args: tuple[torch.Tensor, ...] = (unused,) * 4
+    stride_exp = 0
+    if checks is not None:
+        tag_args = (checks.slot_tags, checks.expected_tags, checks.tag_faults)
+        stride_exp = checks.expected_tags.stride(0)
+        if checks.read_sums is not None:
+            assert checks.element_keys is not None and checks.offset_keys is not None
+            layers = checks.read_layers
+            if layers is None:  # counted, then dropped
+                num_seqs, max_blocks = unused.shape
+                layers = torch.zeros(num_seqs, max_blocks, dtype=torch.int32, device=device)
+            sum_args = (checks.element_keys, checks.offset_keys, checks.read_sums, layers)
+    return tag_args, sum_args, stride_exp
+
+
+def _partials(
+    q: torch.Tensor, num_splits: int, out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-split partial outputs (T * n_heads * splits, D) and log2-sum-exps (T * n_heads *
+    splits,) in float32; with one split the kernel writes ``out`` directly."""
+    if num_splits == 1:
+        return out, out
+    t, n_heads, head_dim = q.shape
+    part_lse = torch.empty(t * n_heads * num_splits, dtype=torch.float32, device=q.device)
+    part_out = torch.empty(t * n_heads * num_splits, head_dim, dtype=torch.float32, device=q.device)
+    return part_out, part_lse
