@@ -20,6 +20,7 @@ from pagewarden.engine.batch_controller import (
 )
 from pagewarden.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from pagewarden.engine.flight_recorder import FlightRecorder, integrity_counts
+from pagewarden.engine.grammar import DEFAULT_BACKEND, GRAMMAR_BACKENDS, GrammarTable
 from pagewarden.engine.integrity import IntegrityMonitor, IntegrityStats
 from pagewarden.engine.kv_events import KVEventPublisher
 from pagewarden.engine.output_processor import OutputProcessor
@@ -129,6 +130,15 @@ class EngineCore:
         self.integrity = IntegrityMonitor(
             self.scheduler, self.runner.guard, config.integrity, config.audit_interval
         )
+        # Structured outputs: grammars compiled per spec, one matcher per request.
+        make_backend = GRAMMAR_BACKENDS[DEFAULT_BACKEND][0]
+        eos_ids = self.tokenizer.eos_token_ids
+        self.grammars = GrammarTable(
+            lambda: make_backend(self.tokenizer, mcfg.vocab_size, sorted(eos_ids)),
+            mcfg.vocab_size,
+            eos_ids,
+        )
+        self.runner.grammar = self.grammars
         # Scheduler and KV state belong to the thread that claims them: the async front
         # end's engine thread does before its first step; otherwise the first ``step()``.
         self._owned = False
@@ -216,6 +226,8 @@ class EngineCore:
     ) -> None:
         """Validate and enqueue a request; it joins at the start of the next step."""
         self.validate(prompt_token_ids, params)
+        if params.structured_outputs is not None:  # compiles beside the prefill
+            self.grammars.prepare(params.structured_outputs)
         request = Request(
             request_id,
             list(prompt_token_ids),

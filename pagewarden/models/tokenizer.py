@@ -56,6 +56,11 @@ class Tokenizer:
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
 
     @property
+    def backend_tokenizer(self) -> HFTokenizer:
+        """The underlying ``tokenizers.Tokenizer`` (as transformers names it)."""
+        return self._tok
+
+    @property
     def bos_token(self) -> str | None:
         return None if self.bos_token_id is None else self._tok.id_to_token(self.bos_token_id)
 
@@ -69,7 +74,13 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
         """Render `messages` with the model's chat template, as transformers does."""
         if not self.chat_template:
             raise TokenizerLoadError("this tokenizer has no chat_template")
@@ -81,6 +92,8 @@ class Tokenizer:
         )
         env.globals["raise_exception"] = _raise_exception
         return env.from_string(self.chat_template).render(
+            **template_kwargs,
+            tools=tools,
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
