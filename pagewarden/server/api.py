@@ -29,6 +29,7 @@ from pagewarden.server.context import DEFAULT_MAX_BODY_BYTES, ServerContext, Ser
 from pagewarden.server.dashboard import add_dashboard_routes
 from pagewarden.server.errors import APIError, error_body, install_error_handlers
 from pagewarden.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagewarden.server.tools import ToolConfig
 
 __all__ = ["APIError", "build_app", "default_admission", "error_body"]
 
@@ -52,6 +53,7 @@ def build_app(
     limits: ServerLimits | None = None,
     admission: AdmissionController | None = None,
     vllm_metrics: bool = True,
+    tool_config: ToolConfig | None = None,
 ) -> AdmissionGate:
     """The ASGI app (FastAPI behind the admission gate); the caller owns ``engine``.
     ``vllm_metrics``: /metrics also exports the ``vllm:*`` twins of pagewarden's metrics."""
@@ -60,6 +62,8 @@ def build_app(
     admission = admission or default_admission(engine)
     engine.observer = admission
     ctx = ServerContext(engine, served_model_name, keys, limits, admission)
+    if tool_config is not None:
+        ctx.tool_config = tool_config
     app = FastAPI(title="pagewarden", version=pagewarden.__version__)
     app.state.server = ctx
     install_error_handlers(app)

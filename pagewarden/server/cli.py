@@ -40,10 +40,28 @@ def add_serve_parser(subparsers) -> None:
         help="also export vLLM's metric names (vllm:num_requests_running, ...) in /metrics, "
         "for routers and dashboards built for vLLM",
     )
+    _add_tool_args(p)
     _add_limit_args(p)
     add_engine_args(p)
     add_ray_args(p)
     p.set_defaults(func=cmd_serve)
+
+
+def _add_tool_args(p) -> None:
+    """Tool calling (server/tools.py), named as in vLLM."""
+    from pagewarden.server.tool_parsers import TOOL_PARSERS
+
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto": the model decides, --tool-call-parser reads its calls',
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="the model's tool-call format, for tool_choice auto",
+    )
 
 
 def _add_limit_args(p) -> None:
@@ -154,6 +172,7 @@ def _build_app(args: argparse.Namespace, engine, name: str):
     """The app with the front-door limits and admission control the flags ask for."""
     from pagewarden.server.api import build_app, default_admission
     from pagewarden.server.context import ServerLimits
+    from pagewarden.server.tools import ToolConfig
 
     limits = ServerLimits(
         max_n=args.max_n,
@@ -174,6 +193,7 @@ def _build_app(args: argparse.Namespace, engine, name: str):
         limits=limits,
         admission=admission,
         vllm_metrics=args.vllm_metrics,
+        tool_config=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser),
     )
 
 

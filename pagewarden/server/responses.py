@@ -8,12 +8,18 @@ from pagewarden.engine.outputs import CompletionOutput
 from pagewarden.sampling_params import SamplingParams, SamplingParamsError
 from pagewarden.server.context import ServerLimits
 from pagewarden.server.errors import APIError
+from pagewarden.structured_outputs import StructuredOutputsParams
 
 
 def sampling_params(
-    req, max_tokens: int | None, logprobs: int | None, limits: ServerLimits
+    req,
+    max_tokens: int | None,
+    logprobs: int | None,
+    limits: ServerLimits,
+    structured: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
-    """The engine's ``SamplingParams`` for a body, with the server's limits applied."""
+    """The engine's ``SamplingParams`` for a body, with the server's limits applied;
+    ``structured``: the checked structured-outputs constraint (``structured.py``)."""
     if req.n > limits.max_n:
         raise APIError(400, f"n must be at most {limits.max_n}, got {req.n}", "n")
     if getattr(req, "best_of", None) not in (None, req.n):
@@ -46,6 +52,7 @@ def sampling_params(
             logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
+            structured_outputs=structured,
         )
     except SamplingParamsError as exc:
         raise APIError(400, str(exc), exc.param) from None
