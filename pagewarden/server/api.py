@@ -9,6 +9,7 @@ results back as server-sent events. ``build_app`` wires the pieces:
                   /dashboard /dashboard/state               (dashboard.py)
                   /v1/completions                           (completions.py)
                   /v1/chat/completions                      (chat.py)
+                  /v1/responses                             (responses_api.py)
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from pagewarden.server.completions import create_completion
 from pagewarden.server.context import DEFAULT_MAX_BODY_BYTES, ServerContext, ServerLimits
 from pagewarden.server.dashboard import add_dashboard_routes
 from pagewarden.server.errors import APIError, error_body, install_error_handlers
-from pagewarden.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagewarden.server.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
+from pagewarden.server.responses_api import create_response
 from pagewarden.server.tools import ToolConfig
 
 __all__ = ["APIError", "build_app", "default_admission", "error_body"]
@@ -139,6 +141,10 @@ def _add_generation_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(ctx, request)
 
+    @app.post("/v1/responses", openapi_extra=_body_spec(ResponsesRequest))
+    async def responses(request: Request) -> Response:
+        return await create_response(ctx, request)
+
 
 _REF = "#/components/schemas/{model}"
 
@@ -158,7 +164,7 @@ def _document_request_bodies(app: FastAPI) -> None:
         if app.openapi_schema is None:
             schema = build()
             comps = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in (CompletionRequest, ChatCompletionRequest):
+            for model in (CompletionRequest, ChatCompletionRequest, ResponsesRequest):
                 s = model.model_json_schema(ref_template=_REF)
                 comps.update(s.pop("$defs", {}))
                 comps[model.__name__] = s
