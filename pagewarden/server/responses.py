@@ -70,6 +70,14 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
+#: What a -inf logprob (a token the grammar forbids) is sent as: JSON has no infinity.
+MIN_LOGPROB = -9999.0
+
+
+def _lp(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
 def completion_logprobs(tok, c: CompletionOutput, start: int, offset: int) -> dict:
     lps = c.logprobs[start:] if c.logprobs else []
     tokens = [tok.decode([lp.token_id]) for lp in lps]
@@ -79,8 +87,8 @@ def completion_logprobs(tok, c: CompletionOutput, start: int, offset: int) -> di
         pos += len(t)
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{tok.decode([t]): v for t, v in lp.top} for lp in lps],
+        "token_logprobs": [_lp(lp.logprob) for lp in lps],
+        "top_logprobs": [{tok.decode([t]): _lp(v) for t, v in lp.top} for lp in lps],
         "text_offset": offsets,
     }
 
@@ -88,7 +96,7 @@ def completion_logprobs(tok, c: CompletionOutput, start: int, offset: int) -> di
 def chat_logprobs(tok, c: CompletionOutput, start: int) -> dict:
     def entry(tid: int, lp: float) -> dict:
         s = tok.decode([tid])
-        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        return {"token": s, "logprob": _lp(lp), "bytes": list(s.encode())}
 
     lps = c.logprobs[start:] if c.logprobs else []
     return {

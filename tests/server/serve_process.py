@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -24,6 +25,9 @@ class ServeProcess:
     def __init__(self, *extra: str) -> None:
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
+        # A file, not a pipe: nobody reads the log while tests run, and a full pipe
+        # would block the server.
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="pagewarden-serve-", suffix=".log")
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -38,18 +42,24 @@ class ServeProcess:
                 "4096",
                 *extra,
             ],
-            stdout=subprocess.PIPE,
+            stdout=self.log,
             stderr=subprocess.STDOUT,
-            text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
-        line, deadline = "", time.time() + 600
-        while "serving" not in line and time.time() < deadline and self.proc.poll() is None:
-            line = self.proc.stdout.readline()  # type: ignore[union-attr]
-        if self.url not in line:
+        deadline = time.time() + 600
+        while time.time() < deadline and self.proc.poll() is None:
+            if "serving" in self.output() and self.url in self.output():
+                break
+            time.sleep(0.5)
+        else:
             self.stop()
-            raise RuntimeError(f"pagewarden serve did not start: {line!r}")
+            raise RuntimeError(f"pagewarden serve did not start: {self.output()[-2000:]}")
         self.model = httpx.get(self.url + "/v1/models").json()["data"][0]["id"]
+
+    def output(self) -> str:
+        """Everything the server printed so far."""
+        with open(self.log.name) as f:
+            return f.read()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -59,3 +69,4 @@ class ServeProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.log.close()
