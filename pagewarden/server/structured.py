@@ -57,7 +57,7 @@ def requested_spec(req) -> tuple[StructuredOutputsParams | None, str | None]:
     ]
     for name, value in guided:
         kind = name.removeprefix("guided_")
-        found.append((_from_fields(**{kind: value}), name))
+        found.append((_from_fields(**{"json_" if kind == "json" else kind: value}), name))
     backend = req.guided_decoding_backend
     if backend not in (None, "auto", "xgrammar"):
         raise APIError(

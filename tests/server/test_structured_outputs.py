@@ -125,11 +125,14 @@ def test_every_source_and_sampling_setting_on_completions(client, srv):
             },
         )
         for c in r.choices:
+            if "json_object" in json.dumps(extra):
+                # any object: its strings may run past max_tokens; a finished one parses
+                assert c.finish_reason in ("stop", "length")
+                if c.finish_reason == "stop":
+                    assert isinstance(json.loads(c.text), dict)
+                continue
             assert c.finish_reason == "stop", (extra, c)
-            value = json.loads(c.text)
-            assert isinstance(value, dict)
-            if "json_object" not in json.dumps(extra):
-                jsonschema.validate(value, PERSON)
+            jsonschema.validate(json.loads(c.text), PERSON)
     # vLLM's sampling extensions ride in extra_body
     r = client.completions.create(
         model=srv.model,
@@ -152,13 +155,14 @@ def test_regex_choice_grammar_and_aliases(client, srv):
         ({"guided_regex": r"(yes|no)"}, r"^(yes|no)$"),
         ({"guided_choice": ["alpha", "beta"]}, r"^(alpha|beta)$"),
         ({"structured_outputs": {"grammar": 'root ::= "x" [0-9] [0-9]'}}, r"^x[0-9]{2}$"),
-        ({"guided_grammar": 'root ::= ("ab" | "cd")+ "!"'}, r"^((ab)|(cd))+!$"),
+        ({"guided_grammar": 'root ::= ("ab" | "cd") ("ab" | "cd")? "!"'}, r"^(ab|cd){1,2}!$"),
     ]
     import re
 
     for extra, pattern in cases:
         r = _chat(client, srv, temperature=1.0, n=3, max_tokens=40, extra_body=extra)
         for c in r.choices:
+            assert c.finish_reason == "stop", (extra, c)
             assert re.match(pattern, c.message.content), (extra, c.message.content)
 
 
