@@ -107,7 +107,9 @@ def main() -> None:
     fresh_schema = json.loads(json.dumps(ROWS))
     fresh_schema["items"]["properties"]["extra"] = {"type": "integer"}
     fresh = SamplingParams(
-        temperature=0.0, max_tokens=1, structured_outputs=StructuredOutputsParams.from_schema(fresh_schema)
+        temperature=0.0,
+        max_tokens=1,
+        structured_outputs=StructuredOutputsParams.from_schema(fresh_schema),
     )
     t_fresh = _first_token_s(core, ids, fresh)
 
