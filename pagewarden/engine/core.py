@@ -20,7 +20,13 @@ from pagewarden.engine.batch_controller import (
 )
 from pagewarden.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from pagewarden.engine.flight_recorder import FlightRecorder, integrity_counts
-from pagewarden.engine.grammar import DEFAULT_BACKEND, GRAMMAR_BACKENDS, GrammarTable
+from pagewarden.engine.grammar import (
+    DEFAULT_BACKEND,
+    GRAMMAR_BACKENDS,
+    GrammarError,
+    GrammarTable,
+    check_spec,
+)
 from pagewarden.engine.integrity import IntegrityMonitor, IntegrityStats
 from pagewarden.engine.kv_events import KVEventPublisher
 from pagewarden.engine.output_processor import OutputProcessor
@@ -215,6 +221,11 @@ class EngineCore:
         """Raise ``RequestRejected`` if the request can never run."""
         limits = self.scheduler.admission_limits(vocab_size=self.loaded.config.vocab_size)
         check_request(prompt_token_ids, params, limits)
+        if params.structured_outputs is not None:  # cached; the server checked it too
+            try:
+                check_spec(params.structured_outputs)
+            except GrammarError as exc:
+                raise RequestRejected(str(exc), "structured_outputs") from None
 
     def add_request(
         self,

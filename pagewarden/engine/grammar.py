@@ -32,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Protocol
 
 import torch
@@ -194,8 +195,19 @@ DEFAULT_BACKEND = "xgrammar"
 
 def check_spec(spec: StructuredOutputsParams, backend: str = DEFAULT_BACKEND) -> None:
     """Raise ``GrammarError`` unless ``spec`` compiles and is enforceable (no tokenizer:
-    cheap enough for the server, which runs it off its event loop)."""
-    GRAMMAR_BACKENDS[backend][1](spec)
+    cheap enough for the server, which runs it off its event loop). Cached per spec."""
+    problem = _check_cached(spec, backend)
+    if problem is not None:
+        raise GrammarError(problem)
+
+
+@lru_cache(maxsize=COMPILED_CACHE_SIZE)
+def _check_cached(spec: StructuredOutputsParams, backend: str) -> str | None:
+    try:
+        GRAMMAR_BACKENDS[backend][1](spec)
+    except GrammarError as exc:
+        return str(exc)
+    return None
 
 
 @dataclass

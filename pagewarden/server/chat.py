@@ -49,7 +49,7 @@ class _Job:
         return sse(body)
 
 
-def _render(
+def render_prompt(
     req: ChatCompletionRequest, ctx: ServerContext, plan: ToolPlan
 ) -> tuple[str | None, list[int]]:
     """The prompt (text, token ids) the chat template makes of the messages and tools."""
@@ -69,7 +69,7 @@ def _render(
 async def create_chat_completion(ctx: ServerContext, request: Request) -> Response:
     salt, req = await ctx.read_request(request, ChatCompletionRequest)
     plan = plan_tools(req, ctx.tool_config)
-    text, ids = _render(req, ctx, plan)
+    text, ids = render_prompt(req, ctx, plan)
     spec, param = requested_spec(req)
     if plan.spec is not None:
         if spec is not None:

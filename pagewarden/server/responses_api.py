@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from pagewarden.engine.async_engine import EngineDeadError
-from pagewarden.server.chat import _render
+from pagewarden.server.chat import render_prompt
 from pagewarden.server.context import ServerContext
 from pagewarden.server.errors import APIError, error_body, validation_error
 from pagewarden.server.protocol import ChatCompletionRequest, ResponsesRequest
@@ -230,7 +230,7 @@ async def create_response(ctx: ServerContext, request: Request) -> Response:
     salt, req = await ctx.read_request(request, ResponsesRequest)
     chat = to_chat(req)
     plan = plan_tools(chat, ctx.tool_config)
-    text, ids = _render(chat, ctx, plan)
+    text, ids = render_prompt(chat, ctx, plan)
     spec, param = requested_spec(chat)
     if spec is not None and param is not None:
         param = param.replace("response_format.json_schema", "text.format")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagewarden.engine.config import EngineConfig
-from pagewarden.engine.core import EngineCore
+from pagewarden.engine.core import EngineCore, RequestRejected
 from pagewarden.engine.grammar import GrammarTable, XGrammarBackend, unenforced_keywords
 from pagewarden.faults.injector import FaultInjector
 from pagewarden.models.tokenizer import Tokenizer
@@ -138,6 +138,9 @@ def test_outputs_validate_through_recovery_and_preemption(tiny_llama_dir, faults
         )
     )
     injector = FaultInjector(engine, seed=1) if faults else None
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(ab"))
+    with pytest.raises(RequestRejected, match="regex"):  # failed alone, at admission
+        engine.add_request("bad", [5, 6], bad)
     prompt = list(range(5, 25))
     for i in range(8):
         params = SamplingParams(
