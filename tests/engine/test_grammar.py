@@ -114,7 +114,7 @@ def _run(engine: EngineCore, injector: FaultInjector | None) -> dict[str, list]:
     step = 0
     while engine.has_unfinished():
         if injector is not None and step % 4 == 2 and engine.scheduler.running:
-            injector.inject("slot_tag")
+            injector.inject(("tag_corruption", "open_bitflip", "table_redirect")[step % 3])
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out.outputs
@@ -125,7 +125,8 @@ def _run(engine: EngineCore, injector: FaultInjector | None) -> dict[str, list]:
 @pytest.mark.parametrize("faults", [False, True])
 def test_outputs_validate_through_recovery_and_preemption(tiny_llama_dir, faults):
     """Random weights at temperature 1 with top-k/top-p and penalties, n = 2, a pool small
-    enough to preempt, and (second run) slot-tag faults every few steps that roll requests
+    enough to preempt, and (second run) KV faults every few steps (tag corruption, bit flips, redirected
+    table entries) that roll requests
     back: every output is valid JSON for the schema."""
     engine = EngineCore(
         EngineConfig(
