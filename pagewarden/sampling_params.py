@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pagewarden.structured_outputs import StructuredOutputsParams
+
 #: Temperatures below this are treated as greedy (argmax), as vLLM does.
 GREEDY_EPSILON = 1e-5
 
@@ -82,6 +84,8 @@ class SamplingParams:
     logprobs: int | None = None  # top logprobs per token, [0, vocab]
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Structured outputs: the grammar the output must match (engine/grammar.py).
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -135,6 +139,24 @@ class SamplingParams:
             )
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, 0, MAX_TOKEN_ID)
+        self._check_structured_outputs()
+
+    def _check_structured_outputs(self) -> None:
+        """A grammar ends with a stop token: settings that forbid one are refused."""
+        if self.structured_outputs is None:
+            return
+        if not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise SamplingParamsError(
+                "structured_outputs", "structured_outputs must be StructuredOutputsParams"
+            )
+        if self.ignore_eos:
+            raise SamplingParamsError(
+                "ignore_eos", "ignore_eos cannot be combined with structured outputs"
+            )
+        if self.min_tokens:
+            raise SamplingParamsError(
+                "min_tokens", "min_tokens cannot be combined with structured outputs"
+            )
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ``SamplingParamsError`` for a token-indexed parameter past the vocabulary."""

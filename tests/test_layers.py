@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kv",),
     ("models",),
     ("kernels",),
-    ("sampling_params", "version", "omp_policy", "private_dir"),  # leaves every layer may use
+    ("sampling_params", "structured_outputs", "version", "omp_policy", "private_dir"),  # leaves
 ]
 
 

@@ -21,6 +21,13 @@ from pagewarden.engine.batch_controller import (
 )
 from pagewarden.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from pagewarden.engine.flight_recorder import FlightRecorder, integrity_counts
+from pagewarden.engine.grammar import (
+    DEFAULT_BACKEND,
+    GRAMMAR_BACKENDS,
+    GrammarError,
+    GrammarTable,
+    check_spec,
+)
 from pagewarden.engine.integrity import IntegrityMonitor, IntegrityStats
 from pagewarden.engine.kv_events import KVEventPublisher
 from pagewarden.engine.output_processor import OutputProcessor
@@ -89,6 +96,7 @@ class EngineCore:
         self.integrity = IntegrityMonitor(
             self.scheduler, self.runner.guard, config.integrity, config.audit_interval
         )
+        self.grammars = self._start_grammars()
         # Scheduler and KV state belong to the thread that claims them: the async front
         # end's engine thread does before its first step; otherwise the first ``step()``.
         self._owned = False
@@ -141,6 +149,20 @@ class EngineCore:
             attention_backend=config.resolved_attention_backend,
             serial_step_tokens=config.serial_step_tokens,
         )
+
+    def _start_grammars(self) -> GrammarTable:
+        """Structured outputs: grammars compiled per spec (cached), one matcher per
+        request, whose token masks the runner applies when it samples."""
+        make_backend = GRAMMAR_BACKENDS[DEFAULT_BACKEND][0]
+        eos_ids = self.tokenizer.eos_token_ids
+        vocab_size = self.loaded.config.vocab_size
+        grammars = GrammarTable(
+            lambda: make_backend(self.tokenizer, vocab_size, sorted(eos_ids)),
+            vocab_size,
+            eos_ids,
+        )
+        self.runner.grammar = grammars
+        return grammars
 
     def _start_kv_events(self) -> KVEventPublisher | None:
         """The KV events publisher when an endpoint is configured; the pool starts
@@ -196,6 +218,11 @@ class EngineCore:
         """Raise ``RequestRejected`` if the request can never run."""
         limits = self.scheduler.admission_limits(vocab_size=self.loaded.config.vocab_size)
         check_request(prompt_token_ids, params, limits)
+        if params.structured_outputs is not None:  # cached; the server checked it too
+            try:
+                check_spec(params.structured_outputs)
+            except GrammarError as exc:
+                raise RequestRejected(str(exc), "structured_outputs") from None
 
     def add_request(
         self,
@@ -207,6 +234,8 @@ class EngineCore:
     ) -> None:
         """Validate and enqueue a request; it joins at the start of the next step."""
         self.validate(prompt_token_ids, params)
+        if params.structured_outputs is not None:  # compiles beside the prefill
+            self.grammars.prepare(params.structured_outputs)
         request = Request(
             request_id,
             list(prompt_token_ids),

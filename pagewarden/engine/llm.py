@@ -66,45 +66,9 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         chat_template: str | None = None,
     ) -> None:
-        self.config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            block_size=block_size,
-            kv_cache_memory=kv_cache_memory,
-            num_kv_blocks=num_kv_blocks,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching,
-            seed=seed,
-            integrity=integrity,
-            audit_interval=audit_interval,
-            scrub_blocks_per_step=scrub_blocks_per_step,
-            swap_space=swap_space,
-            num_swap_blocks=num_swap_blocks,
-            preemption_mode=preemption_mode,
-            cpu_threads=cpu_threads,
-            cpu_bind=cpu_bind,
-            serial_step_tokens=serial_step_tokens,
-            adaptive_batch=adaptive_batch,
-            target_itl_ms=target_itl_ms,
-            kv_events_endpoint=kv_events_endpoint,
-            kv_events_topic=kv_events_topic,
-            kv_events_encoding=kv_events_encoding,
-            kv_events_token_ids=kv_events_token_ids,
-            profile=profile,
-            profiles_file=profiles_file,
-            auto_safe_mode=auto_safe_mode,
-            safe_mode_faults=safe_mode_faults,
-            safe_mode_window=safe_mode_window,
-            safe_mode_clean_period=safe_mode_clean_period,
-            flight_recorder_steps=flight_recorder_steps,
-            flight_recorder_dir=flight_recorder_dir,
-            device=device,
-            attention_backend=attention_backend,
-            gpu_memory_utilization=gpu_memory_utilization,
-            chat_template=chat_template,
-        )
+        # Every argument is an EngineConfig field of the same name (a test keeps it so).
+        fields = {name: value for name, value in locals().items() if name != "self"}
+        self.config = EngineConfig(**fields)
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()
 

@@ -83,6 +83,11 @@ class Tokenizer:
         return None if token_id is None else self._tok.id_to_token(token_id)
 
     @property
+    def backend_tokenizer(self) -> HFTokenizer:
+        """The underlying ``tokenizers.Tokenizer`` (as transformers names it)."""
+        return self._tok
+
+    @property
     def bos_token(self) -> str | None:
         return self._id_to_token(self.bos_token_id)
 

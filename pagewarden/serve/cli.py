@@ -69,10 +69,28 @@ def add_serve_parser(subparsers) -> None:
         help="allow --kv-events-endpoint to bind a wildcard or non-loopback TCP address "
         "while --api-key is set (events are unauthenticated: see docs/kv-events.md)",
     )
+    _add_tool_args(p)
     _add_limit_args(p)
     add_engine_args(p)
     add_ray_args(p)
     p.set_defaults(func=cmd_serve)
+
+
+def _add_tool_args(p) -> None:
+    """Tool calling (server/tools.py), named as in vLLM."""
+    from pagewarden.server.tool_parsers import TOOL_PARSERS
+
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto": the model decides, --tool-call-parser reads its calls',
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="the model's tool-call format, for tool_choice auto",
+    )
 
 
 def _add_limit_args(p) -> None:
@@ -239,6 +257,7 @@ def _build_app(args: argparse.Namespace, engine, name: str):
     from pagewarden.server.api import build_app, default_admission
     from pagewarden.server.browser_guard import default_allowed_hosts
     from pagewarden.server.context import ServerLimits
+    from pagewarden.server.tools import ToolConfig
 
     limits = ServerLimits(
         max_n=args.max_n,
@@ -272,6 +291,7 @@ def _build_app(args: argparse.Namespace, engine, name: str):
         enable_docs=args.enable_docs,
         body_timeout_s=args.body_timeout,
         max_inflight_per_key=args.max_inflight_per_key,
+        tool_config=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser),
     )
 
 

@@ -9,6 +9,7 @@ results back as server-sent events. ``build_app`` wires the pieces:
                   /dashboard /dashboard/state               (dashboard.py)
                   /v1/completions                           (completions.py)
                   /v1/chat/completions                      (chat.py)
+                  /v1/responses                             (responses_api.py)
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from pagewarden.server.completions import create_completion
 from pagewarden.server.context import DEFAULT_MAX_BODY_BYTES, ServerContext, ServerLimits
 from pagewarden.server.dashboard import add_dashboard_routes
 from pagewarden.server.errors import APIError, error_body, install_error_handlers
-from pagewarden.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagewarden.server.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
+from pagewarden.server.responses_api import create_response
+from pagewarden.server.tools import ToolConfig
 from pagewarden.version import __version__
 
 __all__ = ["APIError", "build_app", "default_admission", "error_body"]
@@ -64,6 +67,7 @@ def build_app(
     enable_docs: bool = False,
     body_timeout_s: float = BODY_TIMEOUT_S,
     max_inflight_per_key: int | None = None,
+    tool_config: ToolConfig | None = None,
 ) -> AdmissionGate:
     """The ASGI app (FastAPI behind the admission gate); the caller owns ``engine``.
     ``vllm_metrics``: /metrics also exports the ``vllm:*`` twins of pagewarden's metrics.
@@ -78,6 +82,8 @@ def build_app(
     admission = admission or default_admission(engine)
     engine.observer = admission
     ctx = ServerContext(engine, served_model_name, keys, limits, admission)
+    if tool_config is not None:
+        ctx.tool_config = tool_config
     docs = {} if enable_docs else {"docs_url": None, "redoc_url": None}
     app = FastAPI(title="pagewarden", version=__version__, **docs)
     app.state.server = ctx
@@ -161,6 +167,10 @@ def _add_generation_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(ctx, request)
 
+    @app.post("/v1/responses", openapi_extra=_body_spec(ResponsesRequest))
+    async def responses(request: Request) -> Response:
+        return await create_response(ctx, request)
+
 
 _REF = "#/components/schemas/{model}"
 
@@ -180,7 +190,7 @@ def _document_request_bodies(app: FastAPI) -> None:
         if app.openapi_schema is None:
             schema = build()
             comps = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in (CompletionRequest, ChatCompletionRequest):
+            for model in (CompletionRequest, ChatCompletionRequest, ResponsesRequest):
                 s = model.model_json_schema(ref_template=_REF)
                 comps.update(s.pop("$defs", {}))
                 comps[model.__name__] = s

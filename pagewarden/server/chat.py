@@ -15,6 +15,15 @@ from pagewarden.server.errors import APIError, error_body
 from pagewarden.server.protocol import ChatCompletionRequest
 from pagewarden.server.responses import chat_logprobs, sampling_params, sse, usage
 from pagewarden.server.streams import final_outputs, merge
+from pagewarden.server.structured import check, requested_spec
+from pagewarden.server.tools import (
+    StreamShaper,
+    ToolPlan,
+    message,
+    plan_tools,
+    template_knows_tools,
+    template_messages,
+)
 
 
 @dataclass
@@ -25,6 +34,7 @@ class _Job:
     n_prompt: int
     rid: str
     created: int
+    plan: ToolPlan
 
     def chunk(self, choices: list[dict], usage_: dict | None = None) -> str:
         body = {
@@ -39,18 +49,17 @@ class _Job:
         return sse(body)
 
 
-def _render(req: ChatCompletionRequest, ctx: ServerContext) -> tuple[str | None, list[int]]:
-    """The prompt (text, token ids) the chat template makes of the messages."""
-    if req.tools:
-        raise APIError(400, "tools are not supported", "tools")
-    rf = req.response_format
-    if rf and rf.get("type") not in (None, "text"):
-        raise APIError(400, "only response_format type 'text' is supported", "response_format")
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+def render_prompt(
+    req: ChatCompletionRequest, ctx: ServerContext, plan: ToolPlan
+) -> tuple[str | None, list[int]]:
+    """The prompt (text, token ids) the chat template makes of the messages and tools."""
+    native = template_knows_tools(getattr(ctx.tokenizer, "chat_template", None))
+    messages, tools = template_messages(req, plan, native)
     try:
         rendered = ctx.tokenizer.apply_chat_template(
             messages,
             add_generation_prompt=req.add_generation_prompt,
+            tools=tools,
             **(req.chat_template_kwargs or {}),
         )
     except Exception as exc:  # noqa: BLE001 - template errors are the client's input
@@ -63,7 +72,14 @@ def _render(req: ChatCompletionRequest, ctx: ServerContext) -> tuple[str | None,
 
 async def create_chat_completion(ctx: ServerContext, request: Request) -> Response:
     salt, req = await ctx.read_request(request, ChatCompletionRequest)
-    text, ids = _render(req, ctx)
+    plan = plan_tools(req, ctx.tool_config)
+    text, ids = render_prompt(req, ctx, plan)
+    spec, param = requested_spec(req)
+    if plan.spec is not None:
+        if spec is not None:
+            raise APIError(400, f"{param} cannot be combined with tool_choice {plan.mode}", param)
+        spec, param = plan.spec, "tools"
+    await check(spec, param)
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
@@ -72,10 +88,16 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
         top = req.top_logprobs or 0
     elif req.top_logprobs is not None:
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-    params = sampling_params(req, max_tokens, top, ctx.limits)
+    params = sampling_params(req, max_tokens, top, ctx.limits, spec)
     streams = await ctx.submit([(text, ids)], params, salt, "chatcmpl")
     job = _Job(
-        ctx, req, streams, len(ids), streams[0].request_id.rsplit("-", 1)[0], int(time.time())
+        ctx,
+        req,
+        streams,
+        len(ids),
+        streams[0].request_id.rsplit("-", 1)[0],
+        int(time.time()),
+        plan,
     )
     if not req.stream:
         return await _full_response(job, request)
@@ -85,16 +107,18 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
 async def _full_response(job: _Job, request: Request) -> JSONResponse:
     out = (await final_outputs(request, job.streams))[0]
     tok = job.ctx.tokenizer
-    choices = [
-        {
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": chat_logprobs(tok, c, 0) if job.req.logprobs else None,
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        }
-        for c in out.outputs
-    ]
+    choices = []
+    for c in out.outputs:
+        msg, reason = message(job.plan, c.text, c.finish_reason)
+        choices.append(
+            {
+                "index": c.index,
+                "message": msg,
+                "logprobs": chat_logprobs(tok, c, 0) if job.req.logprobs else None,
+                "finish_reason": reason,
+                "stop_reason": c.stop_reason,
+            }
+        )
     n_gen = sum(len(c.token_ids) for c in out.outputs)
     return JSONResponse(
         {
@@ -110,7 +134,8 @@ async def _full_response(job: _Job, request: Request) -> JSONResponse:
 
 async def _events(job: _Job) -> AsyncIterator[str]:
     n, tok = job.req.n, job.ctx.tokenizer
-    sent_text, sent_lp, sent_tokens, done = [0] * n, [0] * n, [0] * n, [False] * n
+    sent_lp, sent_tokens, done = [0] * n, [0] * n, [False] * n
+    shapers = [StreamShaper(job.plan) for _ in range(n)]
     n_gen = 0
     try:
         yield job.chunk(
@@ -128,27 +153,29 @@ async def _events(job: _Job) -> AsyncIterator[str]:
             for c in out.outputs:
                 if done[c.index]:
                     continue
-                delta = c.text[sent_text[c.index] :]
+                deltas, reason = shapers[c.index].deltas(c.text, c.finish_reason)
                 # A chunk for every step that generated tokens, even with no text yet
                 # (see completions._events).
                 new_tokens = len(c.token_ids) > sent_tokens[c.index]
-                if not delta and not new_tokens and c.finish_reason is None:
+                if not deltas and not new_tokens and c.finish_reason is None:
                     continue
                 sent_tokens[c.index] = len(c.token_ids)
-                choice = {
-                    "index": c.index,
-                    "delta": {"content": delta} if delta else {},
-                    "logprobs": chat_logprobs(tok, c, sent_lp[c.index])
-                    if job.req.logprobs
-                    else None,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-                sent_text[c.index], sent_lp[c.index] = len(c.text), len(c.logprobs or [])
+                lp = chat_logprobs(tok, c, sent_lp[c.index]) if job.req.logprobs else None
+                sent_lp[c.index] = len(c.logprobs or [])
+                # Tool-call deltas go one per chunk; the last chunk carries the reason.
+                for k, delta in enumerate(deltas or [{}]):
+                    last = k == max(len(deltas), 1) - 1
+                    choice = {
+                        "index": c.index,
+                        "delta": delta,
+                        "logprobs": lp if k == 0 else None,
+                        "finish_reason": reason if last else None,
+                        "stop_reason": c.stop_reason if last else None,
+                    }
+                    yield job.chunk([choice])
                 if c.finish_reason is not None:
                     done[c.index] = True
                     n_gen += len(c.token_ids)
-                yield job.chunk([choice])
         opts = job.req.stream_options
         if opts and opts.include_usage:
             yield job.chunk([], usage(job.n_prompt, n_gen))

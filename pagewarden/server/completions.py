@@ -16,6 +16,7 @@ from pagewarden.server.errors import APIError, error_body
 from pagewarden.server.protocol import CompletionRequest
 from pagewarden.server.responses import completion_logprobs, sampling_params, sse, usage
 from pagewarden.server.streams import final_outputs, merge
+from pagewarden.server.structured import check, requested_spec
 
 
 @dataclass
@@ -71,7 +72,9 @@ async def create_completion(ctx: ServerContext, request: Request) -> Response:
     if req.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
     prompts = _prompts(req, ctx)
-    params = sampling_params(req, req.max_tokens, req.logprobs, ctx.limits)
+    spec, param = requested_spec(req)
+    await check(spec, param)
+    params = sampling_params(req, req.max_tokens, req.logprobs, ctx.limits, spec)
     streams = await ctx.submit(prompts, params, salt, "cmpl")
     job = _Job(
         ctx,

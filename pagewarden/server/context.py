@@ -23,6 +23,7 @@ from pagewarden.engine.core import RequestRejected
 from pagewarden.sampling_params import SamplingParams
 from pagewarden.server.admission import AdmissionController
 from pagewarden.server.errors import APIError, validation_error
+from pagewarden.server.tools import ToolConfig
 
 DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
 
@@ -56,6 +57,8 @@ class ServerContext:
         self.engine, self.model, self.api_keys = engine, model, api_keys
         self.limits, self.admission = limits, admission
         self.tokenizer = engine.tokenizer
+        # tool calling flags (server/tools.py); build_app sets them
+        self.tool_config = ToolConfig()
 
     def authorize(self, request: Request) -> str | None:
         """Return the tenant's cache salt (None without keys); 401 on a bad key."""

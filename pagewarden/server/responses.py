@@ -8,12 +8,18 @@ from pagewarden.engine.outputs import CompletionOutput
 from pagewarden.sampling_params import SamplingParams, SamplingParamsError
 from pagewarden.server.context import ServerLimits
 from pagewarden.server.errors import APIError
+from pagewarden.structured_outputs import StructuredOutputsParams
 
 
 def sampling_params(
-    req, max_tokens: int | None, logprobs: int | None, limits: ServerLimits
+    req,
+    max_tokens: int | None,
+    logprobs: int | None,
+    limits: ServerLimits,
+    structured: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
-    """The engine's ``SamplingParams`` for a body, with the server's limits applied."""
+    """The engine's ``SamplingParams`` for a body, with the server's limits applied;
+    ``structured``: the checked structured-outputs constraint (``structured.py``)."""
     if req.n > limits.max_n:
         raise APIError(400, f"n must be at most {limits.max_n}, got {req.n}", "n")
     if getattr(req, "best_of", None) not in (None, req.n):
@@ -46,6 +52,7 @@ def sampling_params(
             logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
+            structured_outputs=structured,
         )
     except SamplingParamsError as exc:
         raise APIError(400, str(exc), exc.param) from None
@@ -63,6 +70,14 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
+#: What a -inf logprob (a token the grammar forbids) is sent as: JSON has no infinity.
+MIN_LOGPROB = -9999.0
+
+
+def _lp(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
 def completion_logprobs(tok, c: CompletionOutput, start: int, offset: int) -> dict:
     lps = c.logprobs[start:] if c.logprobs else []
     tokens = [tok.decode([lp.token_id]) for lp in lps]
@@ -72,8 +87,8 @@ def completion_logprobs(tok, c: CompletionOutput, start: int, offset: int) -> di
         pos += len(t)
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{tok.decode([t]): v for t, v in lp.top} for lp in lps],
+        "token_logprobs": [_lp(lp.logprob) for lp in lps],
+        "top_logprobs": [{tok.decode([t]): _lp(v) for t, v in lp.top} for lp in lps],
         "text_offset": offsets,
     }
 
@@ -81,7 +96,7 @@ def completion_logprobs(tok, c: CompletionOutput, start: int, offset: int) -> di
 def chat_logprobs(tok, c: CompletionOutput, start: int) -> dict:
     def entry(tid: int, lp: float) -> dict:
         s = tok.decode([tid])
-        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        return {"token": s, "logprob": _lp(lp), "bytes": list(s.encode())}
 
     lps = c.logprobs[start:] if c.logprobs else []
     return {

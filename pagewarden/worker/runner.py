@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 
@@ -19,10 +21,18 @@ from pagewarden.worker.cpu_threads import StepThreads, default_serial_step_token
 from pagewarden.worker.fused_checks import element_keys, limb_keys, offset_keys
 from pagewarden.worker.kv_guard import KVGuard
 from pagewarden.worker.kv_store import KVStore
-from pagewarden.worker.sampler import Sampler, SamplingRow
+from pagewarden.worker.sampler import Sampler, SamplingRow, TokenBitmask
 from pagewarden.worker.step_hooks import StepHooks
 
 logger = logging.getLogger("pagewarden.worker")
+
+
+class GrammarMasks(Protocol):
+    """Structured outputs' per-request grammars (``engine/grammar.py``, the layer above,
+    hands one in): the batch's token bitmask, and forgetting requests that left."""
+
+    def bitmask(self, requests: list[ScheduledRequest]) -> TokenBitmask | None: ...
+    def forget(self, req_ids: Iterable[str]) -> None: ...
 
 
 class ModelRunner:
@@ -72,6 +82,8 @@ class ModelRunner:
         # Sampling runs where the logits are; only the sampled token ids come back.
         generator = torch.Generator(device=self.device).manual_seed(seed)
         self.sampler = Sampler(vocab_size, generator)
+        # Structured outputs: set by the engine; None samples every row unconstrained.
+        self.grammar: GrammarMasks | None = None
 
     def _use_triton(self) -> None:
         """Attention and KV writes through the Triton kernels, which check their reads."""
@@ -171,6 +183,9 @@ class ModelRunner:
         guard.copy_blocks(out.copy_blocks)
         guard.forget(out.finished_req_ids)
         guard.forget(out.preempted_req_ids)
+        if self.grammar is not None:
+            self.grammar.forget(out.finished_req_ids)
+            self.grammar.forget(out.preempted_req_ids)
         faults += guard.check_reads(out)
         return faults
 
@@ -196,7 +211,8 @@ class ModelRunner:
             )
             for r in sampled
         ]
-        result = self.sampler(logits, rows)
+        bitmask = self.grammar.bitmask(sampled) if self.grammar is not None else None
+        result = self.sampler(logits, rows, bitmask)
         tokens = {r.req_id: t for r, t in zip(sampled, result.token_ids)}
         logprobs: dict[str, TokenLogprobs] = {
             r.req_id: lp for r, lp in zip(sampled, result.logprobs) if lp is not None

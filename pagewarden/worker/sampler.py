@@ -63,6 +63,41 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
+# ---- structured outputs: the grammar's token bitmask ------------------------------
+
+
+@dataclass(frozen=True)
+class TokenBitmask:
+    """Which tokens the constrained rows of a batch may sample (``engine/grammar.py``).
+
+    ``rows`` (C,) are row indices into the batch; ``bits`` is (C, ceil(V / 32)) int32,
+    packed little-endian: token ``t`` is allowed in ``rows[i]`` when bit ``t % 32`` of
+    ``bits[i, t // 32]`` is set. Token ids past the vocabulary (padding) are never
+    allowed, whatever their bits say.
+    """
+
+    rows: list[int]
+    bits: Tensor
+
+
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)  # (32,)
+
+
+def apply_token_bitmask(logits: Tensor, mask: TokenBitmask) -> Tensor:
+    """``logits`` (S, V) with every token a constrained row may not sample at -inf
+    (a new tensor; rows not in ``mask.rows`` unchanged)."""
+    num_rows, vocab_size = logits.shape
+    bits = mask.bits.to(logits.device)  # (C, W)
+    assert bits.shape[1] * 32 >= vocab_size, "bitmask narrower than the vocabulary"
+    shifts = _BIT_SHIFTS.to(logits.device)
+    unpacked = (bits.unsqueeze(-1) >> shifts) & 1  # (C, W, 32)
+    allowed = unpacked.reshape(len(mask.rows), -1)[:, :vocab_size].bool()  # (C, V)
+    rows = torch.tensor(mask.rows, dtype=torch.int64, device=logits.device)  # (C,)
+    out = logits.clone()
+    out[rows] = logits[rows].masked_fill(~allowed, _MASK)
+    return out
+
+
 def mix_seed(seed: int, sample_index: int) -> int:
     """A 63-bit generator seed that is a pure function of ``(seed, sample_index)``."""
     # splitmix64 finaliser over a combination of the two, so nearby inputs diverge.
@@ -247,9 +282,13 @@ class Sampler:
         self.vocab_size = vocab_size
         self.generator = generator
 
-    def __call__(self, logits: Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(
+        self, logits: Tensor, rows: list[SamplingRow], bitmask: TokenBitmask | None = None
+    ) -> SamplerOutput:
         """Sample a token for each row of ``logits`` (S, V >= vocab_size), any float dtype
-        (widened to float32 except on the all-greedy fast path)."""
+        (widened to float32 except on the all-greedy fast path). ``bitmask``: the
+        grammar's allowed tokens for constrained rows, applied first (so logprobs, as
+        vLLM's, are those of the constrained distribution)."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (
             f"logits {tuple(logits.shape)} does not match {len(rows)} rows"
         )
@@ -259,6 +298,8 @@ class Sampler:
         logits = logits[:, : self.vocab_size]  # (S, V)
         if not rows:
             return SamplerOutput(token_ids=[], logprobs=[])
+        if bitmask is not None:
+            logits = apply_token_bitmask(logits, bitmask)
         params = [r.params for r in rows]
         if all(p.greedy and not _has_penalties(p) and p.logprobs is None for p in params):
             # On the logits' own dtype: widening is exact, so the first maximum is the same.
