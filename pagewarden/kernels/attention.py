@@ -370,12 +370,19 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of new queries q (T, n_heads, D) over cached K/V; returns (T, n_heads, D).
 
     `new_kv` is the step's own K/V (T, n_kv, D), already written to the cache; fresh
     prompts attend to it directly. Without it they are read back from the cache.
+    `sliding_window` W: a query at position p sees keys p - W < j <= p; `softcap` c:
+    scaled scores become c * tanh(s / c) before the mask (both: `masked_attention`).
     """
+    if sliding_window is not None or softcap is not None:
+        return masked_attention(q, cache, meta, scale, sliding_window, softcap)
     parts: list[tuple[torch.Tensor | None, torch.Tensor]] = []
     if meta.decode is not None:
         parts.append((meta.decode.token_index, _decode(q, cache, meta, meta.decode, scale)))
@@ -395,6 +402,50 @@ def paged_attention(
     return out
 
 
+def masked_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """(T, n_heads, D) attention of every new token through `meta.block_index` with an
+    explicit mask: causal, keys p - sliding_window < j <= p (all j <= p when None), and
+    scores soft-capped to softcap * tanh(s / softcap) before the mask; softmax in float32.
+
+    Every row reads the K/V written to the cache (the step's own too), in queries padded
+    per sequence to the step's longest: q (S * Q, n_heads, D) -> (S, n_kv, G, Q, D).
+    """
+    t, n_heads, head_dim = q.shape
+    s, qlen, kv_len = meta.num_seqs, meta.max_query_len, meta.kv_len
+    assert meta.seq_info is not None
+    starts, q_lens, ctx = meta.seq_info.long().unbind(0)  # (S,) each
+    k, v = gather_kv(cache, meta.block_index, s, kv_len)  # (S, n_kv, K, D)
+    n_kv = k.shape[1]
+    row = torch.repeat_interleave(torch.arange(s, device=q.device), q_lens, output_size=t)
+    padded = row * qlen + torch.arange(t, device=q.device) - starts[row]  # (T,)
+    qp = q.new_zeros(s * qlen, n_heads, head_dim).index_copy_(0, padded, q)
+    qh = qp.view(s, qlen, n_kv, n_heads // n_kv, head_dim).permute(0, 2, 3, 1, 4)
+    scores = qh @ k.to(q.dtype).unsqueeze(2).transpose(-1, -2) * scale  # (S, n_kv, G, Q, K)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    pos = ctx.view(s, 1, 1) + torch.arange(qlen, device=q.device).view(1, qlen, 1)  # (S, Q, 1)
+    keys = torch.arange(kv_len, device=q.device).view(1, 1, kv_len)  # (1, 1, K)
+    mask = keys <= pos  # (S, Q, K)
+    if sliding_window is not None:
+        mask &= keys > pos - sliding_window
+    # Padded query rows see key 0 only, so softmax never meets an all-masked row.
+    mask |= (torch.arange(qlen, device=q.device).view(1, qlen, 1) >= q_lens.view(s, 1, 1)) & (
+        keys == 0
+    )
+    scores = scores.masked_fill(~mask.view(s, 1, 1, qlen, kv_len), float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    out = probs @ v.to(q.dtype).unsqueeze(2)  # (S, n_kv, G, Q, D)
+    out = out.permute(0, 3, 1, 2, 4).reshape(s * qlen, n_heads, head_dim)
+    return out.index_select(0, padded)  # (T, n_heads, D)
+
+
 class AttentionOps(Protocol):
     """How a model layer writes and reads its cache; the worker picks the backend."""
 
@@ -412,6 +463,9 @@ class AttentionOps(Protocol):
         meta: AttentionMetadata,
         scale: float,
         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -432,8 +486,13 @@ class TorchAttention:
         meta: AttentionMetadata,
         scale: float,
         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        return paged_attention(q, cache, meta, scale, new_kv)
+        return paged_attention(
+            q, cache, meta, scale, new_kv, sliding_window=sliding_window, softcap=softcap
+        )
 
 
 def read_new_kv(
