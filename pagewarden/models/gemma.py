@@ -120,10 +120,14 @@ def _gguf_layer_types(meta: GGUFMeta, n: int, default: int) -> tuple[str, ...]:
     return _alternating(n, int(pattern))
 
 
-def _gemma_from_gguf(meta: GGUFMeta, pattern: int) -> dict[str, Any]:
+def _gemma_from_gguf(meta: GGUFMeta, pattern: int, layers_27b: int) -> dict[str, Any]:
     common = {**meta.common(), **gguf_rope(meta)}
     window = meta.get("attention.sliding_window")
     n = common["num_hidden_layers"]
+    # GGUF has no query_pre_attn_scalar: llama.cpp uses head_dim, hidden / heads for 27B.
+    scalar = common["head_dim"]
+    if n == layers_27b:
+        scalar = common["hidden_size"] // common["num_attention_heads"]
     return dict(
         **common,
         hidden_act="gelu_tanh",
@@ -131,8 +135,7 @@ def _gemma_from_gguf(meta: GGUFMeta, pattern: int) -> dict[str, Any]:
         layer_types=_gguf_layer_types(meta, n, pattern) if window else None,
         norm_offset=1.0,
         embed_scale=True,
-        # llama.cpp scales scores by head_dim^-1/2 (the 27B's hidden/heads is not read).
-        query_pre_attn_scalar=float(common["head_dim"]),
+        query_pre_attn_scalar=float(scalar),
     )
 
 
@@ -141,14 +144,14 @@ def gemma2_from_gguf(meta: GGUFMeta) -> ModelConfig:
         "attn_logit_softcapping": meta.get("attn_logit_softcapping"),
         "final_logit_softcapping": meta.get("final_logit_softcapping"),
     }
-    return ModelConfig(**_gemma_from_gguf(meta, 2), **caps)
+    return ModelConfig(**_gemma_from_gguf(meta, 2, layers_27b=46), **caps)
 
 
 def gemma3_from_gguf(meta: GGUFMeta) -> ModelConfig:
     local = float(meta.get("rope.freq_base_swa", 10000.0))  # llama.cpp's default for gemma3
     if "rope_freqs.weight" in meta.tensor_names:
         raise UnsupportedModelError("rope_freqs on a gemma3 GGUF")
-    return ModelConfig(**_gemma_from_gguf(meta, 6), qk_norm=True, local_rope_theta=local)
+    return ModelConfig(**_gemma_from_gguf(meta, 6, layers_27b=62), qk_norm=True, local_rope_theta=local)
 
 
 _GEMMA_TENSORS = {

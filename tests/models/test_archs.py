@@ -20,8 +20,13 @@ MAX_TOKENS = 8
 # Models whose layers need sliding windows or soft-capping: the C++ and Triton kernels
 # take neither yet, so these run on the torch path whatever backend is asked for.
 NEEDS_TORCH = {"mistral", "qwen2", "gemma2", "gemma3"}
-# llama.cpp's qwen2 has no sliding window (no GGUF key for it, nor for max_window_layers).
-GGUF_OVERRIDES = {"qwen2": dict(use_sliding_window=False)}
+# Checkpoints a GGUF can express: llama.cpp's qwen2 has no sliding window, and Gemma's
+# GGUFs carry no query_pre_attn_scalar (llama.cpp uses head_dim).
+GGUF_OVERRIDES = {
+    "qwen2": dict(use_sliding_window=False),
+    "gemma2": dict(query_pre_attn_scalar=16),
+    "gemma3": dict(query_pre_attn_scalar=16),
+}
 
 
 @pytest.fixture(scope="module", params=ARCHS)
