@@ -18,6 +18,7 @@ from pagewarden.kernels.cpu import linear as cpu_linear
 from pagewarden.kernels.cpu.linear import linear
 from pagewarden.models.config import ModelConfig
 from pagewarden.models.layers import (
+    Attention,
     DecoderLayer,
     GatedMLP,
     RMSNorm,
@@ -77,16 +78,21 @@ class DecoderForCausalLM(nn.Module):
             self.ropes.append(RopeTable(config.head_dim, config.local_rope_theta, None))
         # The dtype the weights were loaded in; the KV cache uses it too.
         self.storage_dtype: torch.dtype | None = None
+        self._attention = self.attention_layers()
 
     def attention_features(self) -> list[str]:
         """The ``attend`` keywords some layer of this model needs (sliding_window, softcap)."""
         needs = set()
-        for layer in self.model.layers:
-            if layer.self_attn.sliding_window is not None:
+        for attn in self.attention_layers():
+            if attn.sliding_window is not None:
                 needs.add("sliding_window")
-            if layer.self_attn.softcap is not None:
+            if attn.softcap is not None:
                 needs.add("softcap")
         return sorted(needs)
+
+    def attention_layers(self) -> list[Attention]:
+        """Each layer's attention, in layer order."""
+        return [m for m in self.modules() if isinstance(m, Attention)]
 
     def set_attention_ops(self, ops: AttentionOps) -> None:
         """Write and read the KV cache through ``ops`` in every layer.
@@ -101,8 +107,8 @@ class DecoderForCausalLM(nn.Module):
                 f"{type(ops).__name__} does not implement {' and '.join(missing)}, which "
                 "this model needs; use --attention-backend torch"
             )
-        for layer in self.model.layers:
-            layer.self_attn.ops = ops
+        for attn in self.attention_layers():
+            attn.ops = ops
 
     def use_compute_dtype(self, dtype: torch.dtype | None = None) -> torch.dtype:
         """Compute in `dtype` (None: `compute_dtype_for` this machine); returns it.
@@ -159,8 +165,8 @@ class DecoderForCausalLM(nn.Module):
         x = self.embed(input_ids)  # (T, hidden)
         size, device = self.config.max_position_embeddings, x.device
         rotations = [rope.lookup(positions, size, x.dtype, device) for rope in self.ropes]
-        for layer, cache in zip(self.model.layers, kv_caches):
-            cos, sin = rotations[layer.self_attn.rope_index]  # (T, 1, D)
+        for layer, attn, cache in zip(self.model.layers, self._attention, kv_caches):
+            cos, sin = rotations[attn.rope_index]  # (T, 1, D)
             x = layer(x, cos, sin, cache, meta)
         return self.model.norm(x)
 

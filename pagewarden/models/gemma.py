@@ -151,7 +151,9 @@ def gemma3_from_gguf(meta: GGUFMeta) -> ModelConfig:
     local = float(meta.get("rope.freq_base_swa", 10000.0))  # llama.cpp's default for gemma3
     if "rope_freqs.weight" in meta.tensor_names:
         raise UnsupportedModelError("rope_freqs on a gemma3 GGUF")
-    return ModelConfig(**_gemma_from_gguf(meta, 6, layers_27b=62), qk_norm=True, local_rope_theta=local)
+    return ModelConfig(
+        **_gemma_from_gguf(meta, 6, layers_27b=62), qk_norm=True, local_rope_theta=local
+    )
 
 
 _GEMMA_TENSORS = {

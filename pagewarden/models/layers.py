@@ -47,14 +47,18 @@ class RMSNorm(nn.Module):
         return cpu_fused.rms_norm_reference(x, self.scale, self.eps)
 
 
+def _f64(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64, device="cpu")
+
+
 def rope_inv_freq(
     head_dim: int, theta: float, scaling: Scaling | None
 ) -> tuple[torch.Tensor, float, int | None]:
     """(inverse frequencies (head_dim / 2,), cos/sin factor, last position it is exact
     for or None) of a RoPE with ``scaling`` (``config.ROPE_TYPES``)."""
     # On the CPU explicitly: models are built under torch.device("meta").
-    f64 = dict(dtype=torch.float64, device="cpu")
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, **f64) / head_dim))
+    even = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu")
+    inv = 1.0 / (theta ** (even / head_dim))
     s = dict(scaling or ())
     kind = rope_type(scaling)
     mscale, limit = 1.0, None
@@ -71,12 +75,12 @@ def rope_inv_freq(
     elif kind == "linear":
         inv = inv / s["factor"]
     elif kind == "freq_factors":  # GGUF rope_freqs: llama.cpp divides theta_i by factor i
-        inv = inv / torch.tensor(s["factors"], **f64)
+        inv = inv / _f64(s["factors"])
     elif kind == "longrope":
         # The short factors, exact up to original_max_position_embeddings; beyond it
         # transformers switches every position to the long factors (not implemented).
         old = s["original_max_position_embeddings"]
-        inv = inv / torch.tensor(s["short_factor"], **f64)
+        inv = inv / _f64(s["short_factor"])
         mscale = s.get("attention_factor") or 1.0
         factor = s.get("factor") or 1.0
         if s.get("attention_factor") is None and factor > 1.0:
