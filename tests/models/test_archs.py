@@ -188,3 +188,67 @@ def test_masked_attention_matches_naive():
             rows.append(torch.stack(heads))
             t += 1
     torch.testing.assert_close(got, torch.stack(rows), atol=1e-5, rtol=1e-5)
+
+
+def test_hub_style_configs():
+    """Configs as published (transformers 4 spellings) parse to the same features."""
+    from pagewarden.models.gemma import gemma3_from_hf
+    from pagewarden.models.phi3 import phi3_from_hf
+    from pagewarden.models.qwen import qwen2_from_hf
+
+    gemma3 = gemma3_from_hf(
+        {
+            "architectures": ["Gemma3ForCausalLM"],
+            "model_type": "gemma3_text",
+            "vocab_size": 262144,
+            "hidden_size": 640,
+            "intermediate_size": 2048,
+            "num_hidden_layers": 18,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 256,
+            "query_pre_attn_scalar": 256,
+            "rope_theta": 1000000.0,
+            "rope_local_base_freq": 10000.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+            "sliding_window": 512,
+            "sliding_window_pattern": 6,
+            "hidden_activation": "gelu_pytorch_tanh",
+        }
+    )
+    assert gemma3.layer_types is not None and gemma3.layer_types[5] == "full_attention"
+    assert gemma3.layer_types.count("sliding_attention") == 15
+    assert (gemma3.rope_theta, gemma3.local_rope_theta) == (1e6, 1e4)
+    assert dict(gemma3.rope_scaling or ()) == {"rope_type": "linear", "factor": 8.0}
+    assert gemma3.tie_word_embeddings and gemma3.hidden_act == "gelu_tanh"
+    phi3 = phi3_from_hf(
+        {
+            "vocab_size": 32064,
+            "hidden_size": 3072,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "max_position_embeddings": 131072,
+            "original_max_position_embeddings": 4096,
+            "rope_scaling": {"type": "su", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48},
+            "sliding_window": 262144,
+        }
+    )
+    scaling = dict(phi3.rope_scaling or ())
+    assert scaling["rope_type"] == "longrope" and scaling["factor"] == 32.0
+    assert phi3.max_position_embeddings == 4096 and phi3.sliding_window == 262144
+    qwen = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_attention_heads=2)
+    qwen25 = qwen2_from_hf(
+        {**qwen, "num_hidden_layers": 4, "use_sliding_window": False, "sliding_window": 32768}
+    )
+    assert qwen25.sliding_window is None and qwen25.attention_bias and not qwen25.o_proj_bias
+    windowed = qwen2_from_hf(
+        {
+            **qwen,
+            "num_hidden_layers": 4,
+            "use_sliding_window": True,
+            "sliding_window": 16,
+            "max_window_layers": 2,
+        }
+    )
+    assert windowed.layer_types == ("full_attention",) * 2 + ("sliding_attention",) * 2
