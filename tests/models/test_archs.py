@@ -19,7 +19,7 @@ from tests.models.tiny_models import ARCHS, WINDOW, make_tiny, write_gguf
 MAX_TOKENS = 8
 # Models whose layers need sliding windows or soft-capping: the C++ and Triton kernels
 # take neither yet, so these run on the torch path whatever backend is asked for.
-NEEDS_TORCH = {"mistral", "qwen2", "gemma2", "gemma3"}
+NEEDS_TORCH = {"mistral", "qwen2", "gemma2", "gemma3", "phi3_window"}
 # Checkpoints a GGUF can express: llama.cpp's qwen2 has no sliding window, and Gemma's
 # GGUFs carry no query_pre_attn_scalar (llama.cpp uses head_dim).
 GGUF_OVERRIDES = {

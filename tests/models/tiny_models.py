@@ -41,6 +41,18 @@ _LLAMA3 = {
 def _configs() -> dict[str, tuple[str, dict[str, Any]]]:
     """name -> (transformers config class, its arguments)."""
     half = _BASE["head_dim"] // 2
+    phi3 = dict(
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0 + 0.25 * i for i in range(half)],
+            "long_factor": [2.0 + 0.5 * i for i in range(half)],
+            "original_max_position_embeddings": 128,
+        },
+        original_max_position_embeddings=128,
+        sliding_window=None,
+        pad_token_id=0,
+    )
     return {
         "llama": ("LlamaConfig", dict(rope_parameters={"rope_theta": 10000.0, **_LLAMA3})),
         "mistral": ("MistralConfig", dict(sliding_window=WINDOW)),
@@ -70,21 +82,8 @@ def _configs() -> dict[str, tuple[str, dict[str, Any]]]:
                 },
             ),
         ),
-        "phi3": (
-            "Phi3Config",
-            dict(
-                rope_parameters={
-                    "rope_type": "longrope",
-                    "rope_theta": 10000.0,
-                    "short_factor": [1.0 + 0.25 * i for i in range(half)],
-                    "long_factor": [2.0 + 0.5 * i for i in range(half)],
-                    "original_max_position_embeddings": 128,
-                },
-                original_max_position_embeddings=128,
-                sliding_window=None,
-                pad_token_id=0,
-            ),
-        ),
+        "phi3": ("Phi3Config", phi3),
+        "phi3_window": ("Phi3Config", {**phi3, "sliding_window": WINDOW}),
     }
 
 
@@ -178,7 +177,7 @@ def write_gguf(hf_dir: Path, out: Path) -> Path:
             w.add_rope_scaling_factor(full["factor"])
     else:
         w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
-    if cfg.get("sliding_window") and (gemma or model_type == "llama"):
+    if cfg.get("sliding_window") and model_type in ("llama", "phi3", "gemma2", "gemma3"):
         w.add_sliding_window(cfg["sliding_window"])
     if gemma:
         pattern = [t == "sliding_attention" for t in cfg["layer_types"]]
