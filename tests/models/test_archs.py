@@ -252,3 +252,19 @@ def test_hub_style_configs():
         }
     )
     assert windowed.layer_types == ("full_attention",) * 2 + ("sliding_attention",) * 2
+
+
+def test_triton_backend_refuses_windowed_model(tmp_path):
+    """Until the Triton kernels take sliding_window, asking for them fails, clearly."""
+    pytest.importorskip("triton")
+    import inspect
+
+    from pagewarden.kernels.backend import AttentionBackendError
+    from pagewarden.kernels.triton.ops import TritonAttention
+
+    if "sliding_window" in inspect.signature(TritonAttention.attend).parameters:
+        pytest.skip("the Triton kernels take sliding_window now")
+
+    path = make_tiny("mistral", tmp_path / "m")
+    with pytest.raises(AttentionBackendError, match="sliding_window.*--attention-backend torch"):
+        _engine(path, "triton")
