@@ -44,7 +44,7 @@ import torch  # noqa: E402
 
 from pagewarden.engine.config import EngineConfig  # noqa: E402
 from pagewarden.engine.core import EngineCore  # noqa: E402
-from pagewarden.models import llama  # noqa: E402
+from pagewarden.models import gemma, layers  # noqa: E402
 from pagewarden.sampling_params import SamplingParams  # noqa: E402
 
 PHASES = (
@@ -88,14 +88,15 @@ class PhaseClock:
 def instrument(engine: EngineCore, clock: PhaseClock) -> None:
     """Wrap the engine's phase functions with `clock` (in place, for this process only)."""
     model = engine.loaded.model
-    # Every GEMM goes through llama.linear / llama.linear_add (cpu_linear.py); the
-    # lm_head's call stays in its own phase.
-    plain, gemm = llama.linear, clock.wrap("GEMMs", llama.linear)
-    llama.linear = lambda layer, x: plain(layer, x) if layer is model.lm_head else gemm(layer, x)
-    llama.linear_add = clock.wrap("GEMMs", llama.linear_add)
-    llama.linear_silu_mul = clock.wrap("GEMMs", llama.linear_silu_mul)
+    # Every layer's GEMM goes through kernels/cpu/linear.py as imported by the model
+    # blocks (models/layers.py, and gemma.py's sandwich layer); the lm_head's call
+    # (models/causal_lm.py) stays in its own phase.
+    gemm = clock.wrap("GEMMs", layers.linear)
+    layers.linear = gemma.linear = gemm
+    layers.linear_add = clock.wrap("GEMMs", layers.linear_add)
+    layers.linear_silu_mul = clock.wrap("GEMMs", layers.linear_silu_mul)
     # The attention backend's ops (torch or triton), wrapped once per distinct object.
-    ops = {id(m.ops): m.ops for m in model.modules() if isinstance(m, llama.LlamaAttention)}
+    ops = {id(m.ops): m.ops for m in model.modules() if isinstance(m, layers.Attention)}
     for op in ops.values():
         op.attend = clock.wrap("attention", op.attend)
         op.write_kv = clock.wrap("kv write", op.write_kv)

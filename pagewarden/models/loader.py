@@ -1,4 +1,4 @@
-"""Load a Llama-family model from an HF directory or a GGUF file."""
+"""Load a model from an HF directory or a GGUF file, through the architecture registry."""
 
 from __future__ import annotations
 
@@ -12,8 +12,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagewarden.models.llama import LlamaConfig, LlamaForCausalLM
-from pagewarden.models.tokenizer import Tokenizer, TokenizerLoadError, load_tokenizer
+from pagewarden.models.architecture import GGUF_GLOBALS, Architecture, GGUFMeta
+from pagewarden.models.causal_lm import DecoderForCausalLM
+from pagewarden.models.config import ModelConfig
+from pagewarden.models.registry import ARCHITECTURES, BY_GGUF_NAME, BY_HF_NAME
+from pagewarden.models.tokenizer import Tokenizer, TokenizerLoadError
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -24,11 +27,21 @@ class ModelLoadError(RuntimeError):
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
-    config: LlamaConfig
+    model: DecoderForCausalLM
+    config: ModelConfig
     tokenizer: Tokenizer
     name: str
     path: Path
+
+
+@dataclass
+class LoadedWeights:
+    """A model without its tokenizer (``load_causal_lm``)."""
+
+    model: DecoderForCausalLM
+    config: ModelConfig
+    name: str
+    fields: dict[str, Any]  # the GGUF's metadata; empty for an HF directory
 
 
 def default_model_path() -> Path:
@@ -46,6 +59,24 @@ def default_model_path() -> Path:
 def load_model(path: str | Path | None, dtype: torch.dtype = torch.bfloat16) -> LoadedModel:
     """Load an HF directory (config.json + *.safetensors + tokenizer) or a .gguf file."""
     p = default_model_path() if path is None else Path(path)
+    loaded = load_causal_lm(p, dtype)
+    tokenizer = _load_tokenizer(p, loaded.fields)
+    return LoadedModel(loaded.model, loaded.config, tokenizer, loaded.name, p)
+
+
+def _load_tokenizer(p: Path, gguf_fields: dict[str, Any]) -> Tokenizer:
+    """The model's tokenizer, from the HF directory or the GGUF's metadata."""
+    try:
+        if p.is_dir():
+            return Tokenizer.from_hf_dir(p)
+        return Tokenizer.from_gguf_fields(gguf_fields)
+    except (TokenizerLoadError, KeyError, ValueError) as e:
+        raise ModelLoadError(f"{p}: {e}") from e
+
+
+def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.bfloat16) -> LoadedWeights:
+    """The model of an HF directory or a .gguf file, without its tokenizer."""
+    p = Path(path)
     if p.is_dir():
         return _load_hf_dir(p, dtype)
     if p.is_file() and p.suffix == ".gguf":
@@ -55,14 +86,29 @@ def load_model(path: str | Path | None, dtype: torch.dtype = torch.bfloat16) -> 
     )
 
 
+def _supported() -> str:
+    hf = ", ".join(n for a in ARCHITECTURES for n in a.hf_names)
+    gguf = ", ".join(a.gguf_name for a in ARCHITECTURES if a.gguf_name)
+    return f"supported: HF {hf}; GGUF {gguf}"
+
+
+def _config(where: Path, parse: Any, source: Any) -> ModelConfig:
+    try:
+        config: ModelConfig = parse(source)
+    except (ValueError, KeyError, TypeError) as e:  # UnsupportedModelError is a ValueError
+        raise ModelLoadError(f"{where}: {type(e).__name__}: {e}") from e
+    return config
+
+
 def _build(
-    config: LlamaConfig,
+    arch: Architecture,
+    config: ModelConfig,
     weights: Iterator[tuple[str, torch.Tensor]],
     dtype: torch.dtype,
     where: Path,
-) -> LlamaForCausalLM:
+) -> DecoderForCausalLM:
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = arch.model_cls(config)
     model = model.to_empty(device="cpu").to(dtype)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -70,11 +116,10 @@ def _build(
         model.load_weights(weights)
     except (KeyError, RuntimeError) as e:
         raise ModelLoadError(f"{where}: weights do not match the config: {e}") from e
-    model._rope_cache = None
     return model.eval()
 
 
-def _load_hf_dir(p: Path, dtype: torch.dtype) -> LoadedModel:
+def _load_hf_dir(p: Path, dtype: torch.dtype) -> LoadedWeights:
     from safetensors.torch import load_file
 
     cfg_path = p / "config.json"
@@ -83,24 +128,20 @@ def _load_hf_dir(p: Path, dtype: torch.dtype) -> LoadedModel:
         raise ModelLoadError(f"{p}: expected config.json and *.safetensors in the directory")
     try:
         d = json.loads(cfg_path.read_text())
-        config = LlamaConfig.from_hf_dict(d)
-    except (ValueError, KeyError) as e:
-        raise ModelLoadError(f"{cfg_path}: malformed Llama config: {e}") from e
+    except ValueError as e:
+        raise ModelLoadError(f"{cfg_path}: malformed config: {e}") from e
+    name = (d.get("architectures") or ["LlamaForCausalLM"])[0]
+    arch = BY_HF_NAME.get(name)
+    if arch is None:
+        raise ModelLoadError(f"{cfg_path}: architecture {name!r} is not supported ({_supported()})")
+    config = _config(cfg_path, arch.config_from_hf, d)
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
-        for f in files:
+        for f in files:  # every shard of a sharded save (the index lists the same files)
             yield from load_file(f).items()
 
-    try:
-        tokenizer = load_tokenizer(p)
-    except TokenizerLoadError as e:
-        raise ModelLoadError(str(e)) from e
-    model = _build(config, weights(), dtype, p)
-    return LoadedModel(model, config, tokenizer, d.get("_name_or_path") or p.name, p)
-
-
-def _field_value(field: Any) -> Any:
-    return field.contents()
+    model = _build(arch, config, weights(), dtype, p)
+    return LoadedWeights(model, config, d.get("_name_or_path") or p.name, {})
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -109,20 +150,7 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-_GGUF_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-
-
-def _load_gguf(p: Path, dtype: torch.dtype) -> LoadedModel:
+def _load_gguf(p: Path, dtype: torch.dtype) -> LoadedWeights:
     import gguf
     from gguf import GGUFReader
 
@@ -130,61 +158,52 @@ def _load_gguf(p: Path, dtype: torch.dtype) -> LoadedModel:
         reader = GGUFReader(str(p))
     except Exception as e:  # gguf raises plain ValueError/struct errors on bad files
         raise ModelLoadError(f"{p}: not a readable GGUF file: {e}") from e
-    fields = {k: _field_value(f) for k, f in reader.fields.items()}
-    arch = fields.get("general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise ModelLoadError(f"{p}: GGUF architecture {arch!r} is not Llama-family (llama, qwen2)")
-    tensors = {t.name: t for t in reader.tensors}
-    try:
-        heads = int(fields[f"{arch}.attention.head_count"])
-        hidden = int(fields[f"{arch}.embedding_length"])
-        config = LlamaConfig(
-            vocab_size=len(fields["tokenizer.ggml.tokens"]),
-            hidden_size=hidden,
-            intermediate_size=int(fields[f"{arch}.feed_forward_length"]),
-            num_hidden_layers=int(fields[f"{arch}.block_count"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(fields.get(f"{arch}.attention.head_count_kv", heads)),
-            head_dim=int(fields.get(f"{arch}.attention.key_length", hidden // heads)),
-            rms_norm_eps=float(fields.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
-            max_position_embeddings=int(fields.get(f"{arch}.context_length", 2048)),
-            tie_word_embeddings="output.weight" not in tensors,
-            attention_bias="blk.0.attn_q.bias" in tensors,
-            o_proj_bias="blk.0.attn_output.bias" in tensors,
-            bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
-            eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
+    fields = {k: f.contents() for k, f in reader.fields.items()}
+    arch_name = fields.get("general.architecture")
+    arch = BY_GGUF_NAME.get(str(arch_name))
+    if arch is None or arch.config_from_gguf is None:
+        raise ModelLoadError(
+            f"{p}: GGUF architecture {arch_name!r} is not supported ({_supported()})"
         )
-        tokenizer = load_tokenizer(p)
-    except (KeyError, ValueError) as e:
-        raise ModelLoadError(f"{p}: GGUF metadata incomplete or malformed: {e}") from e
+    tensors = {t.name: t for t in reader.tensors}
+
+    def array(name: str) -> np.ndarray:
+        t = tensors[name]
+        try:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ModelLoadError(
+                f"{p}: tensor {name} has unsupported type {t.tensor_type.name}"
+            ) from e
+        return np.asarray(arr, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
+
+    meta = GGUFMeta(str(arch_name), fields, frozenset(tensors), array)
+    config = _config(p, arch.config_from_gguf, meta)
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in tensors.items():
-            try:
-                arr = gguf.quants.dequantize(t.data, t.tensor_type)
-            except NotImplementedError as e:
-                raise ModelLoadError(
-                    f"{p}: tensor {name} has unsupported type {t.tensor_type.name}"
-                ) from e
-            arr = np.asarray(arr, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
+        for name in tensors:
+            if name in arch.gguf_config_tensors:
+                continue
             parts = name.split(".")
             if parts[0] == "blk":
                 kind = parts[2]
-                if arch == "llama" and kind == "attn_q":
-                    arr = _unpermute(arr, config.num_attention_heads)
-                elif arch == "llama" and kind == "attn_k":
-                    arr = _unpermute(arr, config.num_key_value_heads)
-                hf = f"model.layers.{parts[1]}.{_GGUF_NAMES[kind]}.{parts[3]}"
+                if kind not in arch.gguf_tensors:
+                    raise ModelLoadError(
+                        f"{p}: GGUF tensor {name} is not supported for {arch.name}"
+                    )
+                hf = f"model.layers.{parts[1]}.{arch.gguf_tensors[kind]}.{parts[3]}"
+            elif name in GGUF_GLOBALS:
+                hf = GGUF_GLOBALS[name]
             else:
-                hf = {
-                    "token_embd.weight": "model.embed_tokens.weight",
-                    "output_norm.weight": "model.norm.weight",
-                    "output.weight": "lm_head.weight",
-                }.get(name)
-                if hf is None:
-                    continue  # e.g. rope_freqs
+                raise ModelLoadError(f"{p}: GGUF tensor {name} is not supported for {arch.name}")
+            arr = array(name)
+            if arch.gguf_permuted_qk and parts[-2] == "attn_q":
+                arr = _unpermute(arr, config.num_attention_heads)
+            elif arch.gguf_permuted_qk and parts[-2] == "attn_k":
+                arr = _unpermute(arr, config.num_key_value_heads)
+            if config.norm_offset and name.endswith("norm.weight"):
+                arr = arr - config.norm_offset  # llama.cpp stored offset + w
             yield hf, torch.from_numpy(np.array(arr, copy=True))
 
-    model = _build(config, weights(), dtype, p)
-    return LoadedModel(model, config, tokenizer, str(fields.get("general.name") or p.stem), p)
+    model = _build(arch, config, weights(), dtype, p)
+    return LoadedWeights(model, config, str(fields.get("general.name") or p.stem), fields)

@@ -4,7 +4,7 @@ from conftest import make_tiny_llama
 from transformers import AutoModelForCausalLM
 
 from pagewarden.kernels.attention import AttentionMetadata
-from pagewarden.models.llama import LlamaConfig
+from pagewarden.models.llama import llama_from_hf
 from pagewarden.models.loader import ModelLoadError, load_model
 
 BS = 4
@@ -222,14 +222,14 @@ def test_rope_theta_both_spellings():
         num_attention_heads=2,
     )
     assert (
-        LlamaConfig.from_hf_dict(
+        llama_from_hf(
             {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}
         ).rope_theta
         == 5e5
     )
-    assert LlamaConfig.from_hf_dict({**base, "rope_theta": 1234.0}).rope_theta == 1234.0
-    assert LlamaConfig.from_hf_dict(base).rope_theta == 10000.0
-    assert LlamaConfig.from_hf_dict({**base, "rope_theta": 1234.0}).num_key_value_heads == 2
+    assert llama_from_hf({**base, "rope_theta": 1234.0}).rope_theta == 1234.0
+    assert llama_from_hf(base).rope_theta == 10000.0
+    assert llama_from_hf({**base, "rope_theta": 1234.0}).num_key_value_heads == 2
 
 
 def test_bad_paths_raise(tmp_path):

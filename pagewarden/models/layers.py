@@ -1,0 +1,237 @@
+"""The blocks every decoder family is built from: RMSNorm (Gemma's (1 + w) too), RoPE
+tables (default, linear, llama3, longrope, GGUF frequency factors), the gated MLP (SiLU
+or GELU-tanh), the attention layer that calls ``AttentionOps`` (q/k norms, biases,
+per-layer sliding window, soft-capping, ``query_pre_attn_scalar``) and the pre-norm
+decoder layer. They compute through ``kernels/cpu`` (packed GEMMs, fused RMSNorm, RoPE
+and SiLU*mul) where the math matches those kernels exactly, plain torch elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagewarden.kernels.attention import AttentionMetadata, AttentionOps, TorchAttention
+from pagewarden.kernels.cpu import fused as cpu_fused
+from pagewarden.kernels.cpu.linear import linear, linear_add, linear_silu_mul
+from pagewarden.models.config import ModelConfig, Scaling, UnsupportedModelError, rope_type
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm scaling by ``offset + weight`` (Gemma: offset 1), in float32, rounded once
+    to x's dtype. ``weight`` holds the checkpoint's value; ``prepare`` (called whenever
+    the weights change dtype) precomputes ``offset + weight`` in float32, as Gemma's norm
+    computes it."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+        self.scale: torch.Tensor | None = None  # offset + weight, float32 (offset != 0)
+
+    def prepare(self) -> None:
+        if self.offset:
+            self.scale = self.offset + self.weight.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.offset:
+            return cpu_fused.rms_norm(x, self.weight, self.eps)  # one C++ pass on the CPU
+        if self.scale is None:
+            self.prepare()
+        assert self.scale is not None
+        if x.dtype == torch.float32:
+            return cpu_fused.rms_norm(x, self.scale, self.eps)
+        return cpu_fused.rms_norm_reference(x, self.scale, self.eps)
+
+
+def _f64(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64, device="cpu")
+
+
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: Scaling | None
+) -> tuple[torch.Tensor, float, int | None]:
+    """(inverse frequencies (head_dim / 2,), cos/sin factor, last position it is exact
+    for or None) of a RoPE with ``scaling`` (``config.ROPE_TYPES``)."""
+    # On the CPU explicitly: models are built under torch.device("meta").
+    even = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu")
+    inv = 1.0 / (theta ** (even / head_dim))
+    s = dict(scaling or ())
+    kind = rope_type(scaling)
+    mscale, limit = 1.0, None
+    if kind == "llama3":
+        factor = s["factor"]
+        low, high = s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+        old = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        mid = (1 - smooth) * inv / factor + smooth * inv
+        is_mid = (wavelen <= old / low) & (wavelen >= old / high)
+        inv = torch.where(is_mid, mid, scaled)
+    elif kind == "linear":
+        inv = inv / s["factor"]
+    elif kind == "freq_factors":  # GGUF rope_freqs: llama.cpp divides theta_i by factor i
+        inv = inv / _f64(s["factors"])
+    elif kind == "longrope":
+        # The short factors, exact up to original_max_position_embeddings; beyond it
+        # transformers switches every position to the long factors (not implemented).
+        old = s["original_max_position_embeddings"]
+        inv = inv / _f64(s["short_factor"])
+        mscale = s.get("attention_factor") or 1.0
+        factor = s.get("factor") or 1.0
+        if s.get("attention_factor") is None and factor > 1.0:
+            mscale = math.sqrt(1 + math.log(factor) / math.log(old))
+        limit = old
+    elif kind != "default":
+        raise UnsupportedModelError(f"rope_type {kind!r} is not supported")
+    return inv.float(), float(mscale), limit
+
+
+class RopeTable:
+    """cos and signed sin (n, head_dim) of one RoPE, built once and grown on demand."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: Scaling | None) -> None:
+        self.inv_freq, self.mscale, self.limit = rope_inv_freq(head_dim, theta, scaling)
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def reset(self) -> None:
+        self._table = None
+
+    def lookup(
+        self, positions: torch.Tensor, size: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin_signed (T, 1, head_dim) for ``positions`` (see ``apply_rope``)."""
+        need = int(positions.max()) + 1
+        if self.limit is not None and need > self.limit:
+            raise UnsupportedModelError(
+                f"position {need - 1} is past original_max_position_embeddings "
+                f"({self.limit}): longrope's long factors are not implemented"
+            )
+        if self._table is None or self._table[0].shape[0] < need or self._table[0].dtype != dtype:
+            n = max(need, size)
+            positions_f = torch.arange(n, dtype=torch.float32, device="cpu")
+            freqs = torch.outer(positions_f, self.inv_freq)  # (n, D/2)
+            cos, sin = freqs.cos() * self.mscale, freqs.sin() * self.mscale
+            self._table = (
+                torch.cat((cos, cos), dim=-1).to(device, dtype),  # (n, D)
+                torch.cat((-sin, sin), dim=-1).to(device, dtype),  # (n, D)
+            )
+        cos_t, sin_t = self._table
+        return cos_t[positions].unsqueeze(1), sin_t[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x (T, H, D); cos, sin_signed (T, 1, D) from ``RopeTable``.
+
+    rotate_half(x) = [-x2, x1] is x with its halves swapped (one flip of a (2, D/2)
+    view) times [-1, +1], and that sign is folded into ``sin_signed`` = [-sin, +sin].
+    Where the fused CPU op runs, x itself is rotated in place and returned; otherwise x
+    is left as it was and a new tensor returned (see ``cpu_fused.rope``): use the result.
+    """
+    return cpu_fused.rope(x, cos, sin_signed)
+
+
+def compute_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a model loaded in `dtype` computes in on `device`.
+
+    CPUs without native bf16/fp16 GEMM kernels (oneDNN's check: no AVX512 core, AMX or
+    equivalent) run bf16 GEMMs through a reference path 10-20x slower than float32. There
+    the model computes in float32, as llama.cpp does with BF16 weights on such CPUs: the
+    weights keep exactly their `dtype`-rounded values and the KV cache stays in `dtype`.
+    """
+    if device.type != "cpu" or dtype == torch.float32:
+        return dtype
+    if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return dtype
+    if dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        return dtype
+    return torch.float32
+
+
+class Attention(nn.Module):
+    """Self-attention of one layer over its paged KV cache (fused q/k/v projection)."""
+
+    def __init__(self, c: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        )
+        self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.qkv_proj = nn.Linear(
+            c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=c.o_proj_bias)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_offset) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_offset) if c.qk_norm else None
+        self.scale = (c.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.sliding_window = c.layer_window(layer)
+        self.softcap = c.attn_logit_softcapping
+        # Which of the model's RoPE tables rotates this layer (1: the sliding layers' own).
+        self.rope_index = 1 if self.sliding_window and c.local_rope_theta is not None else 0
+        self.ops: AttentionOps = TorchAttention()  # the worker may pick another backend
+
+    def forward(self, x, cos, sin, cache, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention output (T, n_heads * D), before o_proj (the layer adds the residual)."""
+        t, d = x.shape[0], self.head_dim
+        qkv = linear(self.qkv_proj, x)  # (T, q_size + 2 * kv_size)
+        # q and k are adjacent columns: one RoPE call rotates both.
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.n_heads + self.n_kv, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(qk[:, : self.n_heads].reshape(-1, d))  # (T * n_heads, D)
+            k = self.k_norm(qk[:, self.n_heads :].reshape(-1, d))  # (T * n_kv, D)
+            qk = torch.cat((q.view(t, self.n_heads, d), k.view(t, self.n_kv, d)), dim=1)
+        q, k = apply_rope(qk, cos, sin).split([self.n_heads, self.n_kv], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.n_kv, d)  # (T, n_kv, D)
+        self.ops.write_kv(cache, k, v, meta)
+        features: dict = {}  # only what this layer needs: every backend takes a plain call
+        if self.sliding_window is not None:
+            features["sliding_window"] = self.sliding_window
+        if self.softcap is not None:
+            features["softcap"] = self.softcap
+        out = self.ops.attend(q, cache, meta, self.scale, new_kv=(k, v), **features)
+        return out.reshape(t, self.q_size)  # (T, n_heads * D)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up as one [gate; up] projection."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.intermediate_size = c.intermediate_size
+        self.fused_silu = c.hidden_act == "silu"  # gate_up packed for linear_silu_mul
+
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up (T, intermediate), before down_proj: SiLU fused into the GEMM
+        where kernels/cpu/linear can, GELU-tanh (as torch's approximate="tanh") in torch."""
+        if self.fused_silu:
+            return linear_silu_mul(self.gate_up_proj, x)
+        gate, up = linear(self.gate_up_proj, x).split(self.intermediate_size, dim=-1)
+        return F.gelu(gate, approximate="tanh").mul_(up)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(self.down_proj, self.act(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm layer (Llama, Mistral, Qwen, Phi-3): x + attn(norm(x)), then x + mlp(norm(x)),
+    the residual adds fused into o_proj's and down_proj's GEMMs."""
+
+    def __init__(self, c: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_offset)
+        self.self_attn = Attention(c, layer)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_offset)
+        self.mlp = GatedMLP(c)
+
+    def forward(self, x, cos, sin, cache, meta) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)  # (T, q_size)
+        x = linear_add(self.self_attn.o_proj, attn, x)  # (T, hidden)
+        return linear_add(self.mlp.down_proj, self.mlp.act(self.post_attention_layernorm(x)), x)
