@@ -10,6 +10,7 @@ import argparse
 from dataclasses import fields
 
 from pagewarden.engine.config import EngineConfig
+from pagewarden.engine.kv_tiers import add_kv_tier_args
 from pagewarden.kernels.backend import ATTENTION_BACKENDS
 
 
@@ -130,6 +131,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="each event as a tagged array (vLLM up to 0.23, every consumer reads it) or a "
         "tagged map (newer vLLM)",
     )
+    add_kv_tier_args(parser, d)
     parser.add_argument(
         "--profile",
         default=d.profile,

@@ -10,6 +10,7 @@ import torch
 
 from pagewarden.engine.profiles import ProfileError, SafeModePolicy
 from pagewarden.kernels.backend import AttentionBackendError, check_backend, default_backend
+from pagewarden.kvstore.tier import check_tier_options
 from pagewarden.sched.config import MIN_MAX_MODEL_LEN
 from pagewarden.worker.cpu_threads import CpuBindError, parse_cpu_list
 from pagewarden.worker.device import DeviceError, resolve_device
@@ -98,6 +99,14 @@ class EngineConfig:
     device: str | None = None
     attention_backend: str | None = None
     gpu_memory_utilization: float = 0.9  # on CUDA, share of the GPU the engine may fill
+    # KV tiers (kvstore/, docs/kv-tiers.md): evicted prefix-cache blocks kept in a disk
+    # directory and/or a Redis server, loaded back verified on a later prefix hit.
+    kv_offload_dir: str | None = None
+    kv_offload_dir_size: int | str = "10GiB"
+    kv_offload_redis: str | None = None
+    kv_offload_redis_size: int | str = "4GiB"
+    kv_offload_redis_ttl: int = 86400
+    kv_offload_timeout: float = 0.5
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -199,6 +208,18 @@ class EngineConfig:
             raise EngineConfigError(
                 f"gpu_memory_utilization is a fraction in (0, 1], got {self.gpu_memory_utilization}"
             )
+        try:
+            check_tier_options(
+                self.kv_offload_dir,
+                self.kv_offload_dir_size,
+                self.kv_offload_redis,
+                self.kv_offload_redis_size,
+                self.kv_offload_redis_ttl,
+                self.kv_offload_timeout,
+                self.enable_prefix_caching,
+            )
+        except ValueError as exc:
+            raise EngineConfigError(str(exc)) from None
         if self.max_model_len is not None and self.max_model_len < MIN_MAX_MODEL_LEN:
             raise EngineConfigError(
                 f"max_model_len must be >= {MIN_MAX_MODEL_LEN}, got {self.max_model_len}"

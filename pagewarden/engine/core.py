@@ -22,6 +22,7 @@ from pagewarden.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from pagewarden.engine.flight_recorder import FlightRecorder, integrity_counts
 from pagewarden.engine.integrity import IntegrityMonitor, IntegrityStats
 from pagewarden.engine.kv_events import KVEventPublisher
+from pagewarden.engine.kv_tiers import attach_kv_tiers, note_landed
 from pagewarden.engine.output_processor import OutputProcessor
 from pagewarden.engine.outputs import RequestOutput
 from pagewarden.engine.profiles import ProfileState, ProfileSwitch
@@ -125,6 +126,10 @@ class EngineCore:
             scrub_blocks_per_step=config.scrub_blocks_per_step,
             attention_backend=config.resolved_attention_backend,
             serial_step_tokens=config.serial_step_tokens,
+        )
+        # KV tiers (engine/kv_tiers.py): None unless --kv-offload-dir / --kv-offload-redis.
+        self.kv_tiers = attach_kv_tiers(
+            config, self.loaded.model, mcfg, shape, self.scheduler, self.runner
         )
         self.integrity = IntegrityMonitor(
             self.scheduler, self.runner.guard, config.integrity, config.audit_interval
@@ -309,6 +314,8 @@ class EngineCore:
             sched_out = self.hooks.before_execute(sched_out)
         start = (time.perf_counter(), self.integrity.recoveries, self.scheduler.num_preemptions)
         result = self.runner.execute(sched_out)
+        if sched_out.tier_loads and self.kv_tiers is not None:
+            note_landed(self.kv_tiers, sched_out, result)
         if result.faults:
             sched_out, report = self.integrity.recover(sched_out, result)
             for request_id in report.failed:

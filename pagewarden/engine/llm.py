@@ -63,6 +63,12 @@ class LLM:
         device: str | None = None,
         attention_backend: str | None = None,
         gpu_memory_utilization: float = 0.9,
+        kv_offload_dir: str | None = None,
+        kv_offload_dir_size: int | str = EngineConfig.kv_offload_dir_size,
+        kv_offload_redis: str | None = None,
+        kv_offload_redis_size: int | str = EngineConfig.kv_offload_redis_size,
+        kv_offload_redis_ttl: int = EngineConfig.kv_offload_redis_ttl,
+        kv_offload_timeout: float = EngineConfig.kv_offload_timeout,
     ) -> None:
         self.config = EngineConfig(
             model=model,
@@ -100,6 +106,12 @@ class LLM:
             device=device,
             attention_backend=attention_backend,
             gpu_memory_utilization=gpu_memory_utilization,
+            kv_offload_dir=kv_offload_dir,
+            kv_offload_dir_size=kv_offload_dir_size,
+            kv_offload_redis=kv_offload_redis,
+            kv_offload_redis_size=kv_offload_redis_size,
+            kv_offload_redis_ttl=kv_offload_redis_ttl,
+            kv_offload_timeout=kv_offload_timeout,
         )
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()
