@@ -27,6 +27,7 @@ from pagewarden.engine.output_processor import OutputProcessor
 from pagewarden.engine.outputs import RequestOutput
 from pagewarden.engine.profiles import ProfileState, ProfileSwitch
 from pagewarden.engine.safe_mode import SafeMode
+from pagewarden.metrics.stats import KVTierStats
 from pagewarden.models.loader import LoadedModel, load_model
 from pagewarden.sampling_params import SamplingParams
 from pagewarden.sched.admission import RequestRejected, check_request
@@ -57,6 +58,8 @@ class EngineStats(SchedulerStats):
     batch_limit_changes: dict[str, int] = field(default_factory=dict)
     # The active engine profile and the switches so far (engine/profiles.py).
     profile: ProfileState = field(default_factory=ProfileState)
+    # The KV tiers' counters (engine/kv_tiers.py); None without tiers.
+    kv_tiers: KVTierStats | None = None
 
     @property
     def kv_cache_usage(self) -> float:
@@ -375,4 +378,5 @@ class EngineCore:
             integrity=self.integrity.stats(),
             batch_limit_changes=dict(self.batch.changes) if self.batch is not None else {},
             profile=self.safe_mode.state(),
+            kv_tiers=self.kv_tiers.stats() if self.kv_tiers is not None else None,
         )

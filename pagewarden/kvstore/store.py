@@ -31,6 +31,7 @@ from pagewarden.kvstore.format import (
 )
 from pagewarden.kvstore.keys import block_key
 from pagewarden.kvstore.tier import KVTier, TierError
+from pagewarden.metrics.stats import HistogramSnapshot, KVTierStats
 
 logger = logging.getLogger("pagewarden.kvstore")
 
@@ -228,6 +229,23 @@ class TierStore:
 
     def bytes_used(self) -> dict[str, int]:
         return {t.name: t.bytes_used() for t in self.tiers}
+
+    def stats(self) -> KVTierStats:
+        """A snapshot of the counters (copies: safe to hand to another thread)."""
+        c = self.counters
+        return KVTierStats(
+            hits=dict(c.hits),
+            stores=dict(c.stores),
+            rejected=dict(c.rejected),
+            errors=dict(c.errors),
+            bytes=self.bytes_used(),
+            misses=c.misses,
+            offload_dropped=c.offload_dropped,
+            offload_unverified=c.offload_unverified,
+            load_latency=HistogramSnapshot(
+                LOAD_BUCKETS, tuple(c.load_buckets), c.load_seconds_sum, c.load_count
+            ),
+        )
 
     # ------------------------------------------------------------- failures
     def _is_down(self, tier: KVTier) -> bool:

@@ -143,7 +143,7 @@ FaultKind = Literal["checksum", "slot_tag", "slot_mapping", "refcount"]
 #: hit ("reuse"), a block's slots at seal time ("seal"), the background scrubber
 #: ("scrub"), a block coming back from the host tier ("swap_in"), the write-index check
 #: after the forward pass ("write"), or the invariant audit ("audit").
-Finder = Literal["read", "reuse", "seal", "scrub", "swap_in", "write", "audit"]
+Finder = Literal["read", "reuse", "seal", "scrub", "swap_in", "write", "audit", "tier_load"]
 #: A metadata fault the scheduler catches itself: a table entry's block was freed under
 #: it ("stale_ref"), a table's block id disagrees with its reference ("table_mismatch"),
 #: or a block a table holds was on the free queue ("free_list": taken off it, nothing

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from pagewarden import LLM, SamplingParams
+from pagewarden.metrics.prometheus import build_registry, render
+from pagewarden.metrics.stats import FrontendStatsRecorder
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 # Six 41-token prompts (10 full blocks of 4 each) through a 24-block pool: each evicts
@@ -57,6 +59,13 @@ def test_greedy_outputs_equal_and_the_tier_serves_the_evicted_prefix(
     assert c.stores["disk"] > 0 and _entries(tmp_path)
     assert c.hits["disk"] >= 5  # the first prompt's evicted blocks came back
     assert not c.rejected
+    text = render(build_registry(llm.engine.stats, FrontendStatsRecorder().snapshot, "m"))[0]
+    lines = text.decode().splitlines()
+    hits = f'pagewarden:kv_tier_hits_total{{model_name="m",tier="disk"}} {float(c.hits["disk"])}'
+    assert hits in lines
+    assert any(x.startswith("pagewarden:kv_tier_stores_total{") for x in lines)
+    assert any(x.startswith('pagewarden:kv_tier_bytes{model_name="m",tier="disk"}') for x in lines)
+    assert any(x.startswith("pagewarden:kv_tier_load_seconds_count") for x in lines)
 
 
 def test_a_new_engine_on_the_same_directory_sees_tier_hits(tiny_llama_dir, tmp_path, baseline):
@@ -91,6 +100,9 @@ def test_corrupted_entries_become_misses_and_are_deleted(
     assert c.hits["disk"] == 0
     reason = "checksum" if damage == "bitflip" else "size"
     assert c.rejected.get(("disk", reason), 0) >= 1
+    text = render(build_registry(second.engine.stats, FrontendStatsRecorder().snapshot, "m"))[0]
+    metric = f'pagewarden:kv_tier_rejected_total{{model_name="m",reason="{reason}",tier="disk"}}'
+    assert metric.encode() in text
     # The first block's entry was rejected and deleted (the chain stops at a miss).
     assert len(_entries(tmp_path)) < len(entries) + 10
 
