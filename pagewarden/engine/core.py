@@ -299,7 +299,10 @@ class EngineCore:
         prefix-cache changes of the step are published after it."""
         outputs = self._step()
         if self.kv_events is not None:
-            self.kv_events.publish(self.scheduler.kv.pool.take_cache_events())
+            events = self.scheduler.kv.pool.take_cache_events()
+            if self.kv_tiers is not None:  # the tiers' stores and drops, medium DISK/REDIS
+                events += self.kv_tiers.take_events()
+            self.kv_events.publish(events)
         return outputs
 
     def _step(self) -> list[RequestOutput]:

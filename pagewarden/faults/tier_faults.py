@@ -319,6 +319,8 @@ def run_tier_chaos(
             if kind == "tier_hang":
                 hole = _BlackHole()
                 cfg = dataclasses.replace(cfg, kv_offload_redis=hole.url)
+            if kind == "redis_crosswire":  # Redis alone: the disk would serve first
+                cfg = dataclasses.replace(cfg, kv_offload_dir=None)
             engine = EngineCore(cfg, loaded)
             if kind == "tier_gone":
                 shutil.rmtree(workdir)

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import logging
 import queue
+import struct
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pagewarden.kv.block import BlockHash
+from pagewarden.kv.cache_events import BlockRemoved, BlockStored, CacheEvent
 from pagewarden.kvstore.checksum import block_checksum
 from pagewarden.kvstore.format import (
     BlockIdentity,
@@ -97,6 +100,10 @@ class TierStore:
         self._down_until: dict[str, float] = {}
         self._backoff: dict[str, float] = {}
         self._queue: queue.Queue[Offload | None] = queue.Queue(maxsize=queue_size)
+        # KV events of the tiers (medium "DISK", "REDIS"), for engine/kv_events.py;
+        # appended by both threads, taken by the engine thread.
+        self._events: list[CacheEvent] = []
+        self._events_lock = threading.Lock()
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
 
@@ -131,12 +138,19 @@ class TierStore:
             try:
                 block = decode_entry(data, self.ns, ident)
             except EntryRejected as e:
-                self.reject(tier.name, key, e.reason, e.detail)
+                self.reject(tier.name, key, e.reason, e.detail, ident.block_hash)
                 continue
             return LoadedBlock(bytes(block.payload), block.checksum, tier.name, key)
         return None
 
-    def reject(self, tier_name: str, key: str, reason: RejectReason, detail: str) -> None:
+    def reject(
+        self,
+        tier_name: str,
+        key: str,
+        reason: RejectReason,
+        detail: str,
+        block_hash: BlockHash | None = None,
+    ) -> None:
         """Count and log a rejected entry and delete it from its tier."""
         label = (tier_name, reason.value)
         self.counters.rejected[label] = self.counters.rejected.get(label, 0) + 1
@@ -148,6 +162,8 @@ class TierStore:
             reason.value,
             detail,
         )
+        if block_hash is not None:
+            self._event(BlockRemoved(block_hash, tier_name.upper()))
         for tier in self.tiers:
             if tier.name == tier_name:
                 try:
@@ -202,10 +218,26 @@ class TierStore:
             try:
                 if tier.put(key, data):
                     self.counters.stores[tier.name] += 1
+                    ident = item.ident
+                    tokens = struct.unpack(f"<{len(ident.token_bytes) // 4}I", ident.token_bytes)
+                    self._event(
+                        BlockStored(ident.block_hash, ident.parent_hash, tokens, tier.name.upper())
+                    )
             except TierError as e:
                 self._tier_failed(tier, e)
             else:
                 self._tier_ok(tier)
+
+    def _event(self, event: CacheEvent) -> None:
+        with self._events_lock:
+            if len(self._events) < 100_000:  # nobody taking them: do not grow forever
+                self._events.append(event)
+
+    def take_events(self) -> list[CacheEvent]:
+        """The tiers' stores and drops since the last call (KV events with their medium)."""
+        with self._events_lock:
+            events, self._events = self._events, []
+        return events
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every queued block was written; False on timeout."""

@@ -151,3 +151,23 @@ def test_a_full_queue_drops_blocks_and_counts_them():
     assert store.flush()
     assert store.counters.stores["disk"] + store.counters.offload_dropped == 6
     store.close()
+
+
+def test_tier_stores_and_drops_are_kv_events_with_their_medium():
+    from pagewarden.engine.kv_events import external_hash, wire_events
+
+    disk = MemTier("disk")
+    store = TierStore(NS, [disk])
+    idents, payloads = _chain(2)
+    store.offer([Offload(i, p, None) for i, p in zip(idents, payloads)])
+    assert store.flush()
+    key = block_key(NS, idents[0].block_hash)
+    disk.data[key] = disk.data[key][:-1]  # damaged: rejected and dropped on load
+    assert store.load(idents) == []
+    wire = wire_events(store.take_events(), 4)
+    assert wire[0][0] == "BlockStored" and wire[0][6] == "DISK"
+    assert wire[0][1] == [external_hash(i.block_hash) for i in idents]  # one chain, one event
+    assert wire[0][3] == list(range(8))
+    assert wire[1] == ["BlockRemoved", [external_hash(idents[0].block_hash)], "DISK"]
+    assert store.take_events() == []
+    store.close()
