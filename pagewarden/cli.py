@@ -114,6 +114,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_chaos(args: argparse.Namespace) -> int:
     if args.scenario == "storm":
         return _cmd_storm(args)
+    if args.scenario == "tiers":
+        from pagewarden.chaos.tiers import run_tier_chaos
+
+        tier_report = run_tier_chaos(
+            model=args.model,
+            integrity=args.integrity or "strict",
+            redis_url=args.kv_offload_redis,
+            dtype=args.dtype,
+            seed=args.seed,
+        )
+        print(tier_report.table())
+        return 0 if tier_report.corrupted_tokens == 0 else 1
     from pagewarden.chaos.campaign import run_chaos
 
     report = run_chaos(
@@ -201,9 +213,17 @@ def _add_chaos_parser(sub) -> None:
     chaos.add_argument(
         "--scenario",
         default="mixed",
-        choices=("mixed", "storm"),
+        choices=("mixed", "storm", "tiers"),
         help="mixed: faults at random steps of a mixed workload; storm: a burst of faults "
-        "on a busy engine, then calm (batch limit, safe mode and recovery over time)",
+        "on a busy engine, then calm (batch limit, safe mode and recovery over time); "
+        "tiers: damaged KV tier entries and failing tiers (docs/kv-tiers.md)",
+    )
+    chaos.add_argument(
+        "--kv-offload-redis",
+        default=None,
+        metavar="URL",
+        help="tiers scenario: also fault a Redis tier here (a scratch server: this model's "
+        "entries on it are deleted)",
     )
     chaos.add_argument(
         "--faults", type=int, default=None, help="faults to inject (default 20; storm 12)"

@@ -25,10 +25,20 @@ LAYERS: list[tuple[str, ...]] = [
     ("faults",),
     ("worker",),
     ("sched",),
+    ("kvstore",),
     ("kv",),
     ("models",),
     ("kernels",),
-    ("sampling_params", "structured_outputs", "version", "omp_policy", "private_dir"),  # leaves
+    # Leaves: stdlib-only modules every layer may use (metrics/stats.py is the stats
+    # dataclasses; the exporter beside it sits in the metrics room).
+    (
+        "sampling_params",
+        "structured_outputs",
+        "version",
+        "omp_policy",
+        "private_dir",
+        "metrics.stats",
+    ),
 ]
 
 
@@ -71,6 +81,8 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def room(module: str) -> str:
+    if module == "pagewarden.metrics.stats":
+        return "metrics.stats"
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 

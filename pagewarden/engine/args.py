@@ -10,6 +10,7 @@ import argparse
 from dataclasses import fields
 
 from pagewarden.engine.config import EngineConfig
+from pagewarden.engine.kv_tiers import add_kv_tier_args
 from pagewarden.kernels.backend import ATTENTION_BACKENDS
 
 
@@ -158,10 +159,6 @@ def _add_kv_events_args(parser: argparse.ArgumentParser, d: EngineConfig) -> Non
         help="each event as a tagged array (vLLM up to 0.23, every consumer reads it) or a "
         "tagged map (newer vLLM)",
     )
-
-
-def _add_safe_mode_args(parser: argparse.ArgumentParser, d: EngineConfig) -> None:
-    """Engine profiles and the automatic switch to the safe one."""
     parser.add_argument(
         "--kv-events-no-token-ids",
         dest="kv_events_token_ids",
@@ -169,6 +166,11 @@ def _add_safe_mode_args(parser: argparse.ArgumentParser, d: EngineConfig) -> Non
         help="send BlockStored events without their token ids (block hashes only, all a "
         "prefix-aware router needs): a subscriber can then not read prompts",
     )
+    add_kv_tier_args(parser, d)
+
+
+def _add_safe_mode_args(parser: argparse.ArgumentParser, d: EngineConfig) -> None:
+    """Engine profiles and the automatic switch to the safe one."""
     parser.add_argument(
         "--profile",
         default=d.profile,

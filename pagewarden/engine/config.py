@@ -8,6 +8,7 @@ import torch
 
 from pagewarden.engine.profiles import ProfileError, SafeModePolicy
 from pagewarden.kernels.backend import AttentionBackendError, check_backend, default_backend
+from pagewarden.kvstore.tier import check_tier_options
 from pagewarden.models.chat_template import ChatTemplateError, read_chat_template
 from pagewarden.private_dir import user_state_dir
 from pagewarden.sched.config import MIN_MAX_MODEL_LEN
@@ -102,6 +103,14 @@ class EngineConfig:
     # A Jinja chat template (a file's path, or the template itself) that replaces the
     # model's own; None: the model's.
     chat_template: str | None = None
+    # KV tiers (kvstore/, docs/kv-tiers.md): evicted prefix-cache blocks kept in a disk
+    # directory and/or a Redis server, loaded back verified on a later prefix hit.
+    kv_offload_dir: str | None = None
+    kv_offload_dir_size: int | str = "10GiB"
+    kv_offload_redis: str | None = None
+    kv_offload_redis_size: int | str = "4GiB"
+    kv_offload_redis_ttl: int = 86400
+    kv_offload_timeout: float = 0.5
 
     def __post_init__(self) -> None:
         self._check_model_and_cache()
@@ -112,6 +121,22 @@ class EngineConfig:
         self._check_batch_and_profiles()
         self._check_device()
         self._check_chat_template()
+        self._check_kv_tiers()
+
+    def _check_kv_tiers(self) -> None:
+        """The KV tiers' directory, server, sizes and timeout (kvstore/tier.py)."""
+        try:
+            check_tier_options(
+                self.kv_offload_dir,
+                self.kv_offload_dir_size,
+                self.kv_offload_redis,
+                self.kv_offload_redis_size,
+                self.kv_offload_redis_ttl,
+                self.kv_offload_timeout,
+                self.enable_prefix_caching,
+            )
+        except ValueError as exc:
+            raise EngineConfigError(str(exc)) from None
 
     def _check_chat_template(self) -> None:
         """A template given by path or inline must parse."""

@@ -30,10 +30,12 @@ from pagewarden.engine.grammar import (
 )
 from pagewarden.engine.integrity import IntegrityMonitor, IntegrityStats
 from pagewarden.engine.kv_events import KVEventPublisher
+from pagewarden.engine.kv_tiers import attach_kv_tiers, note_landed
 from pagewarden.engine.output_processor import OutputProcessor
 from pagewarden.engine.outputs import RequestOutput
 from pagewarden.engine.profiles import ProfileState, ProfileSwitch
 from pagewarden.engine.safe_mode import SafeMode
+from pagewarden.metrics.stats import KVTierStats
 from pagewarden.models.chat_template import read_chat_template
 from pagewarden.models.loader import LoadedModel, load_model
 from pagewarden.sampling_params import SamplingParams
@@ -68,6 +70,8 @@ class EngineStats(SchedulerStats):
     batch_limit_changes: dict[str, int] = field(default_factory=dict)
     # The active engine profile and the switches so far (engine/profiles.py).
     profile: ProfileState = field(default_factory=ProfileState)
+    # The KV tiers' counters (engine/kv_tiers.py); None without tiers.
+    kv_tiers: KVTierStats | None = None
 
     @property
     def kv_cache_usage(self) -> float:
@@ -93,6 +97,15 @@ class EngineCore:
         self.max_model_len = config.max_model_len or self.loaded.config.max_position_embeddings
         self.scheduler = self._build_scheduler()
         self.runner = self._build_runner()
+        # KV tiers (engine/kv_tiers.py): None unless --kv-offload-dir / --kv-offload-redis.
+        self.kv_tiers = attach_kv_tiers(
+            config,
+            self.loaded.model,
+            self.loaded.config,
+            self.kv_store.shape,
+            self.scheduler,
+            self.runner,
+        )
         self.integrity = IntegrityMonitor(
             self.scheduler, self.runner.guard, config.integrity, config.audit_interval
         )
@@ -311,7 +324,10 @@ class EngineCore:
         prefix-cache changes of the step are published after it."""
         outputs = self._step()
         if self.kv_events is not None:
-            self.kv_events.publish(self.scheduler.kv.pool.take_cache_events())
+            events = self.scheduler.kv.pool.take_cache_events()
+            if self.kv_tiers is not None:  # the tiers' stores and drops, medium DISK/REDIS
+                events += self.kv_tiers.take_events()
+            self.kv_events.publish(events)
         return outputs
 
     def _step(self) -> list[RequestOutput]:
@@ -329,6 +345,8 @@ class EngineCore:
             sched_out = self.hooks.before_execute(sched_out)
         start = (time.perf_counter(), self.integrity.recoveries, self.scheduler.num_preemptions)
         result = self.runner.execute(sched_out)
+        if sched_out.tier_loads and self.kv_tiers is not None:
+            note_landed(self.kv_tiers, sched_out, result)
         if result.faults:
             sched_out, report = self.integrity.recover(sched_out, result)
             for request_id in report.failed:
@@ -388,6 +406,7 @@ class EngineCore:
             integrity=self.integrity.stats(),
             batch_limit_changes=dict(self.batch.changes) if self.batch is not None else {},
             profile=self.safe_mode.state(),
+            kv_tiers=self.kv_tiers.stats() if self.kv_tiers is not None else None,
         )
 
 

@@ -22,7 +22,8 @@ Block hashes are pagewarden's chained blake2b prefix hashes (``kv/prefix_hash.py
 sent as vLLM sends its own by default: the low 64 bits of the digest as an unsigned
 int. A BlockStored carries a run of consecutive blocks of one chain, its parent the
 block before the run (None at a chain's start). ``medium`` is ``"GPU"``, vLLM's name
-for the engine's own KV pool, on every device. The first batch of a publisher starts
+for the engine's own KV pool, on every device, and ``"DISK"`` or ``"REDIS"`` for a block
+a KV tier stored or dropped (``kvstore/``, docs/kv-tiers.md). The first batch of a publisher starts
 with AllBlocksCleared, so that a router forgets what an earlier engine process at the
 same endpoint (one the supervisor restarted) had cached.
 
@@ -79,7 +80,7 @@ def _stored(
         ("token_ids", [t for e in run for t in e.token_ids] if token_ids else []),
         ("block_size", block_size),
         ("lora_id", None),
-        ("medium", MEDIUM),
+        ("medium", run[0].medium),
         ("lora_name", None),
     )
     return _event("BlockStored", fields, encoding)
@@ -103,25 +104,29 @@ def wire_events(
     out: list = []
     run: list[BlockStored] = []
     removed: list[int] = []
+    removed_medium = MEDIUM
 
     def flush() -> None:
         if run:
             out.append(_stored(run, block_size, encoding, token_ids))
             run.clear()
         if removed:
-            fields = (("block_hashes", list(removed)), ("medium", MEDIUM))
+            fields = (("block_hashes", list(removed)), ("medium", removed_medium))
             out.append(_event("BlockRemoved", fields, encoding))
             removed.clear()
 
     for e in events:
         if isinstance(e, BlockStored):
-            if removed or (run and e.parent_hash != run[-1].block_hash):
+            if removed or (
+                run and (e.parent_hash != run[-1].block_hash or e.medium != run[-1].medium)
+            ):
                 flush()
             run.append(e)
         else:
             assert isinstance(e, BlockRemoved)
-            if run:
+            if run or (removed and e.medium != removed_medium):
                 flush()
+            removed_medium = e.medium
             removed.append(external_hash(e.block_hash))
     flush()
     return out

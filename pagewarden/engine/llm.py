@@ -64,6 +64,12 @@ class LLM:
         device: str | None = None,
         attention_backend: str | None = None,
         gpu_memory_utilization: float = 0.9,
+        kv_offload_dir: str | None = None,
+        kv_offload_dir_size: int | str = EngineConfig.kv_offload_dir_size,
+        kv_offload_redis: str | None = None,
+        kv_offload_redis_size: int | str = EngineConfig.kv_offload_redis_size,
+        kv_offload_redis_ttl: int = EngineConfig.kv_offload_redis_ttl,
+        kv_offload_timeout: float = EngineConfig.kv_offload_timeout,
         chat_template: str | None = None,
     ) -> None:
         # Every argument is an EngineConfig field of the same name (a test keeps it so).

@@ -46,6 +46,7 @@ class KVBlock:
         "ref_cnt",
         "epoch",
         "block_hash",
+        "parent_hash",
         "token_bytes",
         "checksum",
         "state",
@@ -58,6 +59,9 @@ class KVBlock:
         self.ref_cnt = 0
         self.epoch = 0
         self.block_hash: BlockHash | None = None
+        # The chain hash of the block before it (None at the root), set with block_hash:
+        # a block offloaded to a KV tier carries it (kvstore/format.py).
+        self.parent_hash: BlockHash | None = None
         # The tokens in prefix_hash.pack_block_tokens' encoding (one small bytes object:
         # cheap to keep and to drop at eviction).
         self.token_bytes: bytes | None = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from pagewarden.kv.block import RESERVED_BLOCK_ID, BlockHash, BlockId, BlockState, KVBlock
 from pagewarden.kv.cache_events import BlockRemoved, BlockStored, CacheEvent
@@ -47,6 +48,16 @@ class BlockTrace:
         self.freed: list[int] = []
 
 
+class EvictedBlock(NamedTuple):
+    """A sealed, prefix-cached block the allocator just evicted: its K/V bytes are intact
+    until the step it was handed out for writes it."""
+
+    block_id: int
+    block_hash: BlockHash
+    parent_hash: BlockHash | None
+    token_bytes: bytes
+
+
 class BlockPool:
     """``num_blocks`` blocks of ``block_size`` slots; block 0 reserved, never handed out."""
 
@@ -68,6 +79,7 @@ class BlockPool:
         "held_blocks_found_at_free",
         "cache_events",
         "trace",
+        "evicted",
     )
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -100,6 +112,9 @@ class BlockPool:
         self.cache_events: list[CacheEvent] | None = None
         # Set by the flight recorder: every block handed out or freed is listed there.
         self.trace: BlockTrace | None = None
+        # Set when KV tiers are on: cached blocks evicted by allocation, to offload before
+        # the step that reuses them writes them (see ``EvictedBlock``); None: not kept.
+        self.evicted: list[EvictedBlock] | None = None
 
     # --------------------------------------------------------------- ownership
     def claim_ownership(self, thread_id: int | None = None) -> None:
@@ -154,6 +169,7 @@ class BlockPool:
             out = self._skip_held(out, n)
         index = self.hash_index
         events = self.cache_events
+        evicted = self.evicted
         for block in out:
             h = block.block_hash
             if h is not None:  # evict: as _drop_hash, inlined for the allocation path
@@ -161,7 +177,12 @@ class BlockPool:
                     del index[h]
                     if events is not None:
                         events.append(BlockRemoved(h))
+                if evicted is not None and block.token_bytes is not None:
+                    evicted.append(
+                        EvictedBlock(block.block_id, h, block.parent_hash, block.token_bytes)
+                    )
                 block.block_hash = block.token_bytes = block.checksum = None
+                block.parent_hash = None
                 self.num_evictions += 1
             block.ref_cnt = 1
             block.state = _USED
@@ -286,6 +307,7 @@ class BlockPool:
         if block.state is _QUARANTINED:
             return
         block.block_hash = block_hash
+        block.parent_hash = parent_hash
         block.token_bytes = pack_block_tokens(token_ids)
         if self.hash_index.setdefault(block_hash, block) is block and self.cache_events is not None:
             self.cache_events.append(BlockStored(block_hash, parent_hash, token_ids))
@@ -309,6 +331,7 @@ class BlockPool:
             if self.cache_events is not None:
                 self.cache_events.append(BlockRemoved(h))
         block.block_hash = None
+        block.parent_hash = None
         block.token_bytes = None
         block.checksum = None
 

@@ -225,6 +225,7 @@ class KVCacheManager:
             if block.block_hash is None and block.state is _USED:
                 # pool.seal's common case, inlined: a full, unsealed block in use.
                 block.block_hash = h
+                block.parent_hash = hashes[i - 1] if i else None
                 block.token_bytes = packed
                 if index.setdefault(h, block) is block and events is not None:
                     events.append(BlockStored(h, hashes[i - 1] if i else None, chunk))

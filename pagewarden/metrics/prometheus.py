@@ -22,7 +22,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from pagewarden.metrics.stats import FrontendStats, HistogramSnapshot
+from pagewarden.metrics.stats import FrontendStats, HistogramSnapshot, KVTierStats
 from pagewarden.sched.output import FailureKey, Finder, TableFaultKind
 from pagewarden.sched.stats import exported_fields
 
@@ -90,6 +90,8 @@ class PagewardenCollector:
         yield from self._profile_metrics(s)
         yield from _latency_histograms(f, m)
         yield from self._integrity_metrics(s)
+        if getattr(s, "kv_tiers", None) is not None:
+            yield from _kv_tier_metrics(s.kv_tiers, m)
         if self._vllm_metrics:  # from the same snapshots, so each twin pair agrees
             yield from _vllm_twins(s, f, m, self._vllm_cache_config)
 
@@ -361,6 +363,51 @@ def _vllm_request_metrics(f: FrontendStats, values: list[str]) -> Iterator[Metri
         fam = HistogramMetricFamily(V + name, doc, labels=_VLLM_LABELS)
         fam.add_metric(values, _cumulative_buckets(h), sum_value=h.total)
         yield fam
+
+
+def _kv_tier_metrics(t: KVTierStats, m: str) -> Iterator[Metric]:
+    """Hits, stores, rejections by reason, errors, bytes and load latency of the KV tiers."""
+    per_tier = (
+        ("kv_tier_hits", "Blocks loaded (verified) from a KV tier.", t.hits, CounterMetricFamily),
+        ("kv_tier_stores", "Blocks written to a KV tier.", t.stores, CounterMetricFamily),
+        (
+            "kv_tier_errors",
+            "KV tier calls that failed or timed out (misses).",
+            t.errors,
+            CounterMetricFamily,
+        ),
+        (
+            "kv_tier_bytes",
+            "Bytes a KV tier holds (as far as this engine knows).",
+            t.bytes,
+            GaugeMetricFamily,
+        ),
+    )
+    for name, doc, values, family in per_tier:
+        fam = family(P + name, doc, labels=["model_name", "tier"])
+        for tier, value in sorted(values.items()):
+            fam.add_metric([m, tier], value)
+        yield fam
+    rejected = CounterMetricFamily(
+        P + "kv_tier_rejected",
+        "KV tier entries that failed verification (a miss; the entry is deleted), by reason.",
+        labels=["model_name", "tier", "reason"],
+    )
+    for (tier, reason), n in sorted(t.rejected.items()):
+        rejected.add_metric([m, tier, reason], n)
+    yield rejected
+    yield _counter(
+        "kv_tier_offload_dropped",
+        "Evicted blocks not offloaded because the tier writer's queue was full.",
+        t.offload_dropped,
+        m,
+    )
+    yield _histogram(
+        "kv_tier_load_seconds",
+        "Time to fetch and verify one block from a KV tier.",
+        t.load_latency,
+        m,
+    )
 
 
 def build_registry(

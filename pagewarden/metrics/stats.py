@@ -162,3 +162,18 @@ class FrontendStatsRecorder:
                 admission_limit=admission_limit,
                 admission_in_flight=admission_in_flight,
             )
+
+
+@dataclass(frozen=True)
+class KVTierStats:
+    """The KV tiers' counters (kvstore/store.py), per tier name; monotonic but ``bytes``."""
+
+    hits: dict[str, int]  # blocks loaded (verified) from the tier
+    stores: dict[str, int]  # blocks written to the tier
+    rejected: dict[tuple[str, str], int]  # (tier, reason) -> entries that failed a check
+    errors: dict[str, int]  # calls that failed or timed out
+    bytes: dict[str, int]  # bytes the tier holds (as far as this engine knows)
+    misses: int
+    offload_dropped: int  # evicted blocks not offloaded: the writer's queue was full
+    offload_unverified: int  # evicted blocks not offloaded: their bytes failed their seal
+    load_latency: HistogramSnapshot  # seconds per verified block load

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
+from pagewarden.kv.block_pool import EvictedBlock
 from pagewarden.kv.swap_space import BlockSwap
 from pagewarden.sampling_params import SamplingParams
 
@@ -69,6 +70,22 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class TierLoad:
+    """A verified KV tier entry for logical block ``index`` of ``req_id``, to copy into
+    pool block ``block_id`` before the forward pass. The runner recomputes the checksum
+    over the bytes in the pool and sets the block's tags from the request's chain; a
+    mismatch is a "checksum" fault found by "tier_load" (the request recomputes)."""
+
+    block_id: int
+    payload: bytes
+    checksum: int  # unsigned 64-bit block checksum the entry carries
+    req_id: str
+    index: int
+    tier: str
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     """Everything the model runner needs for one step.
 
@@ -92,6 +109,11 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     swap_out: list[BlockSwap] = field(default_factory=list)
     swap_in: list[BlockSwap] = field(default_factory=list)
+    # KV tiers (kvstore/): cached blocks evicted in this step's scheduling, to copy out
+    # before anything else touches the pool, and verified tier entries to copy into fresh
+    # blocks after the swap-ins (see ``TierLoad``).
+    offload: list[EvictedBlock] = field(default_factory=list)
+    tier_loads: list[TierLoad] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -121,7 +143,7 @@ FaultKind = Literal["checksum", "slot_tag", "slot_mapping", "refcount"]
 #: hit ("reuse"), a block's slots at seal time ("seal"), the background scrubber
 #: ("scrub"), a block coming back from the host tier ("swap_in"), the write-index check
 #: after the forward pass ("write"), or the invariant audit ("audit").
-Finder = Literal["read", "reuse", "seal", "scrub", "swap_in", "write", "audit"]
+Finder = Literal["read", "reuse", "seal", "scrub", "swap_in", "write", "audit", "tier_load"]
 #: A metadata fault the scheduler catches itself: a table entry's block was freed under
 #: it ("stale_ref"), a table's block id disagrees with its reference ("table_mismatch"),
 #: or a block a table holds was on the free queue ("free_list": taken off it, nothing

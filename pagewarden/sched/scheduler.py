@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from pagewarden.kv.block import BlockState
 from pagewarden.kv.kv_manager import KVCacheManager
 from pagewarden.kv.prefix_hash import encode_extra_keys
 from pagewarden.kv.swap_space import BlockSwap
@@ -30,12 +29,15 @@ from pagewarden.sched.output import (
     ModelRunnerOutput,
     RequestUpdate,
     SchedulerOutput,
+    TierLoad,
     TokenLogprobs,
 )
 from pagewarden.sched.plan import StepPlan
 from pagewarden.sched.recovery import IntegrityEvent, RecoveryReport
 from pagewarden.sched.request import Request, RequestStatus, stop_token_set
+from pagewarden.sched.state import scheduler_stats
 from pagewarden.sched.stats import SchedulerStats
+from pagewarden.sched.tier_prefix import TierPrefix, with_tier_io
 
 __all__ = ["Scheduler"]
 
@@ -72,6 +74,9 @@ class Scheduler:
         self.preempted_ids: list[str] = []
         self.swap_out: list[BlockSwap] = []
         self.swap_in: list[BlockSwap] = []
+        # KV tiers (``enable_kv_tiers``): prefix hits beyond the pool, and their loads.
+        self.tier_prefix: TierPrefix | None = None
+        self.tier_loads: list[TierLoad] = []
         self.num_steps = 0
         self.num_preemptions = 0
         # Effective per-step limits: the configured ones, or lower while the engine's
@@ -84,6 +89,12 @@ class Scheduler:
         self._journal_tables: dict[str, tuple[list[int], tuple]] = {}
         # The configured preemption mode, or "recompute" while a profile turns swapping off.
         self.preemption_mode = config.preemption_mode
+
+    def enable_kv_tiers(self, tier_prefix: TierPrefix) -> None:
+        """Offload evicted cached blocks (``SchedulerOutput.offload``) and extend prefix
+        hits from the tiers (``SchedulerOutput.tier_loads``)."""
+        self.tier_prefix = tier_prefix
+        self.kv.pool.evicted = []
 
     def set_preemption_mode(self, mode: str) -> None:
         """Preempt by ``"recompute"`` or ``"swap"`` from now on; requests already in the
@@ -232,6 +243,9 @@ class Scheduler:
         """Pick this step's requests and token counts; allocate their slots."""
         self.kv.pool.check_owner()
         self.num_steps += 1
+        evicted = self.kv.pool.evicted
+        if evicted:  # evicted outside a schedule (none expected): possibly overwritten
+            evicted.clear()
         plan = StepPlan(self.max_num_batched_tokens)
         self._schedule_running(plan)
         if not plan.preempted:  # a pool that just ran dry admits nobody new
@@ -249,6 +263,9 @@ class Scheduler:
             self.swap_in,
         )
         self.departed_ids, self.preempted_ids, self.swap_out, self.swap_in = [], [], [], []
+        if evicted is not None:
+            out = with_tier_io(out, evicted, self.tier_loads)
+            self.kv.pool.evicted, self.tier_loads = [], []
         if self.journal is not None:
             self.journal.append(schedule_entry(out, self.kv.tables, self._journal_tables))
         return out
@@ -299,11 +316,16 @@ class Scheduler:
             req = self.waiting[0]
             target = req.num_computable_tokens
             cached = kv.lookup_prefix(req.req_id, req.all_token_ids, req.extra_keys, target - 1)
+            loads = None
+            if self.tier_prefix is not None and kv.enable_prefix_caching:
+                cached, loads = self.tier_prefix.extend(kv, req, cached, target - 1)
             num_new = min(target - cached, plan.budget)
             copies = kv.allocate_slots(req.req_id, cached, num_new)
             if copies is None:
-                kv.free(req.req_id)  # unpin the prefix we looked up
+                kv.free(req.req_id)  # unpin the prefix we looked up (and loaded)
                 break
+            if loads:
+                self.tier_loads.extend(loads)
             self.waiting.popleft()
             if req.num_preemptions == 0:
                 req.num_cached_tokens = min(cached, req.num_prompt_tokens)
@@ -406,33 +428,7 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def stats(self) -> SchedulerStats:
-        pool = self.kv.pool
-        counts = pool.state_counts()
-        swap = self.kv.swap
-        return SchedulerStats(
-            num_steps=self.num_steps,
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            num_swapped=len(self.swapped),
-            num_preemptions=self.num_preemptions,
-            effective_max_num_seqs=self.max_num_seqs,
-            effective_max_num_batched_tokens=self.max_num_batched_tokens,
-            prefix_cache_queries=self.kv.prefix_cache_queries,
-            prefix_cache_hits=self.kv.prefix_cache_hits,
-            total_blocks=pool.num_blocks,
-            free_blocks=counts[BlockState.FREE],
-            cached_blocks=counts[BlockState.CACHED_FREE],
-            used_blocks=counts[BlockState.USED],
-            quarantined_blocks=counts[BlockState.QUARANTINED],
-            block_allocations=pool.num_allocations,
-            block_frees=pool.num_frees,
-            retired_blocks=len(pool.retired),
-            ownership_violations=pool.ownership_violations,
-            host_blocks=swap.num_blocks,
-            free_host_blocks=swap.num_free_blocks,
-            swapped_out_blocks=swap.num_swapped_out,
-            swapped_in_blocks=swap.num_swapped_in,
-        )
+        return scheduler_stats(self)
 
     def check_invariants(self) -> list[str]:
         """Scheduler + KV invariant violations; empty when sound."""

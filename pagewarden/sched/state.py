@@ -13,10 +13,12 @@ from __future__ import annotations
 from collections import deque
 from typing import Protocol
 
+from pagewarden.kv.block import BlockState
 from pagewarden.kv.kv_manager import KVCacheManager
 from pagewarden.kv.swap_space import BlockSwap
 from pagewarden.sched.config import SchedulerConfig
 from pagewarden.sched.request import Request, RequestStatus
+from pagewarden.sched.stats import SchedulerStats
 
 
 class SchedulerState(Protocol):
@@ -36,6 +38,8 @@ class SchedulerState(Protocol):
     swap_in: list[BlockSwap]
     num_preemptions: int
     max_num_seqs: int  # the effective seat limit of a step
+    max_num_batched_tokens: int  # the effective token budget of a step
+    num_steps: int
     preemption_mode: str
 
     def usable_blocks(self) -> int:
@@ -54,3 +58,34 @@ class SchedulerState(Protocol):
         Private to the scheduler and its helpers: no owner check and no journal entry of
         its own (the public call that makes it has both)."""
         ...
+
+
+def scheduler_stats(sched: SchedulerState) -> SchedulerStats:
+    """The scheduler's counters and the pool's block states, as one snapshot."""
+    pool = sched.kv.pool
+    counts = pool.state_counts()
+    swap = sched.kv.swap
+    return SchedulerStats(
+        num_steps=sched.num_steps,
+        num_running=len(sched.running),
+        num_waiting=len(sched.waiting),
+        num_swapped=len(sched.swapped),
+        num_preemptions=sched.num_preemptions,
+        effective_max_num_seqs=sched.max_num_seqs,
+        effective_max_num_batched_tokens=sched.max_num_batched_tokens,
+        prefix_cache_queries=sched.kv.prefix_cache_queries,
+        prefix_cache_hits=sched.kv.prefix_cache_hits,
+        total_blocks=pool.num_blocks,
+        free_blocks=counts[BlockState.FREE],
+        cached_blocks=counts[BlockState.CACHED_FREE],
+        used_blocks=counts[BlockState.USED],
+        quarantined_blocks=counts[BlockState.QUARANTINED],
+        block_allocations=pool.num_allocations,
+        block_frees=pool.num_frees,
+        retired_blocks=len(pool.retired),
+        ownership_violations=pool.ownership_violations,
+        host_blocks=swap.num_blocks,
+        free_host_blocks=swap.num_free_blocks,
+        swapped_out_blocks=swap.num_swapped_out,
+        swapped_in_blocks=swap.num_swapped_in,
+    )

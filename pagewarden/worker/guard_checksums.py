@@ -18,8 +18,11 @@ from pagewarden.kernels.attention import AttentionMetadata
 from pagewarden.sched.output import KVFault, ScheduledRequest, SchedulerOutput
 from pagewarden.worker.guard_state import GuardState, copy_state
 from pagewarden.worker.integrity import (
+    MASK64,
     block_checksums,
     combine_slot_checksums,
+    slot_checksums,
+    to_signed64,
     verify_blocks,
     verify_slots,
 )
@@ -291,3 +294,54 @@ class ChecksumChecks(GuardState):
         actual = block_checksums(self.caches, ids)
         self.counters.block_verifies += ids.numel()
         return ids[actual == 0].tolist()
+
+    # ------------------------------------------------------------ KV tiers
+    def seal_sums(self, block_ids: list[int]) -> list[int | None]:
+        """Each block's sealed checksum (unsigned 64-bit), None where none is kept."""
+        if not self.sums_on or not block_ids:
+            return [None] * len(block_ids)
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        sealed = self.sealed[ids].tolist()
+        sums = self.block_sums[ids].tolist()
+        return [s & MASK64 if ok else None for s, ok in zip(sums, sealed)]
+
+    def tier_in(self, out: SchedulerOutput) -> list[KVFault]:
+        """Verify blocks copied into the pool from a KV tier (``out.tier_loads``).
+
+        At every level but ``off``: the block checksum is recomputed over the bytes in
+        the pool and compared with the entry's; the slots take the requesting chain's
+        tags and write-time sums, and the block is sealed with the entry's checksum. A
+        mismatch is a "checksum" fault found by "tier_load", before anything reads it.
+        """
+        loads = out.tier_loads
+        if not loads or not self.tags_on:
+            return []
+        bs = self.block_size
+        reqs = {r.req_id: r for r in out.requests}
+        for load in loads:
+            req = reqs.get(load.req_id)
+            if req is None:  # not in this step (a hook took it out): its tags stay 0
+                continue
+            chain = self._chain(req, (load.index + 1) * bs)[load.index * bs :]
+            self.tags.tags[load.block_id] = torch.tensor(chain, dtype=torch.int64)
+        ids = torch.tensor([load.block_id for load in loads], dtype=torch.int64)
+        slots = (ids.unsqueeze(1) * bs + torch.arange(bs)).reshape(-1)
+        sums = slot_checksums(self.caches, slots)
+        self.slot_sums[slots.to(self.slot_sums.device)] = sums
+        got = combine_slot_checksums(sums.view(len(loads), bs)).cpu()
+        want = torch.tensor([to_signed64(load.checksum) for load in loads], dtype=torch.int64)
+        self.block_sums[ids] = want.to(self.block_sums.device)
+        self.sealed[ids] = True
+        self.counters.block_verifies += len(loads)
+        self._swapped_in |= set(ids.tolist())  # verified on arrival: skip the read checks
+        bad = ids[got != want].tolist()
+        if not bad:
+            return []
+        fault = KVFault(
+            "checksum",
+            tuple(sorted(set(bad))),
+            {},
+            "tier_load",
+            "a block loaded from a KV tier does not checksum in the pool to its entry's sum",
+        )
+        return self._attach_readers([fault], out.requests)

@@ -169,3 +169,32 @@ class KVStore:
         for source, target in zip(sources, targets):
             # (2, n, block_size, heads, dim), across devices when the tiers differ
             target[:, dst] = source[:, src.to(source.device)].to(target.device)
+
+    # ----------------------------------------------------------------- KV tiers
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """Each block's bytes as a KV tier stores them: (num_layers, 2, block_size,
+        num_kv_heads, head_dim), contiguous (``kvstore/format.py``)."""
+        if not block_ids:
+            return []
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.caches[0].device)
+        # (num_layers, 2, n, block_size, heads, dim) -> (n, num_layers, 2, block_size, ...)
+        stacked = torch.stack([cache.index_select(1, idx) for cache in self.caches])
+        stacked = stacked.permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+        return [row.view(torch.uint8).numpy().tobytes() for row in stacked]
+
+    def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
+        """Copy tier payloads (``read_blocks``' layout) into device blocks, every layer."""
+        if not block_ids:
+            return
+        s = self.shape
+        rows = [
+            torch.frombuffer(bytearray(p), dtype=torch.uint8)
+            .view(s.dtype)
+            .view(s.num_layers, 2, s.block_size, s.num_kv_heads, s.head_dim)
+            for p in payloads
+        ]
+        device = self.caches[0].device
+        data = torch.stack(rows, dim=2).to(device)  # (L, 2, n, block_size, heads, dim)
+        dst = torch.tensor(block_ids, dtype=torch.long, device=device)
+        for layer, cache in enumerate(self.caches):
+            cache[:, dst] = data[layer]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
 
 from pagewarden.kernels.attention import AttentionMetadata
+from pagewarden.kv.block_pool import EvictedBlock
 from pagewarden.models.llama import LlamaForCausalLM
 from pagewarden.sched.output import (
     KVFault,
@@ -23,6 +24,9 @@ from pagewarden.worker.kv_guard import KVGuard
 from pagewarden.worker.kv_store import KVStore
 from pagewarden.worker.sampler import Sampler, SamplingRow, TokenBitmask
 from pagewarden.worker.step_hooks import StepHooks
+
+#: Takes evicted blocks, their bytes (``KVStore.read_blocks``) and sealed sums.
+OffloadSink = Callable[[list[EvictedBlock], list[bytes], list["int | None"]], None]
 
 logger = logging.getLogger("pagewarden.worker")
 
@@ -79,6 +83,9 @@ class ModelRunner:
             self._use_cpu()
         # Fault injection's hook into the step (``pagewarden.faults``); None in service.
         self.step_hooks: StepHooks | None = None
+        # KV tiers: takes evicted blocks' bytes and sealed sums (kvstore.TierStore via
+        # engine/kv_tiers.py); None: no tier.
+        self.offload: OffloadSink | None = None
         # Sampling runs where the logits are; only the sampled token ids come back.
         generator = torch.Generator(device=self.device).manual_seed(seed)
         self.sampler = Sampler(vocab_size, generator)
@@ -113,6 +120,13 @@ class ModelRunner:
             keys = (sum_keys(caches), offset_keys(self.kv_store.shape.block_size, self.device))
         self.model.set_attention_ops(make_ops(caches, *keys))
         self.guard.fused_reads = self.guard.tags_on
+
+    def _offload(self, out: SchedulerOutput) -> None:
+        """Hand the step's evicted blocks, as they are before this step writes anything,
+        with their seals, to the KV tiers' writer."""
+        assert self.offload is not None
+        ids = [e.block_id for e in out.offload]
+        self.offload(out.offload, self.kv_store.read_blocks(ids), self.guard.seal_sums(ids))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -173,12 +187,20 @@ class ModelRunner:
         """The step's swaps and copy-on-write copies, with their integrity state; then
         the checks of what this step will read. Returns the faults found."""
         store, guard = self.kv_store, self.guard
-        # Order matters (see SchedulerOutput): swap-outs read device blocks that this
-        # step may hand to others; then swap-ins; then copy-on-write.
+        # Order matters (see SchedulerOutput): evicted blocks leave for the KV tiers before
+        # anything writes the pool; swap-outs read device blocks that this step may hand
+        # to others; then swap-ins and tier loads; then copy-on-write.
+        if out.offload and self.offload is not None:
+            self._offload(out)
         store.swap_out(out.swap_out)
         guard.swap_out(out.swap_out)
         store.swap_in(out.swap_in)
         faults = guard.swap_in(out)
+        if out.tier_loads:
+            store.write_blocks(
+                [t.block_id for t in out.tier_loads], [t.payload for t in out.tier_loads]
+            )
+            faults += guard.tier_in(out)
         store.copy_blocks(out.copy_blocks)
         guard.copy_blocks(out.copy_blocks)
         guard.forget(out.finished_req_ids)

@@ -22,7 +22,7 @@ def _stats() -> EngineStats:
     integrity_ints = {f.name: 100 + k for k, f in enumerate(fields(IntegrityStats))}
     integrity_ints.update(level="standard", failures={})
     integrity = IntegrityStats(**integrity_ints)
-    labelled = ("integrity", "batch_limit_changes", "profile")  # built by hand, with labels
+    labelled = ("integrity", "batch_limit_changes", "profile", "kv_tiers")  # with labels
     ints = {f.name: k + 1 for k, f in enumerate(fields(EngineStats)) if f.name not in labelled}
     profile = ProfileState("safe", switches={("normal", "safe", "fault_burst"): 2})
     return EngineStats(
