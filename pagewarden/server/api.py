@@ -44,7 +44,7 @@ def default_admission(engine: AsyncEngine, **kw) -> AdmissionController:
 
 def build_app(
     engine: AsyncEngine,
-    served_model_name: str,
+    served_model_name: str | list[str],
     api_key: str | list[str] | None = None,
     max_n: int = 8,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -54,12 +54,14 @@ def build_app(
     vllm_metrics: bool = True,
 ) -> AdmissionGate:
     """The ASGI app (FastAPI behind the admission gate); the caller owns ``engine``.
-    ``vllm_metrics``: /metrics also exports the ``vllm:*`` twins of pagewarden's metrics."""
+    ``served_model_name``: the names clients may send, the first the primary one (see
+    ``served_names``). ``vllm_metrics``: /metrics also exports the ``vllm:*`` twins of pagewarden's metrics."""
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     limits = limits or ServerLimits(max_n=max_n, max_body_bytes=max_body_bytes)
     admission = admission or default_admission(engine)
     engine.observer = admission
-    ctx = ServerContext(engine, served_model_name, keys, limits, admission)
+    names = [served_model_name] if isinstance(served_model_name, str) else served_model_name
+    ctx = ServerContext(engine, names, keys, limits, admission)
     app = FastAPI(title="pagewarden", version=pagewarden.__version__)
     app.state.server = ctx
     install_error_handlers(app)
@@ -101,15 +103,20 @@ def _add_info_routes(app: FastAPI, ctx: ServerContext, vllm_metrics: bool) -> No
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         ctx.authorize(request)
-        card = {
-            "id": ctx.model,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "pagewarden",
-            "root": ctx.model,
-            "max_model_len": engine.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+        created = int(time.time())
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "pagewarden",
+                "root": ctx.model,
+                "parent": None,
+                "max_model_len": engine.max_model_len,
+            }
+            for name in ctx.served_names
+        ]
+        return {"object": "list", "data": cards}
 
 
 def _health_body(stats) -> dict:

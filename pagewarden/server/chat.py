@@ -31,7 +31,7 @@ class _Job:
             "id": self.rid,
             "object": "chat.completion.chunk",
             "created": self.created,
-            "model": self.ctx.model,
+            "model": self.req.model,
             "choices": choices,
         }
         if usage_ is not None:
@@ -98,7 +98,7 @@ async def _full_response(job: _Job, request: Request) -> JSONResponse:
             "id": job.rid,
             "object": "chat.completion",
             "created": job.created,
-            "model": job.ctx.model,
+            "model": job.req.model,
             "choices": choices,
             "usage": usage(job.n_prompt, n_gen),
         }

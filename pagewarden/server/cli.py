@@ -30,8 +30,12 @@ def add_serve_parser(subparsers) -> None:
     )
     p.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="the model name clients send (default: the model's own name)",
+        metavar="NAME",
+        help="the model names clients may send, the first the primary one (default: "
+        "SmolLM2-135M-Instruct for the default model, else the --model argument and its "
+        "file or directory name)",
     )
     p.add_argument(
         "--vllm-metrics",
@@ -150,7 +154,7 @@ def _graceful_server(config):
     return _Server(config)
 
 
-def _build_app(args: argparse.Namespace, engine, name: str):
+def _build_app(args: argparse.Namespace, engine, names: list[str]):
     """The app with the front-door limits and admission control the flags ask for."""
     from pagewarden.server.api import build_app, default_admission
     from pagewarden.server.context import ServerLimits
@@ -169,7 +173,7 @@ def _build_app(args: argparse.Namespace, engine, name: str):
     )
     return build_app(
         engine,
-        name,
+        names,
         args.api_key,
         limits=limits,
         admission=admission,
@@ -199,9 +203,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagewarden.engine.async_engine import AsyncEngine
     from pagewarden.server.fast_reject import available as fast_reject_available
     from pagewarden.server.fast_reject import reject_fast_protocol
+    from pagewarden.server.model_names import ServedNameError, served_names
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _check_limits(args)
+    try:  # before the engine starts: a bad name costs no model load
+        served_names(args.served_model_name, args.model, "")
+    except ServedNameError as exc:
+        raise SystemExit(str(exc)) from None
     if args.ray:
         return _serve_on_ray(args)
     engine = AsyncEngine(
@@ -210,12 +219,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queued_tokens=args.max_queued_tokens,
         stall_timeout_s=args.engine_stall_timeout,
     )
-    name = args.served_model_name or engine.info.model_name
+    names = served_names(args.served_model_name, args.model, engine.info.model_name)
+    name = names[0]
     # The start-up heap lives as long as the process: freeze it so that no later
     # collection walks it.
     gc.collect()
     gc.freeze()
-    app = _build_app(args, engine, name)
+    app = _build_app(args, engine, names)
     # 429s straight from the HTTP parser where uvicorn allows it (see fast_reject.py).
     http = reject_fast_protocol(app.controller, app) if fast_reject_available() else "auto"
     server = _graceful_server(

@@ -47,7 +47,7 @@ class _Job:
             "id": self.rid,
             "object": "text_completion",
             "created": self.created,
-            "model": self.ctx.model,
+            "model": self.req.model,
             "choices": choices,
             **extra,
         }

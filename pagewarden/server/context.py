@@ -23,6 +23,7 @@ from pagewarden.engine.core import RequestRejected
 from pagewarden.sampling_params import SamplingParams
 from pagewarden.server.admission import AdmissionController
 from pagewarden.server.errors import APIError, validation_error
+from pagewarden.server.protocol import unsupported_field
 
 DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
 
@@ -48,12 +49,16 @@ class ServerContext:
     def __init__(
         self,
         engine: AsyncEngine,
-        model: str,
+        served_names: list[str],
         api_keys: list[str],
         limits: ServerLimits,
         admission: AdmissionController,
     ) -> None:
-        self.engine, self.model, self.api_keys = engine, model, api_keys
+        assert served_names, "a server serves its model under at least one name"
+        # The first name is the primary one: metrics labels, the dashboard, the default.
+        self.served_names = list(dict.fromkeys(served_names))
+        self.model = self.served_names[0]
+        self.engine, self.api_keys = engine, api_keys
         self.limits, self.admission = limits, admission
         self.tokenizer = engine.tokenizer
 
@@ -72,9 +77,23 @@ class ServerContext:
         """Authorize, read and validate a body; returns (cache salt, parsed request)."""
         salt = self.authorize(request)
         req = parse_body(model, await read_body(request, self.limits.max_body_bytes))
-        if req.model != self.model:  # type: ignore[attr-defined]
-            raise APIError(404, f"The model `{req.model}` does not exist.", "model")  # type: ignore[attr-defined]
+        # The name the client used, or the primary one when it sent none.
+        req.model = self.resolve_model(req.model)  # type: ignore[attr-defined]
+        field = unsupported_field(req)
+        if field is not None:
+            raise APIError(400, f"{field} is not supported by this server", field)
         return salt, req
+
+    def resolve_model(self, name: str | None) -> str:
+        """``name`` if it is one of the served names, the primary name for None; 404
+        (listing the served names) otherwise."""
+        if name is None:
+            return self.model
+        if name not in self.served_names:
+            names = ", ".join(f"`{n}`" for n in self.served_names)
+            shown = name if len(name) <= 200 else name[:200] + "..."
+            raise APIError(404, f"The model `{shown}` does not exist. Served: {names}.", "model")
+        return name
 
     def retry_headers(self) -> dict[str, str]:
         seconds = self.admission.retry_after_s()

@@ -1,31 +1,134 @@
-"""Request bodies of the OpenAI API as pydantic models (strict types, unknown fields 400).
+"""Request bodies of the OpenAI API as pydantic models: strict types, lenient shape.
+
+Lenient where the OpenAI API and vLLM are (``OpenAIRequest``, the base of every body):
+
+- an explicit ``null`` means "the default" for every optional field (``"n": null`` is
+  ``n = 1``); a field whose own type includes None keeps the None it was sent;
+- a field this server does not know is accepted, kept in ``model_extra`` and logged once
+  per field name (as vLLM does); known fields are validated strictly (types, no NaN).
 
 Fields that current OpenAI clients send and that have no effect here (``user``,
 ``metadata``, ``prompt_cache_key``, ``safety_identifier``, ``reasoning_effort``,
-``modalities``, ``prediction``, ...) are accepted and ignored, so stock clients work.
-Numeric ranges are checked by ``SamplingParams`` and the server's limits (``responses.py``).
+``modalities``, ``prediction``, ...) are accepted and ignored. Fields that ask for a
+feature not implemented here (``NOT_SUPPORTED``: structured outputs, tools) are refused
+with a 400 naming them (``unsupported_field``), never silently dropped. Numeric ranges are
+checked by ``SamplingParams`` and the server's limits (``responses.py``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import logging
+import threading
+import types
+import typing
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+logger = logging.getLogger("pagewarden.server")
+
+_LENIENT = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+#: Unknown field names are logged once each, up to this many names (a client sending
+#: random names must not grow the set without bound).
+MAX_LOGGED_UNKNOWN_FIELDS = 256
+_logged_unknown: set[str] = set()
+_logged_lock = threading.Lock()
 
 
-class StreamOptions(BaseModel):
-    model_config = _STRICT
+def _accepts_none(annotation: Any) -> bool:
+    if annotation is None or annotation is type(None) or annotation is Any:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or origin is types.UnionType:
+        return any(_accepts_none(a) for a in typing.get_args(annotation))
+    return False
+
+
+def _log_unknown(model: str, names: list[str]) -> None:
+    with _logged_lock:
+        new = [n for n in names if n not in _logged_unknown]
+        room = MAX_LOGGED_UNKNOWN_FIELDS - len(_logged_unknown)
+        new = new[: max(room, 0)]
+        _logged_unknown.update(new)
+    for name in new:
+        logger.warning(
+            "ignoring field %r of a %s request: not known to this server (logged once per "
+            "field name)",
+            name[:100],
+            model,
+        )
+
+
+class OpenAIRequest(BaseModel):
+    """Base of every request body: nulls mean defaults, unknown fields are logged."""
+
+    model_config = _LENIENT
+    # Optional fields where null means the default (their type does not take None).
+    _null_is_default: ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        cls._null_is_default = frozenset(
+            name
+            for name, f in cls.model_fields.items()
+            if not f.is_required() and not _accepts_none(f.annotation)
+        )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_mean_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(v is None for v in data.values()):
+            drop = cls._null_is_default
+            return {k: v for k, v in data.items() if v is not None or k not in drop}
+        return data
+
+    @model_validator(mode="after")
+    def _log_unknown_fields(self) -> OpenAIRequest:
+        if self.model_extra:
+            _log_unknown(type(self).__name__, list(self.model_extra))
+        return self
+
+
+#: Fields that ask for what this server does not do yet, with the values that ask for
+#: nothing (None, empty, and the listed ones): any other value is a 400 naming the field.
+NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},),
+    "structured_outputs": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
+    "tools": (),
+    "tool_choice": ("none", "auto"),
+    "functions": (),
+    "function_call": ("none", "auto"),
+}
+
+
+def unsupported_field(req: BaseModel) -> str | None:
+    """The first field of ``req`` (known or not) that asks for an unsupported feature."""
+    extra = req.model_extra or {}
+    for name, harmless in NOT_SUPPORTED.items():
+        value = getattr(req, name) if name in type(req).model_fields else extra.get(name)
+        if value is None or value in ((), [], {}, "") or value in harmless:
+            continue
+        return name
+    return None
+
+
+class StreamOptions(OpenAIRequest):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(OpenAIRequest):
     """Fields shared by completions and chat completions."""
 
-    model_config = _STRICT
-    model: str
+    model: str | None = None  # None: the (one) served model
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
