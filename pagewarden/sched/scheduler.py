@@ -32,7 +32,7 @@ from pagewarden.sched.output import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from pagewarden.sched.plan import StepPlan
+from pagewarden.sched.plan import StepPlan, needs_prompt_logprobs
 from pagewarden.sched.recovery import IntegrityEvent, RecoveryReport
 from pagewarden.sched.request import Request, RequestStatus, stop_token_set
 from pagewarden.sched.stats import SchedulerStats
@@ -298,7 +298,10 @@ class Scheduler:
         ):
             req = self.waiting[0]
             target = req.num_computable_tokens
-            cached = kv.lookup_prefix(req.req_id, req.all_token_ids, req.extra_keys, target - 1)
+            # A request that still has prompt logprobs to report computes its whole
+            # prompt: a cached prefix would skip the positions it must score.
+            reuse = 0 if needs_prompt_logprobs(req) else target - 1
+            cached = kv.lookup_prefix(req.req_id, req.all_token_ids, req.extra_keys, reuse)
             num_new = min(target - cached, plan.budget)
             copies = kv.allocate_slots(req.req_id, cached, num_new)
             if copies is None:

@@ -8,11 +8,18 @@ import torch
 
 from pagewarden.kernels.attention import AttentionMetadata
 from pagewarden.models.llama import LlamaForCausalLM
-from pagewarden.sched.output import KVFault, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pagewarden.sched.output import (
+    KVFault,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from pagewarden.worker.cpu_threads import StepThreads, default_serial_step_tokens
 from pagewarden.worker.fused_checks import element_keys, limb_keys, offset_keys
 from pagewarden.worker.kv_guard import KVGuard
 from pagewarden.worker.kv_store import KVStore
+from pagewarden.worker.prompt_logprobs import score_prompts
 from pagewarden.worker.sampler import Sampler, SamplingRow
 from pagewarden.worker.step_hooks import StepHooks
 
@@ -66,6 +73,7 @@ class ModelRunner:
         # Sampling runs where the logits are; only the sampled token ids come back.
         generator = torch.Generator(device=self.device).manual_seed(seed)
         self.sampler = Sampler(vocab_size, generator)
+        self.vocab = vocab_size
 
     def _use_triton(self) -> None:
         """Attention and KV writes through the Triton kernels, which check their reads."""
@@ -123,7 +131,10 @@ class ModelRunner:
         block_tables: list[list[int]] = []
         sample_rows: list[int] = []  # flat index of each sampled request's last token
         sampled = []
+        scored: list[tuple[ScheduledRequest, int]] = []  # (chunk, flat index of its start)
         for req in out.requests:
+            if req.score_prompt:
+                scored.append((req, len(input_ids)))
             input_ids.extend(req.token_ids)
             positions.extend(req.positions)
             slot_mapping.extend(req.slot_mapping)
@@ -150,6 +161,7 @@ class ModelRunner:
             self.kv_store.caches,
             meta,
         )  # (T, hidden)
+        faulted: set[str] = set()
         if guard.tags_on:
             faults = guard.attach_index_readers(faults, out, meta)
             faulted = _faulted(faults)
@@ -159,8 +171,12 @@ class ModelRunner:
                 keep = [i for i, r in enumerate(sampled) if r.req_id not in faulted]
                 sample_rows = [sample_rows[i] for i in keep]
                 sampled = [sampled[i] for i in keep]
+        # Like sampled tokens, no prompt logprob computed from bad KV is reported.
+        prompt = score_prompts(
+            self.model, hidden, [(r, s) for r, s in scored if r.req_id not in faulted], self.vocab
+        )
         if not sampled:
-            return ModelRunnerOutput(sampled_token_ids={}, faults=faults)
+            return ModelRunnerOutput(sampled_token_ids={}, faults=faults, prompt_logprobs=prompt)
         logits = self.model.compute_logits(hidden[sample_rows], dtype=None)  # (S, vocab)
         rows = [
             SamplingRow(
@@ -177,7 +193,9 @@ class ModelRunner:
         logprobs: dict[str, TokenLogprobs] = {
             r.req_id: lp for r, lp in zip(sampled, result.logprobs) if lp is not None
         }
-        return ModelRunnerOutput(sampled_token_ids=tokens, logprobs=logprobs, faults=faults)
+        return ModelRunnerOutput(
+            sampled_token_ids=tokens, logprobs=logprobs, faults=faults, prompt_logprobs=prompt
+        )
 
 
 def _faulted(faults: list[KVFault]) -> set[str]:
