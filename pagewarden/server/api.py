@@ -9,6 +9,8 @@ results back as server-sent events. ``build_app`` wires the pieces:
                   /dashboard /dashboard/state               (dashboard.py)
                   /v1/completions                           (completions.py)
                   /v1/chat/completions                      (chat.py)
+                  /tokenize /detokenize                     (tokenize.py)
+      (inside the app: X-Request-Id (request_id.py), CORS (cors.py))
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ from pagewarden.server.admission import AdmissionController, AdmissionGate, engi
 from pagewarden.server.chat import create_chat_completion
 from pagewarden.server.completions import create_completion
 from pagewarden.server.context import DEFAULT_MAX_BODY_BYTES, ServerContext, ServerLimits
+from pagewarden.server.cors import CorsPolicy, add_cors
 from pagewarden.server.dashboard import add_dashboard_routes
 from pagewarden.server.errors import APIError, error_body, install_error_handlers
 from pagewarden.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagewarden.server.request_id import RequestIdMiddleware
+from pagewarden.server.tokenize import add_tokenize_routes
 
 __all__ = ["APIError", "build_app", "default_admission", "error_body"]
 
@@ -52,10 +57,12 @@ def build_app(
     limits: ServerLimits | None = None,
     admission: AdmissionController | None = None,
     vllm_metrics: bool = True,
+    cors: CorsPolicy | None = None,
 ) -> AdmissionGate:
     """The ASGI app (FastAPI behind the admission gate); the caller owns ``engine``.
     ``served_model_name``: the names clients may send, the first the primary one (see
-    ``served_names``). ``vllm_metrics``: /metrics also exports the ``vllm:*`` twins of pagewarden's metrics."""
+    ``served_names``). ``cors``: who browsers may let call the API (default: any origin,
+    no credentials, as vLLM). ``vllm_metrics``: /metrics also exports the ``vllm:*`` twins of pagewarden's metrics."""
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     limits = limits or ServerLimits(max_n=max_n, max_body_bytes=max_body_bytes)
     admission = admission or default_admission(engine)
@@ -65,8 +72,11 @@ def build_app(
     app = FastAPI(title="pagewarden", version=pagewarden.__version__)
     app.state.server = ctx
     install_error_handlers(app)
+    add_cors(app, cors or CorsPolicy())
+    app.add_middleware(RequestIdMiddleware)  # outermost: every response carries the id
     _add_info_routes(app, ctx, vllm_metrics)
     _add_generation_routes(app, ctx)
+    add_tokenize_routes(app, ctx)
     add_dashboard_routes(app, ctx)
     add_admin_routes(app, ctx)
     _document_request_bodies(app)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -60,7 +61,7 @@ def _render(req: ChatCompletionRequest, ctx: ServerContext) -> tuple[str | None,
 
 async def create_chat_completion(ctx: ServerContext, request: Request) -> Response:
     salt, req = await ctx.read_request(request, ChatCompletionRequest)
-    text, ids = _render(req, ctx)
+    text, ids = await asyncio.to_thread(_render, req, ctx)  # request-sized: off the loop
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
@@ -70,10 +71,8 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
     elif req.top_logprobs is not None:
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     params = sampling_params(req, max_tokens, top, ctx.limits)
-    streams = await ctx.submit([(text, ids)], params, salt, "chatcmpl")
-    job = _Job(
-        ctx, req, streams, len(ids), streams[0].request_id.rsplit("-", 1)[0], int(time.time())
-    )
+    streams = await ctx.submit([(text, ids)], params, salt, "chatcmpl", request)
+    job = _Job(ctx, req, streams, len(ids), ctx.response_id("chatcmpl", request), int(time.time()))
     if not req.stream:
         return await _full_response(job, request)
     return StreamingResponse(_events(job), media_type="text/event-stream")

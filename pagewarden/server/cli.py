@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import json
 import logging
 import signal
 import threading
@@ -44,10 +45,57 @@ def add_serve_parser(subparsers) -> None:
         help="also export vLLM's metric names (vllm:num_requests_running, ...) in /metrics, "
         "for routers and dashboards built for vLLM",
     )
+    _add_cors_args(p)
     _add_limit_args(p)
     add_engine_args(p)
     add_ray_args(p)
     p.set_defaults(func=cmd_serve)
+
+
+def _list_arg(value: str) -> list[str]:
+    """One value, or vLLM's JSON list form (``'["https://a.example", "https://b"]'``)."""
+    if value.startswith("["):
+        try:
+            items = json.loads(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return items
+    return [value]
+
+
+def _add_cors_args(p) -> None:
+    """CORS for browser clients (server/cors.py); vLLM's flags."""
+    for flag, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "headers")):
+        p.add_argument(
+            f"--allowed-{flag}",
+            type=_list_arg,
+            nargs="+",
+            default=None,
+            metavar="VALUE",
+            help=f"CORS: allowed {what}, as values or one JSON list (default: *)",
+        )
+    p.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="CORS: let browsers send credentials (needs explicit --allowed-origins)",
+    )
+
+
+def _cors_policy(args: argparse.Namespace):
+    from pagewarden.server.cors import CorsPolicy
+
+    def values(name: str) -> tuple[str, ...]:
+        given = getattr(args, name)
+        return ("*",) if given is None else tuple(v for group in given for v in group)
+
+    return CorsPolicy(
+        values("allowed_origins"),
+        values("allowed_methods"),
+        values("allowed_headers"),
+        args.allow_credentials,
+    )
 
 
 def _add_limit_args(p) -> None:
@@ -178,6 +226,7 @@ def _build_app(args: argparse.Namespace, engine, names: list[str]):
         limits=limits,
         admission=admission,
         vllm_metrics=args.vllm_metrics,
+        cors=_cors_policy(args),
     )
 
 
@@ -201,15 +250,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from pagewarden.engine.args import engine_config
     from pagewarden.engine.async_engine import AsyncEngine
+    from pagewarden.server.cors import CorsPolicyError
     from pagewarden.server.fast_reject import available as fast_reject_available
     from pagewarden.server.fast_reject import reject_fast_protocol
     from pagewarden.server.model_names import ServedNameError, served_names
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _check_limits(args)
-    try:  # before the engine starts: a bad name costs no model load
+    try:  # before the engine starts: a bad name or policy costs no model load
         served_names(args.served_model_name, args.model, "")
-    except ServedNameError as exc:
+        _cors_policy(args)
+    except (ServedNameError, CorsPolicyError) as exc:
         raise SystemExit(str(exc)) from None
     if args.ray:
         return _serve_on_ray(args)

@@ -24,6 +24,7 @@ from pagewarden.sampling_params import SamplingParams
 from pagewarden.server.admission import AdmissionController
 from pagewarden.server.errors import APIError, validation_error
 from pagewarden.server.protocol import unsupported_field
+from pagewarden.server.request_id import client_request_id, request_id
 
 DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
 
@@ -102,16 +103,27 @@ class ServerContext:
             "retry-after-ms": str(int(seconds * 1000)),
         }
 
+    def response_id(self, prefix: str, request: Request | None = None) -> str:
+        """The ``id`` of a response: ``prefix-`` and the request's id (``request_id.py``)."""
+        return f"{prefix}-{request_id(request)}"
+
     async def submit(
         self,
         prompts: list[tuple[str | None, list[int]]],
         params: SamplingParams,
         salt: str | None,
         prefix: str,
+        request: Request | None = None,
     ) -> list[RequestStream]:
-        """Add every prompt or none; maps engine refusals to API errors."""
+        """Add every prompt or none; maps engine refusals to API errors.
+
+        Engine request ids are ``{prefix}-{request id}-{i}``, so logs and flight records
+        carry the client's ``X-Request-Id``; a client's id gets a random part too, since
+        two clients may send the same one."""
         streams: list[RequestStream] = []
-        base = f"{prefix}-{uuid.uuid4().hex}"
+        base = self.response_id(prefix, request)
+        if request is not None and client_request_id(request) is not None:
+            base = f"{base}-{uuid.uuid4().hex[:8]}"
         try:
             for i, (text, ids) in enumerate(prompts):
                 streams.append(

@@ -138,7 +138,7 @@ class _SamplingFields(OpenAIRequest):
     top_p: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias
     user: str | None = None
     # accepted and ignored (OpenAI fields with no effect here)
     metadata: dict[str, Any] | None = None
@@ -159,9 +159,10 @@ class _SamplingFields(OpenAIRequest):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # 0 only with echo: score the prompt, generate nothing
     logprobs: int | None = None
     echo: bool = False
+    prompt_logprobs: int | None = None  # vLLM: top alternatives per prompt token
     best_of: int | None = None
     suffix: str | None = None
 
@@ -205,3 +206,22 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+
+
+class TokenizeRequest(OpenAIRequest):
+    """vLLM's ``/tokenize``: a ``prompt``, or chat ``messages`` rendered by the chat
+    template as ``/v1/chat/completions`` renders them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(OpenAIRequest):
+    """vLLM's ``/detokenize``: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]

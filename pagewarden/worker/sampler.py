@@ -3,6 +3,7 @@
 Order of operations for each row (as vLLM v1 does it)::
 
     logits[:, :vocab_size]                      drop padded vocab columns
+      -> logit_bias (OpenAI's: added to the named tokens' logits)
       -> repetition / presence / frequency penalties
       -> logprobs (log_softmax of the penalized, untempered logits), when asked
       -> greedy rows: max(dim=-1).indices (the first maximum, as argmax; faster on CPU)
@@ -119,6 +120,29 @@ def apply_penalties(
     freq = frequency_penalty.to(logits).unsqueeze(1)  # (S, 1)
     pres = presence_penalty.to(logits).unsqueeze(1)  # (S, 1)
     return logits - freq * out_counts.to(logits) - pres * (out_counts > 0).to(logits)
+
+
+def apply_logit_bias(logits: Tensor, biases: list[dict[int, float] | None]) -> Tensor:
+    """Return ``logits`` (S, V) with each row's bias added to its tokens (a new tensor):
+    one scatter for the whole batch. Token ids are below V (``check_vocab``)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for row, bias in enumerate(biases):
+        for token_id, value in (bias or {}).items():
+            rows.append(row)
+            cols.append(token_id)
+            values.append(value)
+    if not rows:
+        return logits
+    device = logits.device
+    index = (
+        torch.tensor(rows, dtype=torch.long, device=device),  # (B,)
+        torch.tensor(cols, dtype=torch.long, device=device),  # (B,)
+    )
+    return logits.index_put(
+        index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True
+    )
 
 
 @dataclass(frozen=True)
@@ -260,13 +284,18 @@ class Sampler:
         if not rows:
             return SamplerOutput(token_ids=[], logprobs=[])
         params = [r.params for r in rows]
-        if all(p.greedy and not _has_penalties(p) and p.logprobs is None for p in params):
+        if all(
+            p.greedy and not _has_penalties(p) and p.logprobs is None and p.logit_bias is None
+            for p in params
+        ):
             # On the logits' own dtype: widening is exact, so the first maximum is the same.
             greedy_ids = logits.max(dim=-1).indices.tolist()  # (S,)
             return SamplerOutput(token_ids=greedy_ids, logprobs=[None] * len(rows))
         logits = logits.float()
 
         device = logits.device
+        if any(p.logit_bias for p in params):
+            logits = apply_logit_bias(logits, [p.logit_bias for p in params])
         if any(_has_penalties(p) for p in params):
             logits = apply_penalties(
                 logits,
