@@ -14,7 +14,13 @@ from pagewarden.engine.async_engine import EngineDeadError, RequestStream
 from pagewarden.server.context import ServerContext
 from pagewarden.server.errors import APIError, error_body
 from pagewarden.server.protocol import ChatCompletionRequest
-from pagewarden.server.responses import chat_logprobs, sampling_params, sse, usage
+from pagewarden.server.responses import (
+    chat_logprobs,
+    sampling_params,
+    sse,
+    usage,
+    vllm_prompt_logprobs,
+)
 from pagewarden.server.streams import final_outputs, merge
 
 
@@ -70,7 +76,7 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
         top = req.top_logprobs or 0
     elif req.top_logprobs is not None:
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-    params = sampling_params(req, max_tokens, top, ctx.limits)
+    params = sampling_params(req, max_tokens, top, ctx.limits, req.prompt_logprobs)
     streams = await ctx.submit([(text, ids)], params, salt, "chatcmpl", request)
     job = _Job(ctx, req, streams, len(ids), ctx.response_id("chatcmpl", request), int(time.time()))
     if not req.stream:
@@ -92,16 +98,17 @@ async def _full_response(job: _Job, request: Request) -> JSONResponse:
         for c in out.outputs
     ]
     n_gen = sum(len(c.token_ids) for c in out.outputs)
-    return JSONResponse(
-        {
-            "id": job.rid,
-            "object": "chat.completion",
-            "created": job.created,
-            "model": job.req.model,
-            "choices": choices,
-            "usage": usage(job.n_prompt, n_gen),
-        }
-    )
+    body = {
+        "id": job.rid,
+        "object": "chat.completion",
+        "created": job.created,
+        "model": job.req.model,
+        "choices": choices,
+        "usage": usage(job.n_prompt, n_gen),
+    }
+    if job.req.prompt_logprobs is not None:  # vLLM puts them beside the choices
+        body["prompt_logprobs"] = vllm_prompt_logprobs(tok, out, job.req.prompt_logprobs)
+    return JSONResponse(body)
 
 
 async def _events(job: _Job) -> AsyncIterator[str]:

@@ -192,6 +192,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM: the rendered prompt's token logprobs
     add_generation_prompt: bool = True
     # accepted and ignored (OpenAI chat fields with no effect here)
     reasoning_effort: str | None = None

@@ -289,3 +289,17 @@ def test_the_same_request_id_twice_at_once(srv):
         )
     assert [r.status_code for r in rs] == [200] * 4
     assert all(r.json()["usage"]["completion_tokens"] == 8 for r in rs)
+
+
+def test_chat_prompt_logprobs(srv):
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi there"}],
+        "max_tokens": 1,
+        "prompt_logprobs": 1,
+    }
+    r = _post(srv, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    plp = r.json()["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == r.json()["usage"]["prompt_tokens"]
+    assert all(entry and all(e["logprob"] <= 0 for e in entry.values()) for entry in plp[1:])
