@@ -25,6 +25,9 @@ MAX_TOKEN_ID = 2**31 - 1  # larger than any vocabulary or context length
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+#: OpenAI's bounds on ``logit_bias``: at most 300 entries, each in [-100, 100].
+MAX_LOGIT_BIAS_ENTRIES = 300
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 
 class SamplingParamsError(ValueError):
@@ -82,6 +85,12 @@ class SamplingParams:
     max_tokens: int | None = 16  # >= 1, or None: until the context is full
     min_tokens: int = 0  # [0, max_tokens]
     logprobs: int | None = None  # top logprobs per token, [0, vocab]
+    # Logprobs of the prompt's tokens (the first has none) with this many top
+    # alternatives each, [0, vocab]; None: not computed.
+    prompt_logprobs: int | None = None
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias):
+    # at most 300 entries, ids in [0, vocab), values in [-100, 100].
+    logit_bias: dict[int, float] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Structured outputs: the grammar the output must match (engine/grammar.py).
@@ -115,6 +124,9 @@ class SamplingParams:
             )
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_TOKEN_ID)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOKEN_ID)
+        self._check_logit_bias()
         if self.stop is None:
             self.stop_strings = []
         elif isinstance(self.stop, str):
@@ -158,6 +170,21 @@ class SamplingParams:
                 "min_tokens", "min_tokens cannot be combined with structured outputs"
             )
 
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise SamplingParamsError(
+                "logit_bias",
+                f"logit_bias must map at most {MAX_LOGIT_BIAS_ENTRIES} token ids to biases",
+            )
+        for token_id, value in bias.items():
+            _check_int("logit_bias", token_id, 0, MAX_TOKEN_ID, "(a token id)")
+            _check_float("logit_bias", value, *LOGIT_BIAS_RANGE)
+        if not bias:
+            self.logit_bias = None
+
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ``SamplingParamsError`` for a token-indexed parameter past the vocabulary."""
         if self.top_k is not None and self.top_k > vocab_size:
@@ -168,6 +195,19 @@ class SamplingParams:
             raise SamplingParamsError(
                 "logprobs",
                 f"logprobs must be at most the vocabulary size {vocab_size}, got {self.logprobs}",
+            )
+        if self.prompt_logprobs is not None and self.prompt_logprobs > vocab_size:
+            raise SamplingParamsError(
+                "prompt_logprobs",
+                f"prompt_logprobs must be at most the vocabulary size {vocab_size}, "
+                f"got {self.prompt_logprobs}",
+            )
+        bad_bias = [t for t in self.logit_bias or {} if t >= vocab_size]
+        if bad_bias:
+            raise SamplingParamsError(
+                "logit_bias",
+                f"logit_bias token ids must be below the vocabulary size {vocab_size}, "
+                f"got {bad_bias[0]}",
             )
         bad = [t for t in self.stop_token_ids or [] if t >= vocab_size]
         if bad:

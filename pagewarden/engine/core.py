@@ -353,6 +353,8 @@ class EngineCore:
                 out = self.outputs.abort(request_id, reason="error")
                 if out is not None:
                     finished.append(out)
+        if result.prompt_logprobs:
+            self._collect_prompt_logprobs(sched_out, result)
         updates = self.scheduler.update(sched_out, result)
         if self.hooks is not None:
             self.hooks.after_step(sched_out, result, updates)
@@ -370,6 +372,15 @@ class EngineCore:
         if self.recorder is not None:
             self.recorder.end_step()
         return finished + changed
+
+    def _collect_prompt_logprobs(self, sched_out, result) -> None:
+        """Hand the step's prompt logprobs to their requests' outputs: only those of
+        requests still in the step after recovery (as for sampled tokens)."""
+        kept = {r.req_id for r in sched_out.requests}
+        for rid, chunk in result.prompt_logprobs.items():
+            req = self.scheduler.requests.get(rid)
+            if rid in kept and req is not None:
+                self.outputs.add_prompt_logprobs(req.parent_id or rid, chunk)
 
     def _adapt_batch(self, start: tuple[float, int, int], num_decodes: int) -> None:
         """Feed the step to the batch controller; apply and log the change it makes."""

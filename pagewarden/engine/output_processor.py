@@ -6,13 +6,16 @@ engine core can finish that child in the scheduler.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagewarden.engine.detokenizer import IncrementalDetokenizer
 from pagewarden.engine.outputs import CompletionOutput, RequestOutput
 from pagewarden.sampling_params import SamplingParams
-from pagewarden.sched.output import RequestUpdate
+from pagewarden.sched.output import PromptLogprobs, RequestUpdate, TokenLogprobs
+
+logger = logging.getLogger("pagewarden.engine")
 
 
 @dataclass
@@ -21,6 +24,9 @@ class _RequestState:
     params: SamplingParams
     detokenizers: list[IncrementalDetokenizer]
     done: list[bool] = field(default_factory=list)
+    # Prompt logprobs by prompt position while the prompt is being scored (position 0
+    # has none); handed to the output with the first token.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class OutputProcessor:
@@ -51,7 +57,20 @@ class OutputProcessor:
                 for _ in range(params.n)
             ],
             done=[False] * params.n,
+            prompt_logprobs=[None] * len(prompt_token_ids)
+            if params.prompt_logprobs is not None
+            else None,
         )
+
+    def add_prompt_logprobs(self, request_id: str, chunk: PromptLogprobs) -> None:
+        """Record prompt logprobs of ``request_id``; a recomputed position (after a
+        preemption or a rollback) overwrites the same value."""
+        state = self._states.get(request_id)
+        if state is None or state.prompt_logprobs is None:
+            return
+        scored = state.prompt_logprobs
+        end = min(chunk.start + len(chunk.entries), len(scored))
+        scored[chunk.start : end] = chunk.entries[: end - chunk.start]
 
     def has(self, request_id: str) -> bool:
         return request_id in self._states
@@ -76,6 +95,8 @@ class OutputProcessor:
             state = self._states.get(request_id)
             if state is None or state.done[upd.index]:
                 continue
+            if state.output.prompt_logprobs is None and state.prompt_logprobs is not None:
+                self._release_prompt_logprobs(request_id, state)
             completion = state.output.outputs[upd.index]
             detok = state.detokenizers[upd.index]
             completion.token_ids.extend(upd.new_token_ids)
@@ -107,3 +128,17 @@ class OutputProcessor:
                 del self._states[request_id]
             changed[request_id] = state.output
         return list(changed.values()), stopped_children
+
+    @staticmethod
+    def _release_prompt_logprobs(request_id: str, state: _RequestState) -> None:
+        scored = state.prompt_logprobs
+        assert scored is not None
+        missing = [i for i, lp in enumerate(scored) if lp is None and i > 0]
+        if missing:  # a scheduling path that skipped scoring: say so, never invent values
+            logger.error(
+                "request %s: prompt logprobs missing at %d prompt positions (first %d)",
+                request_id,
+                len(missing),
+                missing[0],
+            )
+        state.output.prompt_logprobs = scored

@@ -33,3 +33,6 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # With ``SamplingParams.prompt_logprobs``: one entry per prompt token, the first None;
+    # set once the whole prompt is scored (with the first output token).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -150,6 +150,9 @@ def encode_params(params: SamplingParams) -> dict[str, Any]:
 
 
 def decode_params(d: dict[str, Any]) -> SamplingParams:
+    bias = d.get("logit_bias")
+    if bias:  # JSON object keys are strings; the token ids are ints
+        d = {**d, "logit_bias": {int(k): v for k, v in bias.items()}}
     return SamplingParams(**d)
 
 

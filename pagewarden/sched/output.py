@@ -57,6 +57,10 @@ class ScheduledRequest:
     # Seed for this request's sampling noise (the child index of n > 1 is already mixed
     # in); None means "use the engine's generator".
     seed: int | None = None
+    # True when the request asked for prompt logprobs and this chunk computes prompt
+    # positions whose next token's logprob it has not reported yet: the runner scores
+    # ``prompt_token_ids[p + 1]`` for each of its positions ``p < len(prompt) - 1``.
+    score_prompt: bool = False
 
     @property
     def num_context_tokens(self) -> int:
@@ -132,6 +136,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token_id, logprob), best first
+    rank: int | None = None  # 1 + tokens more likely than it; None: not computed
 
 
 #: What a failed check found: stored K/V bytes changed ("checksum"); a slot holds
@@ -177,6 +182,16 @@ class KVFault:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """Logprobs of prompt tokens ``start .. start + len(entries) - 1`` (``start >= 1``:
+    the first prompt token has none), each from the raw logits of the position before
+    it (no penalties, temperature or bias)."""
+
+    start: int
+    entries: list[TokenLogprobs]
+
+
+@dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
     """What one step produced: a token for each request scheduled with ``sample=True``.
 
@@ -187,6 +202,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     faults: list[KVFault] = field(default_factory=list)
+    # Prompt logprobs of the chunks scheduled with ``score_prompt`` that read no bad KV.
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

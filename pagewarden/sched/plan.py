@@ -46,4 +46,15 @@ def scheduled_request(
         prompt_token_ids=req.prompt_token_ids,
         output_token_ids=req.output_token_ids,
         seed=req.seed,
+        score_prompt=needs_prompt_logprobs(req) and start < req.num_prompt_tokens - 1,
+    )
+
+
+def needs_prompt_logprobs(req: Request) -> bool:
+    """True while ``req`` asked for prompt logprobs and has not reported them: a top-level
+    request (a fork parent scores the prompt for its children) before its first token."""
+    return (
+        req.sampling_params.prompt_logprobs is not None
+        and req.parent_id is None
+        and not req.output_token_ids
     )

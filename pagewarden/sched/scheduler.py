@@ -32,7 +32,7 @@ from pagewarden.sched.output import (
     TierLoad,
     TokenLogprobs,
 )
-from pagewarden.sched.plan import StepPlan
+from pagewarden.sched.plan import StepPlan, needs_prompt_logprobs
 from pagewarden.sched.recovery import IntegrityEvent, RecoveryReport
 from pagewarden.sched.request import Request, RequestStatus, stop_token_set
 from pagewarden.sched.state import scheduler_stats
@@ -315,10 +315,13 @@ class Scheduler:
         ):
             req = self.waiting[0]
             target = req.num_computable_tokens
-            cached = kv.lookup_prefix(req.req_id, req.all_token_ids, req.extra_keys, target - 1)
+            # A request that still has prompt logprobs to report computes its whole
+            # prompt: a cached prefix would skip the positions it must score.
+            reuse = 0 if needs_prompt_logprobs(req) else target - 1
+            cached = kv.lookup_prefix(req.req_id, req.all_token_ids, req.extra_keys, reuse)
             loads = None
-            if self.tier_prefix is not None and kv.enable_prefix_caching:
-                cached, loads = self.tier_prefix.extend(kv, req, cached, target - 1)
+            if self.tier_prefix is not None and kv.enable_prefix_caching and reuse:
+                cached, loads = self.tier_prefix.extend(kv, req, cached, reuse)
             num_new = min(target - cached, plan.budget)
             copies = kv.allocate_slots(req.req_id, cached, num_new)
             if copies is None:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import json
 import logging
 import signal
 import threading
@@ -33,8 +34,12 @@ def add_serve_parser(subparsers) -> None:
     )
     p.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="the model name clients send (default: the model's own name)",
+        metavar="NAME",
+        help="the model names clients may send, the first the primary one (default: "
+        "SmolLM2-135M-Instruct for the default model, else the --model argument and its "
+        "file or directory name)",
     )
     p.add_argument(
         "--vllm-metrics",
@@ -70,6 +75,7 @@ def add_serve_parser(subparsers) -> None:
         "while --api-key is set (events are unauthenticated: see docs/kv-events.md)",
     )
     _add_tool_args(p)
+    _add_cors_args(p)
     _add_limit_args(p)
     add_engine_args(p)
     add_ray_args(p)
@@ -90,6 +96,52 @@ def _add_tool_args(p) -> None:
         choices=sorted(TOOL_PARSERS),
         default=None,
         help="the model's tool-call format, for tool_choice auto",
+    )
+
+
+def _list_arg(value: str) -> list[str]:
+    """One value, or vLLM's JSON list form (``'["https://a.example", "https://b"]'``)."""
+    if value.startswith("["):
+        try:
+            items = json.loads(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return items
+    return [value]
+
+
+def _add_cors_args(p) -> None:
+    """CORS for browser clients (server/cors.py); vLLM's flags."""
+    for flag, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "headers")):
+        p.add_argument(
+            f"--allowed-{flag}",
+            type=_list_arg,
+            nargs="+",
+            default=None,
+            metavar="VALUE",
+            help=f"CORS: allowed {what}, as values or one JSON list (default: *)",
+        )
+    p.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="CORS: let browsers send credentials (needs explicit --allowed-origins)",
+    )
+
+
+def _cors_policy(args: argparse.Namespace):
+    from pagewarden.server.cors import CorsPolicy
+
+    def values(name: str) -> tuple[str, ...]:
+        given = getattr(args, name)
+        return ("*",) if given is None else tuple(v for group in given for v in group)
+
+    return CorsPolicy(
+        values("allowed_origins"),
+        values("allowed_methods"),
+        values("allowed_headers"),
+        args.allow_credentials,
     )
 
 
@@ -251,7 +303,7 @@ def _graceful_server(config):
     return _Server(config)
 
 
-def _build_app(args: argparse.Namespace, engine, name: str):
+def _build_app(args: argparse.Namespace, engine, names: list[str]):
     """The app with the front-door limits and admission control the flags ask for."""
     from pagewarden.server.admin import AdminPolicy
     from pagewarden.server.api import build_app, default_admission
@@ -273,7 +325,7 @@ def _build_app(args: argparse.Namespace, engine, name: str):
     )
     return build_app(
         engine,
-        name,
+        names,
         args.api_key,
         limits=limits,
         admission=admission,
@@ -292,6 +344,7 @@ def _build_app(args: argparse.Namespace, engine, name: str):
         body_timeout_s=args.body_timeout,
         max_inflight_per_key=args.max_inflight_per_key,
         tool_config=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser),
+        cors=_cors_policy(args),
     )
 
 
@@ -327,11 +380,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from pagewarden.engine.args import engine_config
     from pagewarden.engine.async_engine import AsyncEngine
+    from pagewarden.server.cors import CorsPolicyError
     from pagewarden.server.fast_reject import available as fast_reject_available
     from pagewarden.server.fast_reject import reject_fast_protocol
+    from pagewarden.server.model_names import ServedNameError, served_names
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _check_limits(args)
+    try:  # before the engine starts: a bad name or policy costs no model load
+        served_names(args.served_model_name, args.model, "")
+        _cors_policy(args)
+    except (ServedNameError, CorsPolicyError) as exc:
+        raise SystemExit(str(exc)) from None
     if args.ray:
         return _serve_on_ray(args)
     engine = AsyncEngine(
@@ -340,12 +400,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queued_tokens=args.max_queued_tokens,
         stall_timeout_s=args.engine_stall_timeout,
     )
-    name = args.served_model_name or engine.info.model_name
+    names = served_names(args.served_model_name, args.model, engine.info.model_name)
+    name = names[0]
     # The start-up heap lives as long as the process: freeze it so that no later
     # collection walks it.
     gc.collect()
     gc.freeze()
-    app = _build_app(args, engine, name)
+    app = _build_app(args, engine, names)
     # 429s straight from the HTTP parser where uvicorn allows it (see fast_reject.py).
     http = (
         reject_fast_protocol(app.controller, app, args.header_timeout)

@@ -27,7 +27,7 @@ class ServeOptions:
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
     limits: dict[str, Any] = field(default_factory=dict)  # server.context.ServerLimits fields
     engine_stall_timeout: float = 60.0  # seconds; as `pagewarden serve`'s flag
-    served_model_name: str | None = None
+    served_model_name: str | tuple[str, ...] | None = None  # one name or aliases
     api_keys: tuple[str, ...] = ()
     num_replicas: int = 1
     # Autoscaling (Serve's autoscaling_config) when max_replicas is set.
@@ -138,7 +138,7 @@ def options_from_args(args: argparse.Namespace, engine: dict[str, Any]) -> Serve
             max_prompts_per_request=args.max_prompts_per_request,
         ),
         engine_stall_timeout=args.engine_stall_timeout,
-        served_model_name=args.served_model_name,
+        served_model_name=tuple(args.served_model_name or ()) or None,
         api_keys=tuple(args.api_key or ()),
         num_replicas=args.replicas,
         min_replicas=args.min_replicas,

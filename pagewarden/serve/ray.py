@@ -37,6 +37,7 @@ from pagewarden.serve.replica import EngineReplica
 from pagewarden.server.admission import AdmissionController
 from pagewarden.server.api import build_app as build_http_app
 from pagewarden.server.context import ServerLimits
+from pagewarden.server.model_names import served_names
 
 logger = logging.getLogger("pagewarden.serve")
 
@@ -98,7 +99,12 @@ class PagewardenIngress:
         self.view = ClusterView.of([seed], None)
         self.board = board_for(_app_name())
         self.remote = RemoteEngine(engine, info, _errors(), lambda: self.view)
-        self.model = options.served_model_name or info.model_name
+        requested = options.served_model_name
+        self.model = served_names(
+            [requested] if isinstance(requested, str) else list(requested or ()),
+            options.engine.get("model"),
+            info.model_name,
+        )
         self._poller = asyncio.get_running_loop().create_task(self._poll(seed.engine_stats))
 
     async def _poll(self, fallback_stats: object) -> None:

@@ -10,6 +10,8 @@ results back as server-sent events. ``build_app`` wires the pieces:
                   /v1/completions                           (completions.py)
                   /v1/chat/completions                      (chat.py)
                   /v1/responses                             (responses_api.py)
+                  /tokenize /detokenize                     (tokenize.py)
+      (inside the app: X-Request-Id (request_id.py), CORS (cors.py))
 """
 
 from __future__ import annotations
@@ -33,10 +35,13 @@ from pagewarden.server.browser_guard import BrowserGuard
 from pagewarden.server.chat import create_chat_completion
 from pagewarden.server.completions import create_completion
 from pagewarden.server.context import DEFAULT_MAX_BODY_BYTES, ServerContext, ServerLimits
+from pagewarden.server.cors import CorsPolicy, add_cors
 from pagewarden.server.dashboard import add_dashboard_routes
 from pagewarden.server.errors import APIError, error_body, install_error_handlers
 from pagewarden.server.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
+from pagewarden.server.request_id import RequestIdMiddleware
 from pagewarden.server.responses_api import create_response
+from pagewarden.server.tokenize import add_tokenize_routes
 from pagewarden.server.tools import ToolConfig
 from pagewarden.version import __version__
 
@@ -54,7 +59,7 @@ def default_admission(engine: AsyncEngine, **kw) -> AdmissionController:
 
 def build_app(
     engine: AsyncEngine,
-    served_model_name: str,
+    served_model_name: str | list[str],
     api_key: str | list[str] | None = None,
     max_n: int = 8,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -68,29 +73,37 @@ def build_app(
     body_timeout_s: float = BODY_TIMEOUT_S,
     max_inflight_per_key: int | None = None,
     tool_config: ToolConfig | None = None,
+    cors: CorsPolicy | None = None,
 ) -> AdmissionGate:
     """The ASGI app (FastAPI behind the admission gate); the caller owns ``engine``.
-    ``vllm_metrics``: /metrics also exports the ``vllm:*`` twins of pagewarden's metrics.
-    ``admin``: who may call /admin/* and /debug/* (default: the API keys, no rate limit;
-    ``pagewarden serve`` builds it from --admin-key, --host and the clean period).
-    ``allowed_hosts``: the Host allow-list (None: any; ``browser_guard.py``); POSTs must
-    be JSON either way. ``enable_docs``: FastAPI's /docs and /redoc, whose pages load
-    their scripts from a CDN (off by default; /openapi.json is always served).
-    ``body_timeout_s``, ``max_inflight_per_key``: see ``AdmissionGate``."""
+    ``served_model_name``: the names clients may send, the first the primary one (see
+    ``served_names``). ``vllm_metrics``: /metrics also exports the ``vllm:*`` twins of
+    pagewarden's metrics. ``admin``: who may call /admin/* and /debug/* (default: the API
+    keys, no rate limit; ``pagewarden serve`` builds it from --admin-key, --host and the
+    clean period). ``allowed_hosts``: the Host allow-list (None: any;
+    ``browser_guard.py``); POSTs must be JSON either way. ``enable_docs``: FastAPI's
+    /docs and /redoc, whose pages load their scripts from a CDN (off by default;
+    /openapi.json is always served). ``body_timeout_s``, ``max_inflight_per_key``: see
+    ``AdmissionGate``. ``tool_config``: tool calling (``tools.py``). ``cors``: who
+    browsers may let call the API (default: any origin, no credentials, as vLLM)."""
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     limits = limits or ServerLimits(max_n=max_n, max_body_bytes=max_body_bytes)
     admission = admission or default_admission(engine)
     engine.observer = admission
-    ctx = ServerContext(engine, served_model_name, keys, limits, admission)
+    names = [served_model_name] if isinstance(served_model_name, str) else served_model_name
+    ctx = ServerContext(engine, names, keys, limits, admission)
     if tool_config is not None:
         ctx.tool_config = tool_config
     docs = {} if enable_docs else {"docs_url": None, "redoc_url": None}
     app = FastAPI(title="pagewarden", version=__version__, **docs)
     app.state.server = ctx
     install_error_handlers(app)
+    add_cors(app, cors or CorsPolicy())
+    app.add_middleware(RequestIdMiddleware)  # outermost: every response carries the id
     _add_info_routes(app, ctx, vllm_metrics)
     _add_generation_routes(app, ctx)
     admin = admin or AdminPolicy()
+    add_tokenize_routes(app, ctx)
     add_dashboard_routes(app, ctx, admin)
     add_admin_routes(app, ctx, admin)
     _document_request_bodies(app)
@@ -133,15 +146,20 @@ def _add_info_routes(app: FastAPI, ctx: ServerContext, vllm_metrics: bool) -> No
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         ctx.authorize(request)
-        card = {
-            "id": ctx.model,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "pagewarden",
-            "root": ctx.model,
-            "max_model_len": engine.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+        created = int(time.time())
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "pagewarden",
+                "root": ctx.model,
+                "parent": None,
+                "max_model_len": engine.max_model_len,
+            }
+            for name in ctx.served_names
+        ]
+        return {"object": "list", "data": cards}
 
 
 def _health_body(stats) -> dict:

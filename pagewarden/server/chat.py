@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -13,7 +14,13 @@ from pagewarden.engine.async_engine import EngineDeadError, RequestStream
 from pagewarden.server.context import ServerContext
 from pagewarden.server.errors import APIError, error_body
 from pagewarden.server.protocol import ChatCompletionRequest
-from pagewarden.server.responses import chat_logprobs, sampling_params, sse, usage
+from pagewarden.server.responses import (
+    chat_logprobs,
+    sampling_params,
+    sse,
+    usage,
+    vllm_prompt_logprobs,
+)
 from pagewarden.server.streams import final_outputs, merge
 from pagewarden.server.structured import check, requested_spec
 from pagewarden.server.tools import (
@@ -41,7 +48,7 @@ class _Job:
             "id": self.rid,
             "object": "chat.completion.chunk",
             "created": self.created,
-            "model": self.ctx.model,
+            "model": self.req.model,
             "choices": choices,
         }
         if usage_ is not None:
@@ -73,7 +80,8 @@ def render_prompt(
 async def create_chat_completion(ctx: ServerContext, request: Request) -> Response:
     salt, req = await ctx.read_request(request, ChatCompletionRequest)
     plan = plan_tools(req, ctx.tool_config)
-    text, ids = render_prompt(req, ctx, plan)
+    # Rendering and tokenizing are request-sized work: off the event loop.
+    text, ids = await asyncio.to_thread(render_prompt, req, ctx, plan)
     spec, param = requested_spec(req)
     if plan.spec is not None:
         if spec is not None:
@@ -88,14 +96,14 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
         top = req.top_logprobs or 0
     elif req.top_logprobs is not None:
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-    params = sampling_params(req, max_tokens, top, ctx.limits, spec)
-    streams = await ctx.submit([(text, ids)], params, salt, "chatcmpl")
+    params = sampling_params(req, max_tokens, top, ctx.limits, spec, req.prompt_logprobs)
+    streams = await ctx.submit([(text, ids)], params, salt, "chatcmpl", request)
     job = _Job(
         ctx,
         req,
         streams,
         len(ids),
-        streams[0].request_id.rsplit("-", 1)[0],
+        ctx.response_id("chatcmpl", request),
         int(time.time()),
         plan,
     )
@@ -120,16 +128,17 @@ async def _full_response(job: _Job, request: Request) -> JSONResponse:
             }
         )
     n_gen = sum(len(c.token_ids) for c in out.outputs)
-    return JSONResponse(
-        {
-            "id": job.rid,
-            "object": "chat.completion",
-            "created": job.created,
-            "model": job.ctx.model,
-            "choices": choices,
-            "usage": usage(job.n_prompt, n_gen),
-        }
-    )
+    body = {
+        "id": job.rid,
+        "object": "chat.completion",
+        "created": job.created,
+        "model": job.req.model,
+        "choices": choices,
+        "usage": usage(job.n_prompt, n_gen),
+    }
+    if job.req.prompt_logprobs is not None:  # vLLM puts them beside the choices
+        body["prompt_logprobs"] = vllm_prompt_logprobs(tok, out, job.req.prompt_logprobs)
+    return JSONResponse(body)
 
 
 async def _events(job: _Job) -> AsyncIterator[str]:

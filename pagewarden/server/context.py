@@ -23,6 +23,8 @@ from pagewarden.engine.core import RequestRejected
 from pagewarden.sampling_params import SamplingParams
 from pagewarden.server.admission import AdmissionController
 from pagewarden.server.errors import APIError, validation_error
+from pagewarden.server.protocol import unsupported_field
+from pagewarden.server.request_id import client_request_id, request_id
 from pagewarden.server.tools import ToolConfig
 
 DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
@@ -49,12 +51,16 @@ class ServerContext:
     def __init__(
         self,
         engine: AsyncEngine,
-        model: str,
+        served_names: list[str],
         api_keys: list[str],
         limits: ServerLimits,
         admission: AdmissionController,
     ) -> None:
-        self.engine, self.model, self.api_keys = engine, model, api_keys
+        assert served_names, "a server serves its model under at least one name"
+        # The first name is the primary one: metrics labels, the dashboard, the default.
+        self.served_names = list(dict.fromkeys(served_names))
+        self.model = self.served_names[0]
+        self.engine, self.api_keys = engine, api_keys
         self.limits, self.admission = limits, admission
         self.tokenizer = engine.tokenizer
         # tool calling flags (server/tools.py); build_app sets them
@@ -75,9 +81,23 @@ class ServerContext:
         """Authorize, read and validate a body; returns (cache salt, parsed request)."""
         salt = self.authorize(request)
         req = parse_body(model, await read_body(request, self.limits.max_body_bytes))
-        if req.model != self.model:  # type: ignore[attr-defined]
-            raise APIError(404, f"The model `{req.model}` does not exist.", "model")  # type: ignore[attr-defined]
+        # The name the client used, or the primary one when it sent none.
+        req.model = self.resolve_model(req.model)  # type: ignore[attr-defined]
+        field = unsupported_field(req)
+        if field is not None:
+            raise APIError(400, f"{field} is not supported by this server", field)
         return salt, req
+
+    def resolve_model(self, name: str | None) -> str:
+        """``name`` if it is one of the served names, the primary name for None; 404
+        (listing the served names) otherwise."""
+        if name is None:
+            return self.model
+        if name not in self.served_names:
+            names = ", ".join(f"`{n}`" for n in self.served_names)
+            shown = name if len(name) <= 200 else name[:200] + "..."
+            raise APIError(404, f"The model `{shown}` does not exist. Served: {names}.", "model")
+        return name
 
     def retry_headers(self) -> dict[str, str]:
         seconds = self.admission.retry_after_s()
@@ -86,16 +106,27 @@ class ServerContext:
             "retry-after-ms": str(int(seconds * 1000)),
         }
 
+    def response_id(self, prefix: str, request: Request | None = None) -> str:
+        """The ``id`` of a response: ``prefix-`` and the request's id (``request_id.py``)."""
+        return f"{prefix}-{request_id(request)}"
+
     async def submit(
         self,
         prompts: list[tuple[str | None, list[int]]],
         params: SamplingParams,
         salt: str | None,
         prefix: str,
+        request: Request | None = None,
     ) -> list[RequestStream]:
-        """Add every prompt or none; maps engine refusals to API errors."""
+        """Add every prompt or none; maps engine refusals to API errors.
+
+        Engine request ids are ``{prefix}-{request id}-{i}``, so logs and flight records
+        carry the client's ``X-Request-Id``; a client's id gets a random part too, since
+        two clients may send the same one."""
         streams: list[RequestStream] = []
-        base = f"{prefix}-{uuid.uuid4().hex}"
+        base = self.response_id(prefix, request)
+        if request is not None and client_request_id(request) is not None:
+            base = f"{base}-{uuid.uuid4().hex[:8]}"
         try:
             for i, (text, ids) in enumerate(prompts):
                 streams.append(

@@ -14,6 +14,7 @@ from pagewarden.models.llama import LlamaForCausalLM
 from pagewarden.sched.output import (
     KVFault,
     ModelRunnerOutput,
+    PromptLogprobs,
     ScheduledRequest,
     SchedulerOutput,
     TokenLogprobs,
@@ -22,6 +23,7 @@ from pagewarden.worker.cpu_threads import StepThreads, default_serial_step_token
 from pagewarden.worker.fused_checks import element_keys, limb_keys, offset_keys
 from pagewarden.worker.kv_guard import KVGuard
 from pagewarden.worker.kv_store import KVStore
+from pagewarden.worker.prompt_logprobs import score_prompts
 from pagewarden.worker.sampler import Sampler, SamplingRow, TokenBitmask
 from pagewarden.worker.step_hooks import StepHooks
 
@@ -91,6 +93,7 @@ class ModelRunner:
         self.sampler = Sampler(vocab_size, generator)
         # Structured outputs: set by the engine; None samples every row unconstrained.
         self.grammar: GrammarMasks | None = None
+        self.vocab = vocab_size
 
     def _use_triton(self) -> None:
         """Attention and KV writes through the Triton kernels, which check their reads."""
@@ -145,7 +148,10 @@ class ModelRunner:
         block_tables: list[list[int]] = []
         sample_rows: list[int] = []  # flat index of each sampled request's last token
         sampled = []
+        scored: list[tuple[ScheduledRequest, int]] = []  # (chunk, flat index of its start)
         for req in out.requests:
+            if req.score_prompt:
+                scored.append((req, len(input_ids)))
             input_ids.extend(req.token_ids)
             positions.extend(req.positions)
             slot_mapping.extend(req.slot_mapping)
@@ -172,6 +178,7 @@ class ModelRunner:
             self.kv_store.caches,
             meta,
         )  # (T, hidden)
+        faulted: set[str] = set()
         if guard.tags_on:
             faults = guard.attach_index_readers(faults, out, meta)
             faulted = _faulted(faults)
@@ -181,7 +188,11 @@ class ModelRunner:
                 keep = [i for i, r in enumerate(sampled) if r.req_id not in faulted]
                 sample_rows = [sample_rows[i] for i in keep]
                 sampled = [sampled[i] for i in keep]
-        return self._sample(hidden, sample_rows, sampled, faults)
+        # Like sampled tokens, no prompt logprob computed from bad KV is reported.
+        prompt = score_prompts(
+            self.model, hidden, [(r, s) for r, s in scored if r.req_id not in faulted], self.vocab
+        )
+        return self._sample(hidden, sample_rows, sampled, faults, prompt)
 
     def _move_blocks(self, out: SchedulerOutput) -> list[KVFault]:
         """The step's swaps and copy-on-write copies, with their integrity state; then
@@ -217,11 +228,12 @@ class ModelRunner:
         sample_rows: list[int],
         sampled: list[ScheduledRequest],
         faults: list[KVFault],
+        prompt: dict[str, PromptLogprobs],
     ) -> ModelRunnerOutput:
         """Sample the next token of each request in ``sampled`` from its row of
-        ``hidden`` (T, hidden)."""
+        ``hidden`` (T, hidden); ``prompt`` is the step's prompt logprobs, by request."""
         if not sampled:
-            return ModelRunnerOutput(sampled_token_ids={}, faults=faults)
+            return ModelRunnerOutput(sampled_token_ids={}, faults=faults, prompt_logprobs=prompt)
         logits = self.model.compute_logits(hidden[sample_rows], dtype=None)  # (S, vocab)
         rows = [
             SamplingRow(
@@ -239,7 +251,9 @@ class ModelRunner:
         logprobs: dict[str, TokenLogprobs] = {
             r.req_id: lp for r, lp in zip(sampled, result.logprobs) if lp is not None
         }
-        return ModelRunnerOutput(sampled_token_ids=tokens, logprobs=logprobs, faults=faults)
+        return ModelRunnerOutput(
+            sampled_token_ids=tokens, logprobs=logprobs, faults=faults, prompt_logprobs=prompt
+        )
 
 
 def _faulted(faults: list[KVFault]) -> set[str]:

@@ -3,6 +3,7 @@
 Order of operations for each row (as vLLM v1 does it)::
 
     logits[:, :vocab_size]                      drop padded vocab columns
+      -> logit_bias (OpenAI's: added to the named tokens' logits)
       -> repetition / presence / frequency penalties
       -> logprobs (log_softmax of the penalized, untempered logits), when asked
       -> greedy rows: max(dim=-1).indices (the first maximum, as argmax; faster on CPU)
@@ -156,6 +157,29 @@ def apply_penalties(
     return logits - freq * out_counts.to(logits) - pres * (out_counts > 0).to(logits)
 
 
+def apply_logit_bias(logits: Tensor, biases: list[dict[int, float] | None]) -> Tensor:
+    """Return ``logits`` (S, V) with each row's bias added to its tokens (a new tensor):
+    one scatter for the whole batch. Token ids are below V (``check_vocab``)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for row, bias in enumerate(biases):
+        for token_id, value in (bias or {}).items():
+            rows.append(row)
+            cols.append(token_id)
+            values.append(value)
+    if not rows:
+        return logits
+    device = logits.device
+    index = (
+        torch.tensor(rows, dtype=torch.long, device=device),  # (B,)
+        torch.tensor(cols, dtype=torch.long, device=device),  # (B,)
+    )
+    return logits.index_put(
+        index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True
+    )
+
+
 @dataclass(frozen=True)
 class Candidates:
     """Rows ``rows`` (C,) of a batch, truncated: each row's surviving tokens are among
@@ -301,13 +325,18 @@ class Sampler:
         if bitmask is not None:
             logits = apply_token_bitmask(logits, bitmask)
         params = [r.params for r in rows]
-        if all(p.greedy and not _has_penalties(p) and p.logprobs is None for p in params):
+        if all(
+            p.greedy and not _has_penalties(p) and p.logprobs is None and p.logit_bias is None
+            for p in params
+        ):
             # On the logits' own dtype: widening is exact, so the first maximum is the same.
             greedy_ids = logits.max(dim=-1).indices.tolist()  # (S,)
             return SamplerOutput(token_ids=greedy_ids, logprobs=[None] * len(rows))
         logits = logits.float()
 
         device = logits.device
+        if any(p.logit_bias for p in params):
+            logits = apply_logit_bias(logits, [p.logit_bias for p in params])
         if any(_has_penalties(p) for p in params):
             logits = apply_penalties(
                 logits,
@@ -328,36 +357,47 @@ class Sampler:
         else:
             token_ids = torch.empty(len(rows), dtype=torch.int64, device=device)
         if random_rows:
-            idx = torch.tensor(random_rows, device=device)
-            sub = [params[i] for i in random_rows]
-            temps = torch.tensor([p.temperature for p in sub], device=device)
-            picked = logits if len(random_rows) == len(rows) else logits[idx]  # (R, V)
-            scaled = picked if bool((temps == 1.0).all()) else picked / temps.unsqueeze(1)
-            u = self._uniforms([rows[i] for i in random_rows], device)  # (R,) float64
-            drawn = torch.empty(len(random_rows), dtype=torch.int64, device=device)  # (R,)
-            cut = torch.zeros(len(random_rows), dtype=torch.bool, device=device)  # (R,)
-            groups = truncate_top_k_top_p_min_p(
-                scaled,
-                torch.tensor([p.top_k or self.vocab_size for p in sub], device=device),
-                torch.tensor([p.top_p for p in sub], device=device),
-                torch.tensor([p.min_p for p in sub], device=device),
+            token_ids[torch.tensor(random_rows, device=device)] = self._draw(
+                logits, [rows[i] for i in random_rows], random_rows, len(rows)
             )
-            for g in groups:  # truncated rows: draw among their candidates only
-                pick = _inverse_cdf(g.logits.softmax(dim=-1), u[g.rows])  # (C,)
-                drawn[g.rows] = g.token_ids.gather(1, pick.unsqueeze(1)).squeeze(1)
-                cut[g.rows] = True
-            if not groups:
-                drawn = _inverse_cdf(scaled.softmax(dim=-1), u)
-            elif not bool(cut.all()):
-                whole = (~cut).nonzero().squeeze(1)  # (R - C,)
-                drawn[whole] = _inverse_cdf(scaled[whole].softmax(dim=-1), u[whole])
-            token_ids[idx] = drawn
 
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:
             num_top = [-1 if p.logprobs is None else p.logprobs for p in params]
             logprobs = compute_logprobs(raw_logprobs, token_ids, num_top)
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+    def _draw(
+        self, logits: Tensor, rows: list[SamplingRow], random_rows: list[int], num_rows: int
+    ) -> Tensor:
+        """Tokens (R,) drawn for the sampled (non-greedy) ``rows``, which are rows
+        ``random_rows`` of ``logits`` (num_rows, V): temperature, then top-k / top-p /
+        min-p truncation, then the inverse CDF at each row's uniform draw."""
+        device = logits.device
+        sub = [r.params for r in rows]
+        temps = torch.tensor([p.temperature for p in sub], device=device)
+        idx = torch.tensor(random_rows, device=device)
+        picked = logits if len(random_rows) == num_rows else logits[idx]  # (R, V)
+        scaled = picked if bool((temps == 1.0).all()) else picked / temps.unsqueeze(1)
+        u = self._uniforms(rows, device)  # (R,) float64
+        drawn = torch.empty(len(random_rows), dtype=torch.int64, device=device)  # (R,)
+        cut = torch.zeros(len(random_rows), dtype=torch.bool, device=device)  # (R,)
+        groups = truncate_top_k_top_p_min_p(
+            scaled,
+            torch.tensor([p.top_k or self.vocab_size for p in sub], device=device),
+            torch.tensor([p.top_p for p in sub], device=device),
+            torch.tensor([p.min_p for p in sub], device=device),
+        )
+        for g in groups:  # truncated rows: draw among their candidates only
+            pick = _inverse_cdf(g.logits.softmax(dim=-1), u[g.rows])  # (C,)
+            drawn[g.rows] = g.token_ids.gather(1, pick.unsqueeze(1)).squeeze(1)
+            cut[g.rows] = True
+        if not groups:
+            drawn = _inverse_cdf(scaled.softmax(dim=-1), u)
+        elif not bool(cut.all()):
+            whole = (~cut).nonzero().squeeze(1)  # (R - C,)
+            drawn[whole] = _inverse_cdf(scaled[whole].softmax(dim=-1), u[whole])
+        return drawn
 
     def _uniforms(self, rows: list[SamplingRow], device: torch.device) -> Tensor:
         """One U[0, 1) draw per row, (R,) float64; a seeded row's depends only on

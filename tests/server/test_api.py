@@ -122,7 +122,9 @@ def test_endpoints(srv):
         (b"{not json", 400),
         (b'\xff\xfe{"model": "tiny"}', 400),
         (b'{"model": "tiny", "prompt": "x", "max_tokens": "ten"}', 400),
-        (b'{"model": "tiny", "prompt": "x", "bogus": 1}', 400),
+        (b'{"model": "tiny", "prompt": "x", "bogus": 1, "max_tokens": 2}', 200),  # logged
+        (b'{"model": "tiny", "prompt": "x", "n": "2"}', 400),
+        (b'{"model": "tiny", "prompt": null}', 400),
         (b'{"model": "tiny", "prompt": ""}', 400),
         (b'{"model": "tiny", "prompt": "x", "max_tokens": 0}', 400),
         (b'{"model": "tiny", "prompt": "x", "max_tokens": 100000}', 400),
