@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -27,6 +29,12 @@ import torch
 from pagewarden.private_dir import ensure_private_dir
 
 _POOL_HEADER = Path(__file__).with_name("pool.h")
+#: torch's build lock (``build_directory/lock``) older than this is taken for one left by
+#: a process killed mid-build, and removed: torch waits on it for ever otherwise. A
+#: build takes a minute or two, several on a loaded machine.
+STALE_LOCK_S = 15 * 60
+
+logger = logging.getLogger("pagewarden.kernels")
 
 
 def compile_extension(name: str, source: Path | list[Path], cflags: list[str]) -> ModuleType:
@@ -36,15 +44,36 @@ def compile_extension(name: str, source: Path | list[Path], cflags: list[str]) -
     from torch.utils import cpp_extension
 
     sources = source if isinstance(source, list) else [source]
+    directory = build_directory(name, sources, cflags)
+    remove_stale_lock(directory)
     return cpp_extension.load(
         name=f"pagewarden_{name}",
         sources=[str(s) for s in sources],
-        build_directory=str(build_directory(name, sources, cflags)),
+        build_directory=str(directory),
         extra_cflags=cflags,
         extra_include_paths=[str(_POOL_HEADER.parent)],
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )
+
+
+def remove_stale_lock(directory: Path, now: float | None = None) -> bool:
+    """Remove ``directory/lock`` when it is older than ``STALE_LOCK_S`` (True if removed)."""
+    lock = directory / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_S:
+        return False
+    logger.warning(
+        "pagewarden: removing a build lock left %.0f min ago by a process that did not "
+        "finish (%s); building again",
+        age / 60,
+        lock,
+    )
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def build_directory(name: str, source: Path | list[Path], flags: list[str]) -> Path:
