@@ -71,6 +71,7 @@ def _scheduler_calls(scheduler, rid: str, block_id: int, params: SamplingParams)
         ),
         ("Scheduler", "schedule", scheduler.schedule),
         ("Scheduler", "set_batch_limits", lambda: scheduler.set_batch_limits(1, 1)),
+        ("Scheduler", "enable_kv_tiers", lambda: scheduler.enable_kv_tiers(None)),
         (
             "Scheduler",
             "set_preemption_mode",

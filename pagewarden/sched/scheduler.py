@@ -93,6 +93,7 @@ class Scheduler:
     def enable_kv_tiers(self, tier_prefix: TierPrefix) -> None:
         """Offload evicted cached blocks (``SchedulerOutput.offload``) and extend prefix
         hits from the tiers (``SchedulerOutput.tier_loads``)."""
+        self.kv.pool.check_owner()
         self.tier_prefix = tier_prefix
         self.kv.pool.evicted = []
 
