@@ -19,7 +19,6 @@ from tests.models.tiny_models import ARCHS, WINDOW, make_tiny, write_gguf
 MAX_TOKENS = 8
 # Models whose layers need sliding windows or soft-capping: the C++ and Triton kernels
 # take neither yet, so these run on the torch path whatever backend is asked for.
-NEEDS_TORCH = {"mistral", "qwen2", "gemma2", "gemma3", "phi3_window"}
 # Checkpoints a GGUF can express: llama.cpp's qwen2 has no sliding window, and Gemma's
 # GGUFs carry no query_pre_attn_scalar (llama.cpp uses head_dim).
 GGUF_OVERRIDES = {
@@ -60,11 +59,13 @@ def test_engine_matches_transformers(tiny):
 
 
 def test_cpu_backend_matches_transformers(tiny):
-    """The default CPU backend; models it cannot compute exactly stay on the torch path."""
+    """The default CPU backend, sliding windows and soft-capping included (C++ kernels)."""
+    from pagewarden.kernels.cpu.attention import CpuAttention
+
     arch, path, prompts, want = tiny
     llm = _engine(path, "cpu", num_kv_blocks=64)
     ops = llm.engine.runner.model.model.layers[0].self_attn.ops
-    assert isinstance(ops, TorchAttention) == (arch in NEEDS_TORCH)
+    assert isinstance(ops, CpuAttention), arch
     assert run_engine(llm, prompts, MAX_TOKENS) == want, arch
 
 
@@ -252,19 +253,3 @@ def test_hub_style_configs():
         }
     )
     assert windowed.layer_types == ("full_attention",) * 2 + ("sliding_attention",) * 2
-
-
-def test_triton_backend_refuses_windowed_model(tmp_path):
-    """Until the Triton kernels take sliding_window, asking for them fails, clearly."""
-    pytest.importorskip("triton")
-    import inspect
-
-    from pagewarden.kernels.backend import AttentionBackendError
-    from pagewarden.kernels.triton.ops import TritonAttention
-
-    if "sliding_window" in inspect.signature(TritonAttention.attend).parameters:
-        pytest.skip("the Triton kernels take sliding_window now")
-
-    path = make_tiny("mistral", tmp_path / "m")
-    with pytest.raises(AttentionBackendError, match="sliding_window.*--attention-backend torch"):
-        _engine(path, "triton")
