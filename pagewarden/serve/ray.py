@@ -128,13 +128,13 @@ class PagewardenIngress:
             limits=ServerLimits(**self.options.limits),
             admission=admission,
         )
-        ctx = gate.app.state.server
+        ctx = gate.api.state.server
 
         async def replicas(request: Request) -> dict:
             ctx.authorize(request)  # as every /v1 route: 401 without a key when keys are set
             return self._replicas()
 
-        gate.app.add_api_route("/v1/replicas", replicas, methods=["GET"])
+        gate.api.add_api_route("/v1/replicas", replicas, methods=["GET"])
         return gate
 
     def _replicas(self) -> dict:

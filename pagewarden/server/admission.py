@@ -64,6 +64,7 @@ import random
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 #: Default of ``target_queue_s`` (``--admission-target-queue-time``).
 DEFAULT_TARGET_QUEUE_S = 2.0
@@ -249,6 +250,7 @@ class AdmissionGate:
         self.max_inflight_per_key = max_inflight_per_key
         self.per_key: dict[bytes, int] = {}  # in-flight requests by Authorization header
         self.rejected_per_key = 0
+        self.api: Any = None  # the application inside, where its builder sets it (api.py)
         self.body = _error_body(429, "the server is at capacity; retry after the Retry-After delay")
 
     async def __call__(self, scope, receive, send) -> None:
@@ -269,7 +271,11 @@ class AdmissionGate:
             return
         key = _header(scope, b"authorization")
         if ctl.enabled and not self._key_admits(key):
-            self.rejected_per_key += 1
+            if self.key_share(key) >= ctl.limit:  # a key alone: the limit itself binds
+                ctl.note_rejected()
+            else:  # counted, but one tenant's share says nothing of the engine's load
+                ctl.rejected += 1
+                self.rejected_per_key += 1
             await self._reject(send, ctl.retry_after_s())
             return
         if not ctl.try_enter():

@@ -107,13 +107,15 @@ def build_app(
     add_dashboard_routes(app, ctx, admin)
     add_admin_routes(app, ctx, admin)
     _document_request_bodies(app)
-    return AdmissionGate(
+    gate = AdmissionGate(
         BrowserGuard(app, allowed_hosts),
         admission,
         max_body_bytes=limits.max_body_bytes,
         body_timeout_s=body_timeout_s,
         max_inflight_per_key=max_inflight_per_key,
     )
+    gate.api = app  # the FastAPI app inside the guards, for callers that add routes
+    return gate
 
 
 def _add_info_routes(app: FastAPI, ctx: ServerContext, vllm_metrics: bool) -> None:

@@ -264,6 +264,7 @@ def _add_tokenizer(w, hf_dir: Path, vocab_size: int) -> None:
             tokens[i], types[i] = f"[PAD{i}]", 5
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")  # the tiny tokenizer splits with ByteLevel's GPT-2 regex
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)

@@ -333,16 +333,23 @@ def test_one_key_cannot_take_another_keys_share():
 
             await gate(_scope(key), body, send)
 
+        async def until(cond) -> None:
+            for _ in range(500):
+                if cond():
+                    return
+                await asyncio.sleep(0.01)
+
         flood = [asyncio.create_task(one(b"Bearer a")) for _ in range(20)]
-        await asyncio.sleep(0.05)  # key a alone: it may use the whole limit
+        await until(lambda: statuses[b"Bearer a"].count(429) == 12)
+        # key a alone: it may use the whole limit
         assert gate.per_key == {b"Bearer a": 8} and statuses[b"Bearer a"].count(429) == 12
         events["go"].set()
         await asyncio.gather(*flood)
         events["go"] = release()
         first = [asyncio.create_task(one(b"Bearer b")) for _ in range(2)]
-        await asyncio.sleep(0.05)
+        await until(lambda: gate.per_key.get(b"Bearer b") == 2)
         second = [asyncio.create_task(one(b"Bearer a")) for _ in range(20)]
-        await asyncio.sleep(0.05)
+        await until(lambda: statuses[b"Bearer a"].count(429) == 28)
         # With b in flight, a's share is half the limit: b's requests were all admitted.
         assert gate.per_key == {b"Bearer b": 2, b"Bearer a": 4}
         events["go"].set()
