@@ -230,6 +230,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "gains (0: always all threads; default: 0 where the GEMMs run on pagewarden's "
         "own kernel pool, else 2)",
     )
+    # --- GGUF weights kept quantized (kernels/cpu/quant.py) ---
+    parser.add_argument(
+        "--quantization",
+        choices=("auto", "gguf", "none"),
+        default=d.quantization,
+        help="GGUF weights: auto keeps Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K tensors "
+        "quantized where the CPU kernels build; gguf always (error where they cannot); "
+        "none dequantizes every tensor at load",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

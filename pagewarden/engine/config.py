@@ -98,6 +98,10 @@ class EngineConfig:
     device: str | None = None
     attention_backend: str | None = None
     gpu_memory_utilization: float = 0.9  # on CUDA, share of the GPU the engine may fill
+    # --- GGUF weights kept quantized (kernels/cpu/quant.py) ---
+    # auto: keep a GGUF's quantized tensors quantized where the CPU kernels build (not on
+    # CUDA); gguf: always (an error where they cannot); none: dequantize at load.
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -195,6 +199,12 @@ class EngineConfig:
                 check_backend(self.attention_backend, device_type)
         except (DeviceError, AttentionBackendError) as exc:
             raise EngineConfigError(str(exc)) from None
+        # --- quantization ---
+        if self.quantization not in ("auto", "gguf", "none"):
+            raise EngineConfigError(
+                f"quantization must be 'auto', 'gguf' or 'none', got {self.quantization!r}"
+            )
+        # --- end quantization ---
         if not 0 < self.gpu_memory_utilization <= 1:
             raise EngineConfigError(
                 f"gpu_memory_utilization is a fraction in (0, 1], got {self.gpu_memory_utilization}"

@@ -69,8 +69,12 @@ class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         apply_cpu_threads(config.cpu_threads, config.cpu_bind)
-        self.loaded = loaded if loaded is not None else load_model(config.model, config.torch_dtype)
         device = config.resolved_device
+        # GGUF weights stay quantized on the CPU only (kernels/cpu/quant).
+        quantization = config.quantization if device.type == "cpu" else "none"
+        if loaded is None:
+            loaded = load_model(config.model, config.torch_dtype, quantization)
+        self.loaded = loaded
         if device.type != "cpu":
             self.loaded.model.to(device)
             self.loaded.model.use_compute_dtype()  # the storage dtype, off the CPU

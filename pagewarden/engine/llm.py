@@ -63,6 +63,7 @@ class LLM:
         device: str | None = None,
         attention_backend: str | None = None,
         gpu_memory_utilization: float = 0.9,
+        quantization: str = "auto",
     ) -> None:
         self.config = EngineConfig(
             model=model,
@@ -100,6 +101,7 @@ class LLM:
             device=device,
             attention_backend=attention_backend,
             gpu_memory_utilization=gpu_memory_utilization,
+            quantization=quantization,
         )
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()

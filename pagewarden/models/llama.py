@@ -13,7 +13,9 @@ from torch import nn
 from pagewarden.kernels.attention import AttentionMetadata, AttentionOps, TorchAttention
 from pagewarden.kernels.cpu import fused as cpu_fused
 from pagewarden.kernels.cpu import linear as cpu_linear
-from pagewarden.kernels.cpu.linear import linear, linear_add, linear_silu_mul
+from pagewarden.kernels.cpu.linear import embedding, linear, linear_add, linear_silu_mul
+from pagewarden.kernels.cpu.quant import QuantWeight
+from pagewarden.models.quantized import attach_quantized
 
 
 @dataclass(frozen=True)
@@ -293,7 +295,7 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states (T, hidden) of the new tokens; writes their K/V into kv_caches."""
         assert input_ids.dim() == 1 and input_ids.shape == positions.shape
         assert len(kv_caches) == self.config.num_hidden_layers
-        x = self.model.embed_tokens(input_ids)  # (T, hidden)
+        x = embedding(self.model.embed_tokens, input_ids)  # (T, hidden)
         cos, sin = self._rope(positions, x.dtype)  # (T, 1, D)
         for layer, cache in zip(self.model.layers, kv_caches):
             x = layer(x, cos, sin, cache, meta)
@@ -326,6 +328,7 @@ class LlamaForCausalLM(nn.Module):
             ],
             "gate_up_proj": [c.intermediate_size, c.intermediate_size],
         }
+        quantized: dict[str, list[tuple[int, QuantWeight]]] = {}  # kept quantized (GGUF)
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
@@ -338,6 +341,10 @@ class LlamaForCausalLM(nn.Module):
                     break
             if target not in params:
                 raise KeyError(f"unexpected weight {name!r}")
+            if isinstance(tensor, QuantWeight):
+                quantized.setdefault(target, []).append((shard[1] if shard else 0, tensor))
+                loaded.add(name)
+                continue
             p = params[target]
             with torch.no_grad():
                 tensor = tensor.to(self.storage_dtype)  # rounded even when p is wider
@@ -348,6 +355,8 @@ class LlamaForCausalLM(nn.Module):
                     start = sum(sz[: shard[1]])
                     p.narrow(0, start, sz[shard[1]]).copy_(tensor)
             loaded.add(name)
+        tied = {"lm_head": "model.embed_tokens"} if c.tie_word_embeddings else {}
+        attach_quantized(self, quantized, tied)
         expected = 0
         for n in params:
             if c.tie_word_embeddings and n == "lm_head.weight":

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
+import mmap
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +19,8 @@ from pagewarden.models.llama import LlamaConfig, LlamaForCausalLM
 from pagewarden.models.tokenizer import Tokenizer, TokenizerLoadError
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+log = logging.getLogger(__name__)
 
 
 class ModelLoadError(RuntimeError):
@@ -43,13 +48,16 @@ def default_model_path() -> Path:
     return path
 
 
-def load_model(path: str | Path | None, dtype: torch.dtype = torch.bfloat16) -> LoadedModel:
-    """Load an HF directory (config.json + *.safetensors + tokenizer) or a .gguf file."""
+def load_model(
+    path: str | Path | None, dtype: torch.dtype = torch.bfloat16, quantization: str = "auto"
+) -> LoadedModel:
+    """Load an HF directory (config.json + *.safetensors + tokenizer) or a .gguf file;
+    ``quantization`` (GGUF only, see ``gguf_weight``): auto | gguf | none."""
     p = default_model_path() if path is None else Path(path)
     if p.is_dir():
         return _load_hf_dir(p, dtype)
     if p.is_file() and p.suffix == ".gguf":
-        return _load_gguf(p, dtype)
+        return _load_gguf(p, dtype, quantization)
     raise ModelLoadError(
         f"{p}: expected an HF model directory (config.json + *.safetensors + tokenizer.json) or a .gguf file"
     )
@@ -122,7 +130,69 @@ _GGUF_NAMES = {
 }
 
 
-def _load_gguf(p: Path, dtype: torch.dtype) -> LoadedModel:
+# --- GGUF tensors kept quantized (kernels/cpu/quant) -----------------------------------
+
+QUANTIZATION_MODES = ("auto", "gguf", "none")
+
+
+def keep_quantized(quantization: str) -> bool:
+    """Whether GGUF weights of types with a kernel stay quantized: ``auto`` where the
+    quantized GEMM builds here, ``gguf`` always (an error where it cannot), ``none`` never."""
+    from pagewarden.kernels.cpu import quant as cpu_quant
+
+    if quantization not in QUANTIZATION_MODES:
+        raise ModelLoadError(f"quantization {quantization!r} is not one of {QUANTIZATION_MODES}")
+    if quantization == "none":
+        return False
+    if not cpu_quant.available():
+        if quantization == "gguf":
+            raise ModelLoadError("quantization 'gguf': the quantized GEMM kernel cannot build here")
+        return False
+    return True
+
+
+def gguf_weight(t: Any, quantize: bool, row_perm: np.ndarray | None = None) -> Any:
+    """GGUF tensor ``t`` as a ``QuantWeight`` (a 2-D weight of a type with a kernel, and
+    ``quantize``; a view of the file's map unless ``row_perm`` reorders its rows), or as
+    today's dequantized float32 array (logical shape, rows reordered by ``row_perm``);
+    a 2-D weight of a type without a kernel is logged once, by name and type."""
+    import gguf
+
+    from pagewarden.kernels.cpu.quant import KERNEL_TYPES, QuantWeight
+
+    shape = [int(x) for x in reversed(t.shape)]
+    qtype = int(t.tensor_type)
+    if quantize and len(shape) == 2 and qtype in KERNEL_TYPES:
+        with warnings.catch_warnings():  # the map is read-only; nothing writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(t.data.reshape(shape[0], -1))
+        if row_perm is not None:
+            data = data[torch.from_numpy(row_perm)]
+        return QuantWeight(data, qtype, (shape[0], shape[1]))
+    if quantize and len(shape) == 2 and t.tensor_type.name not in ("F32", "F16", "BF16"):
+        log.info("GGUF tensor %s: type %s has no quantized kernel, dequantized at load",
+                 t.name, t.tensor_type.name)
+    try:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+    except NotImplementedError as e:
+        raise ModelLoadError(f"tensor {t.name} has unsupported type {t.tensor_type.name}") from e
+    arr = np.asarray(arr, dtype=np.float32).reshape(shape)
+    return arr if row_perm is None else arr[row_perm]
+
+
+def release_map(reader: Any) -> None:
+    """Drop the file map's pages from this process's resident set (MADV_DONTNEED): those
+    that were only copied from (dequantized or concatenated tensors) stay out, those the
+    kept views read come back from the page cache at first use. Nothing if not mapped."""
+    mm = getattr(reader.data, "_mmap", None)
+    if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+        mm.madvise(mmap.MADV_DONTNEED)
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def _load_gguf(p: Path, dtype: torch.dtype, quantization: str = "auto") -> LoadedModel:
     import gguf
     from gguf import GGUFReader
 
@@ -159,23 +229,23 @@ def _load_gguf(p: Path, dtype: torch.dtype) -> LoadedModel:
     except (KeyError, ValueError) as e:
         raise ModelLoadError(f"{p}: GGUF metadata incomplete or malformed: {e}") from e
 
-    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+    quantize = keep_quantized(quantization)
+
+    def weights() -> Iterator[tuple[str, Any]]:
         for name, t in tensors.items():
-            try:
-                arr = gguf.quants.dequantize(t.data, t.tensor_type)
-            except NotImplementedError as e:
-                raise ModelLoadError(
-                    f"{p}: tensor {name} has unsupported type {t.tensor_type.name}"
-                ) from e
-            arr = np.asarray(arr, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
             parts = name.split(".")
+            perm = None
             if parts[0] == "blk":
                 kind = parts[2]
-                if arch == "llama" and kind == "attn_q":
-                    arr = _unpermute(arr, config.num_attention_heads)
-                elif arch == "llama" and kind == "attn_k":
-                    arr = _unpermute(arr, config.num_key_value_heads)
-                hf = f"model.layers.{parts[1]}.{_GGUF_NAMES[kind]}.{parts[3]}"
+                if arch == "llama" and kind in ("attn_q", "attn_k"):
+                    heads = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
+                    perm = _unpermute(np.arange(int(t.shape[-1])), heads)
+            try:
+                arr = gguf_weight(t, quantize, perm)
+            except ModelLoadError as e:
+                raise ModelLoadError(f"{p}: {e}") from e
+            if parts[0] == "blk":
+                hf = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
             else:
                 hf = {
                     "token_embd.weight": "model.embed_tokens.weight",
@@ -184,7 +254,11 @@ def _load_gguf(p: Path, dtype: torch.dtype) -> LoadedModel:
                 }.get(name)
                 if hf is None:
                     continue  # e.g. rope_freqs
-            yield hf, torch.from_numpy(np.array(arr, copy=True))
+            if isinstance(arr, np.ndarray):
+                yield hf, torch.from_numpy(np.array(arr, copy=True))
+            else:
+                yield hf, arr
 
     model = _build(config, weights(), dtype, p)
+    release_map(reader)
     return LoadedModel(model, config, tokenizer, str(fields.get("general.name") or p.stem), p)

@@ -7,7 +7,7 @@
 //     w             (N, row_bytes) uint8: row n is output column n, K / block_weights GGUF
 //                   blocks back to back (ggml's block_q4_1 etc., little-endian fp16 scales),
 //                   exactly as the file stores the tensor; K a multiple of the block size
-//     out           (M, N), or (M, N / 2) for silu_mul where rows [0, N/2) are gate and
+//     out           (M, N) (x's dtype, or float32 with float_out: logits), or (M, N / 2) for silu_mul where rows [0, N/2) are gate and
 //                   [N/2, N) up: out[m, n] = silu(gate_n . x_m) * (up_n . x_m)
 //
 // Dequantization: every 32 weights of a row (a Q*_0/Q*_1 block, or one sub-block of a
@@ -204,8 +204,8 @@ struct Problem {
 };
 
 // The portable path: rows decoded to float32, dotted in float32; items of 16 rows.
-template <typename T>
-void gemm_portable(const Problem& p, const T* x, int64_t ldx, const T* res, int64_t ldres, T* out) {
+template <typename T, typename O>
+void gemm_portable(const Problem& p, const T* x, int64_t ldx, const T* res, int64_t ldres, O* out) {
   constexpr int64_t kRows = 16;
   const int64_t items = (p.n_out + kRows - 1) / kRows;
   pw::parallel_items(items, [&](int64_t it, int) {
@@ -223,7 +223,7 @@ void gemm_portable(const Problem& p, const T* x, int64_t ldx, const T* res, int6
         } else if (res) {
           a += to_float(res[i * ldres + n]);
         }
-        out[i * p.n_out + n] = T(a);
+        out[i * p.n_out + n] = O(a);
       }
     }
   });
@@ -356,10 +356,14 @@ struct Vec {
   const bf16_bits* res;
   int64_t ldres;
   bf16_bits* out;
+  float* out_f32;  // instead of out: float32 outputs (logits)
 
   void store(int64_t i, int64_t n, float v) const {
     if (res) v += bf16_to_float(res[i * ldres + n]);
-    out[i * p.n_out + n] = float_to_bf16(v);
+    if (out_f32)
+      out_f32[i * p.n_out + n] = v;
+    else
+      out[i * p.n_out + n] = float_to_bf16(v);
   }
 
   // Dot products of weight row `wrow` with the first R (<= 4) rows of x, decoding in
@@ -484,7 +488,7 @@ at::Tensor dequantize(const at::Tensor& w, int64_t type, int64_t k) {
 }
 
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, const c10::optional<at::Tensor>& residual,
-                bool silu_mul, bool portable) {
+                bool silu_mul, bool portable, bool float_out) {
   Problem p{};
   p.type = int(type);
   TORCH_CHECK(type_info(p.type, &p.ti), "cpu_quant: unsupported type ", type);
@@ -502,7 +506,8 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, const c1
   TORCH_CHECK(!silu_mul || (p.n % 2 == 0 && !residual), "silu_mul: [gate; up] rows, no residual");
   p.silu = silu_mul;
   p.n_out = silu_mul ? p.n / 2 : p.n;
-  at::Tensor out = at::empty({p.m, p.n_out}, x.options());
+  TORCH_CHECK(!float_out || !residual, "float_out: no residual");
+  at::Tensor out = at::empty({p.m, p.n_out}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
   at::Tensor res;
   if (residual) {
     res = *residual;
@@ -515,7 +520,8 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, const c1
   if (bf16 && !portable) {
     Vec v{p, reinterpret_cast<const bf16_bits*>(x.data_ptr()), x.stride(0),
           res.defined() ? reinterpret_cast<const bf16_bits*>(res.data_ptr()) : nullptr,
-          res.defined() ? res.stride(0) : 0, reinterpret_cast<bf16_bits*>(out.data_ptr())};
+          res.defined() ? res.stride(0) : 0, float_out ? nullptr : reinterpret_cast<bf16_bits*>(out.data_ptr()),
+          float_out ? out.data_ptr<float>() : nullptr};
     constexpr int64_t kRows = 16;
     const int64_t per_item = p.silu ? kRows / 2 : kRows;
     const int64_t items = (p.n_out + per_item - 1) / per_item;
@@ -536,11 +542,15 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, const c1
   (void)portable;
   if (bf16) {
     using T = at::BFloat16;
-    gemm_portable<T>(p, x.data_ptr<T>(), x.stride(0), res.defined() ? res.data_ptr<T>() : nullptr,
-                     res.defined() ? res.stride(0) : 0, out.data_ptr<T>());
+    const T* r = res.defined() ? res.data_ptr<T>() : nullptr;
+    const int64_t ldr = res.defined() ? res.stride(0) : 0;
+    if (float_out)
+      gemm_portable<T, float>(p, x.data_ptr<T>(), x.stride(0), r, ldr, out.data_ptr<float>());
+    else
+      gemm_portable<T, T>(p, x.data_ptr<T>(), x.stride(0), r, ldr, out.data_ptr<T>());
   } else {
-    gemm_portable<float>(p, x.data_ptr<float>(), x.stride(0), res.defined() ? res.data_ptr<float>() : nullptr,
-                         res.defined() ? res.stride(0) : 0, out.data_ptr<float>());
+    gemm_portable<float, float>(p, x.data_ptr<float>(), x.stride(0), res.defined() ? res.data_ptr<float>() : nullptr,
+                                res.defined() ? res.stride(0) : 0, out.data_ptr<float>());
   }
   return out;
 }

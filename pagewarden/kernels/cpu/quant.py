@@ -61,6 +61,8 @@ class QuantWeight:
     data: torch.Tensor
     qtype: int
     shape: tuple[int, int]
+    #: Return float32 outputs whatever x's dtype (the lm_head: logits not rounded to bf16).
+    float_out: bool = False
 
     def __post_init__(self) -> None:
         if self.qtype not in KERNEL_TYPES:
@@ -142,7 +144,8 @@ def gemm(
     portable: bool = False,
 ) -> torch.Tensor:
     """x (M, K) @ W^T (M, N) [+ residual], or silu(gate) * up (M, N / 2) for W = [gate; up].
-    x bf16 or float32 (other dtypes are computed in float32 and cast back)."""
+    x bf16 or float32 (other dtypes are computed in float32 and cast back); the output in
+    x's dtype, or float32 for a ``float_out`` weight."""
     ext = ext or _require()
     dtype = x.dtype
     if dtype not in (torch.bfloat16, torch.float32):
@@ -152,8 +155,9 @@ def gemm(
         x = x.contiguous()
     if residual is not None and (residual.dtype != x.dtype or residual.stride(-1) != 1):
         residual = residual.to(x.dtype).contiguous()
-    out = ext.gemm(x, w.data, w.qtype, residual, silu_mul, portable)
-    return out if out.dtype == dtype else out.to(dtype)
+    float_out = w.float_out and residual is None and not silu_mul
+    out = ext.gemm(x, w.data, w.qtype, residual, silu_mul, portable, float_out)
+    return out if out.dtype == dtype or float_out else out.to(dtype)
 
 
 def embedding(w: QuantWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
