@@ -232,13 +232,19 @@ void gemm_portable(const Problem& p, const T* x, int64_t ldx, const T* res, int6
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 constexpr bool kHasVector = true;
 
-inline __m512 bcast_half(const uint8_t* p) { return _mm512_set1_ps(half_to_float(p)); }
+inline float half_f16c(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+inline __m512 bcast_half(const uint8_t* p) { return _mm512_set1_ps(half_f16c(p)); }
 inline __m512 cvt(__m512i v) { return _mm512_cvtepi32_ps(v); }
 inline __m512i bytes16(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 // The 32 weights of piece s of block b as float32: lo = weights 0..15, hi = 16..31. The
 // same arithmetic, operation for operation, as decode32_scalar.
-inline void decode32(int type, const uint8_t* b, int s, __m512& lo, __m512& hi) {
+template <int type>
+inline void decode32(const uint8_t* b, int s, __m512& lo, __m512& hi) {
   const __m512i f = _mm512_set1_epi32(0xF);
   switch (type) {
     case Q4_0: {
@@ -285,8 +291,8 @@ inline void decode32(int type, const uint8_t* b, int s, __m512& lo, __m512& hi) 
     case Q5_K: {
       int sc, mn;
       scale_min_k4(s, b + 4, &sc, &mn);
-      const __m512 d1 = _mm512_set1_ps(half_to_float(b) * float(sc));
-      const __m512 m1 = _mm512_set1_ps(half_to_float(b + 2) * float(mn));
+      const __m512 d1 = _mm512_set1_ps(half_f16c(b) * float(sc));
+      const __m512 m1 = _mm512_set1_ps(half_f16c(b + 2) * float(mn));
       const bool five = type == Q5_K;
       const uint8_t* qs = b + (five ? 48 : 16) + 32 * (s / 2);
       __m512i a = bytes16(qs), c = bytes16(qs + 16);
@@ -309,7 +315,7 @@ inline void decode32(int type, const uint8_t* b, int s, __m512& lo, __m512& hi) 
       return;
     }
     case Q6_K: {
-      const float d = half_to_float(b + 208);
+      const float d = half_f16c(b + 208);
       const int half = s / 4, t = s % 4;
       const uint8_t* ql = b + 64 * half + (t & 1) * 32;
       const uint8_t* qh = b + 128 + 32 * half;
@@ -328,9 +334,10 @@ inline void decode32(int type, const uint8_t* b, int s, __m512& lo, __m512& hi) 
   }
 }
 
-inline __m512bh decode32_bf16(int type, const uint8_t* b, int s) {
+template <int type>
+inline __m512bh decode32_bf16(const uint8_t* b, int s) {
   __m512 lo, hi;
-  decode32(type, b, s, lo, hi);
+  decode32<type>(b, s, lo, hi);
   return _mm512_cvtne2ps_pbh(hi, lo);  // element j < 16 from lo, 16 + j from hi
 }
 
@@ -349,6 +356,7 @@ inline bf16_bits float_to_bf16(float f) {  // round to nearest even, as vcvtneps
   return at::BFloat16(f).x;
 }
 
+template <int type>
 struct Vec {
   const Problem& p;
   const bf16_bits* x;
@@ -366,34 +374,56 @@ struct Vec {
       out[i * p.n_out + n] = float_to_bf16(v);
   }
 
-  // Dot products of weight row `wrow` with the first R (<= 4) rows of x, decoding in
-  // registers (decode loop order).
-  template <int R>
-  void dots_direct(int64_t wrow, float* sums) const {
-    __m512 acc[R];
-    for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
-    const uint8_t* row = p.w + wrow * p.row_bytes;
-    const int pieces = p.ti.block_weights / 32;
+  // Dot products of weight rows [w0, w0 + C) with the first R (<= 4) rows of x, decoding
+  // in registers (the decode loop order); R x C independent accumulator chains.
+  template <int R, int C>
+  void dots_direct(const int64_t* wrows, float (*sums)[4]) const {
+    __m512 acc[R][C];
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < C; ++j) acc[i][j] = _mm512_setzero_ps();
+    const uint8_t* rows[C];
+    for (int j = 0; j < C; ++j) rows[j] = p.w + wrows[j] * p.row_bytes;
+    constexpr int pieces = type >= Q4_K ? 8 : 1;
     for (int64_t blk = 0, k0 = 0; blk < p.k / p.ti.block_weights; ++blk) {
-      const uint8_t* b = row + blk * p.ti.block_bytes;
+      const int64_t off = blk * p.ti.block_bytes;
       for (int s = 0; s < pieces; ++s, k0 += 32) {
-        const __m512bh wv = decode32_bf16(p.type, b, s);
-        for (int i = 0; i < R; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], load_bh(x + i * ldx + k0), wv);
+        __m512bh wv[C];
+        for (int j = 0; j < C; ++j) wv[j] = decode32_bf16<type>(rows[j] + off, s);
+        for (int i = 0; i < R; ++i) {
+          const __m512bh xv = load_bh(x + i * ldx + k0);
+          for (int j = 0; j < C; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+        }
       }
     }
-    for (int i = 0; i < R; ++i) sums[i] = _mm512_reduce_add_ps(acc[i]);
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < C; ++j) sums[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+  }
+
+  template <int R>
+  void item_direct_r(int64_t n0, int64_t n1) const {
+    constexpr int C = R <= 2 ? 4 : 2;  // weight rows per pass (silu: gate and up rows)
+    float sums[4][4];
+    const int per = p.silu ? C / 2 : C;
+    for (int64_t n = n0; n < n1; n += per) {
+      const int cnt = int(std::min<int64_t>(per, n1 - n));
+      int64_t wrows[C];
+      for (int j = 0; j < C; ++j) {
+        const int o = std::min(j % per, cnt - 1);  // a short pass repeats its last row
+        wrows[j] = n + o + (p.silu && j >= per ? p.n_out : 0);
+      }
+      dots_direct<R, C>(wrows, sums);
+      for (int i = 0; i < R; ++i)
+        for (int j = 0; j < cnt; ++j)
+          store(i, n + j, p.silu ? silu(sums[i][j]) * sums[i][j + per] : sums[i][j]);
+    }
   }
 
   void item_direct(int64_t n0, int64_t n1) const {
-    float a[4], b[4];
-    for (int64_t n = n0; n < n1; ++n) {
-      switch (p.m) {
-        case 1: dots_direct<1>(n, a); if (p.silu) dots_direct<1>(n + p.n_out, b); break;
-        case 2: dots_direct<2>(n, a); if (p.silu) dots_direct<2>(n + p.n_out, b); break;
-        case 3: dots_direct<3>(n, a); if (p.silu) dots_direct<3>(n + p.n_out, b); break;
-        default: dots_direct<4>(n, a); if (p.silu) dots_direct<4>(n + p.n_out, b); break;
-      }
-      for (int64_t i = 0; i < p.m; ++i) store(i, n, p.silu ? silu(a[i]) * b[i] : a[i]);
+    switch (p.m) {
+      case 1: item_direct_r<1>(n0, n1); break;
+      case 2: item_direct_r<2>(n0, n1); break;
+      case 3: item_direct_r<3>(n0, n1); break;
+      default: item_direct_r<4>(n0, n1); break;
     }
   }
 
@@ -436,7 +466,7 @@ struct Vec {
       bf16_bits* dst = scratch + r * p.k;
       for (int64_t blk = 0, k0 = 0; blk < p.k / p.ti.block_weights; ++blk)
         for (int s = 0; s < pieces; ++s, k0 += 32)
-          _mm512_storeu_si512(dst + k0, reinterpret_cast<__m512i>(decode32_bf16(p.type, row + blk * p.ti.block_bytes, s)));
+          _mm512_storeu_si512(dst + k0, reinterpret_cast<__m512i>(decode32_bf16<type>(row + blk * p.ti.block_bytes, s)));
     }
     float sums[4][4];
     std::vector<float> gate(p.silu ? 4 * cnt : 0);
@@ -466,6 +496,33 @@ struct Vec {
     }
   }
 };
+template <int type>
+void run_vector(const Problem& p, const Vec<type>& v) {
+  constexpr int64_t kRows = 16;
+  const int64_t per_item = p.silu ? kRows / 2 : kRows;
+  const int64_t items = (p.n_out + per_item - 1) / per_item;
+  if (p.m <= 4) {
+    pw::parallel_items(items, [&](int64_t it, int) {
+      v.item_direct(it * per_item, std::min(p.n_out, (it + 1) * per_item));
+    });
+  } else {
+    const int threads = pw::max_threads();
+    std::vector<bf16_bits> scratch(size_t(threads) * kRows * p.k);
+    pw::parallel_items(items, [&](int64_t it, int thread) {
+      v.item_scratch(it * per_item, std::min(p.n_out, (it + 1) * per_item), scratch.data() + thread * kRows * p.k);
+    });
+  }
+}
+
+template <int type>
+void run_vector(const Problem& p, const at::Tensor& x, const at::Tensor& res, const at::Tensor& out, bool float_out) {
+  const Vec<type> v{p, reinterpret_cast<const bf16_bits*>(x.data_ptr()), x.stride(0),
+                    res.defined() ? reinterpret_cast<const bf16_bits*>(res.data_ptr()) : nullptr,
+                    res.defined() ? res.stride(0) : 0,
+                    float_out ? nullptr : reinterpret_cast<bf16_bits*>(out.data_ptr()),
+                    float_out ? out.data_ptr<float>() : nullptr};
+  run_vector<type>(p, v);
+}
 #else
 constexpr bool kHasVector = false;
 #endif
@@ -518,23 +575,15 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, const c1
   const bool bf16 = x.scalar_type() == at::kBFloat16;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   if (bf16 && !portable) {
-    Vec v{p, reinterpret_cast<const bf16_bits*>(x.data_ptr()), x.stride(0),
-          res.defined() ? reinterpret_cast<const bf16_bits*>(res.data_ptr()) : nullptr,
-          res.defined() ? res.stride(0) : 0, float_out ? nullptr : reinterpret_cast<bf16_bits*>(out.data_ptr()),
-          float_out ? out.data_ptr<float>() : nullptr};
-    constexpr int64_t kRows = 16;
-    const int64_t per_item = p.silu ? kRows / 2 : kRows;
-    const int64_t items = (p.n_out + per_item - 1) / per_item;
-    if (p.m <= 4) {
-      pw::parallel_items(items, [&](int64_t it, int) {
-        v.item_direct(it * per_item, std::min(p.n_out, (it + 1) * per_item));
-      });
-    } else {
-      const int threads = pw::max_threads();
-      std::vector<bf16_bits> scratch(size_t(threads) * kRows * p.k);
-      pw::parallel_items(items, [&](int64_t it, int thread) {
-        v.item_scratch(it * per_item, std::min(p.n_out, (it + 1) * per_item), scratch.data() + thread * kRows * p.k);
-      });
+    switch (p.type) {
+      case Q4_0: run_vector<Q4_0>(p, x, res, out, float_out); break;
+      case Q4_1: run_vector<Q4_1>(p, x, res, out, float_out); break;
+      case Q5_0: run_vector<Q5_0>(p, x, res, out, float_out); break;
+      case Q5_1: run_vector<Q5_1>(p, x, res, out, float_out); break;
+      case Q8_0: run_vector<Q8_0>(p, x, res, out, float_out); break;
+      case Q4_K: run_vector<Q4_K>(p, x, res, out, float_out); break;
+      case Q5_K: run_vector<Q5_K>(p, x, res, out, float_out); break;
+      default: run_vector<Q6_K>(p, x, res, out, float_out); break;
     }
     return out;
   }
