@@ -70,8 +70,8 @@ def main() -> None:
         for m in args.rows:
             x = torch.randn(m, k).bfloat16()
             iters = max(5, args.iters // max(1, m // 8))
-            tq = timed(lambda: cpu_quant.gemm(x, w), iters)
-            tb = timed(lambda: cpu_gemm.gemm(x, tiles, n), iters)
+            tq = timed(lambda x=x, w=w: cpu_quant.gemm(x, w), iters)
+            tb = timed(lambda x=x, t=tiles, n=n: cpu_gemm.gemm(x, t, n), iters)
             total.setdefault(m, [0.0, 0.0])
             total[m][0] += tq
             total[m][1] += tb
@@ -80,8 +80,10 @@ def main() -> None:
                 f"bf16 {tb:8.3f} ms  bf16/quant {tb / tq:5.2f}x"
             )
     for m, (tq, tb) in total.items():
-        print(f"sum of one layer's shapes + lm_head, M={m}: quant {tq:.3f} ms, bf16 {tb:.3f} ms, "
-              f"bf16/quant {tb / tq:.2f}x")
+        print(
+            f"sum of one layer's shapes + lm_head, M={m}: quant {tq:.3f} ms, bf16 {tb:.3f} ms, "
+            f"bf16/quant {tb / tq:.2f}x"
+        )
 
 
 if __name__ == "__main__":

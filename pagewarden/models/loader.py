@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import logging
@@ -170,8 +171,11 @@ def gguf_weight(t: Any, quantize: bool, row_perm: np.ndarray | None = None) -> A
             data = data[torch.from_numpy(row_perm)]
         return QuantWeight(data, qtype, (shape[0], shape[1]))
     if quantize and len(shape) == 2 and t.tensor_type.name not in ("F32", "F16", "BF16"):
-        log.info("GGUF tensor %s: type %s has no quantized kernel, dequantized at load",
-                 t.name, t.tensor_type.name)
+        log.info(
+            "GGUF tensor %s: type %s has no quantized kernel, dequantized at load",
+            t.name,
+            t.tensor_type.name,
+        )
     try:
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
     except NotImplementedError as e:
@@ -187,13 +191,16 @@ def release_map(reader: Any) -> None:
     mm = getattr(reader.data, "_mmap", None)
     if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
         mm.madvise(mmap.MADV_DONTNEED)
+    try:  # hand the freed dense staging copies (glibc heap) back to the system
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 # ---------------------------------------------------------------------------------------
 
 
 def _load_gguf(p: Path, dtype: torch.dtype, quantization: str = "auto") -> LoadedModel:
-    import gguf
     from gguf import GGUFReader
 
     try:
@@ -238,7 +245,11 @@ def _load_gguf(p: Path, dtype: torch.dtype, quantization: str = "auto") -> Loade
             if parts[0] == "blk":
                 kind = parts[2]
                 if arch == "llama" and kind in ("attn_q", "attn_k"):
-                    heads = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
+                    heads = (
+                        config.num_attention_heads
+                        if kind == "attn_q"
+                        else config.num_key_value_heads
+                    )
                     perm = _unpermute(np.arange(int(t.shape[-1])), heads)
             try:
                 arr = gguf_weight(t, quantize, perm)

@@ -111,7 +111,9 @@ def load() -> ModuleType | None:
         ext = compile_extension("cpu_quant", _SOURCE, CFLAGS)
     except Exception as e:  # no compiler, no ninja, a failed build: dequantize at load
         reason = " ".join(str(e).split())[:300]
-        log.warning("quantized GEMM unavailable, weights dequantized: %s: %s", type(e).__name__, reason)
+        log.warning(
+            "quantized GEMM unavailable, weights dequantized: %s: %s", type(e).__name__, reason
+        )
         return None
     cpu_pool.bind(ext)
     return ext
