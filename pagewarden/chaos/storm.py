@@ -195,7 +195,7 @@ def run_storm(
 ) -> StormReport:
     """Run the storm and its fault-free reference; compare and report."""
     if loaded is None:
-        loaded = load_model(config.model, config.torch_dtype)
+        loaded = load_model(config.model, config.torch_dtype, config.resolved_quantization)
     recorded = with_flight_recorder(config, recorder_dir) if recorder_dir is not None else None
     run = _StormRun(recorded or config, loaded, seed, max_tokens)
     start = time.monotonic()

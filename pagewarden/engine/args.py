@@ -12,6 +12,7 @@ from dataclasses import fields
 from pagewarden.engine.config import EngineConfig
 from pagewarden.engine.kv_tiers import add_kv_tier_args
 from pagewarden.kernels.backend import ATTENTION_BACKENDS
+from pagewarden.models.gguf_weights import QUANTIZATION_MODES
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -56,6 +57,15 @@ def _add_model_args(parser: argparse.ArgumentParser, d: EngineConfig) -> None:
         type=int,
         default=None,
         help="exact KV block count (default: as many as --kv-cache-memory holds)",
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATION_MODES,
+        default=d.quantization,
+        help="GGUF weights, experimental (docs/quantization.md): none dequantizes every "
+        "tensor at load (default); gguf keeps Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K "
+        "tensors quantized for the CPU kernels (bfloat16 on the CPU; an error where they "
+        "cannot build); auto does so where they apply and build, else none",
     )
 
 

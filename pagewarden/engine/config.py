@@ -10,6 +10,7 @@ from pagewarden.engine.profiles import ProfileError, SafeModePolicy
 from pagewarden.kernels.backend import AttentionBackendError, check_backend, default_backend
 from pagewarden.kvstore.tier import check_tier_options
 from pagewarden.models.chat_template import ChatTemplateError, read_chat_template
+from pagewarden.models.gguf_weights import QUANTIZATION_MODES
 from pagewarden.private_dir import user_state_dir
 from pagewarden.sched.config import MIN_MAX_MODEL_LEN
 from pagewarden.worker.cpu_threads import CpuBindError, parse_cpu_list
@@ -111,6 +112,11 @@ class EngineConfig:
     kv_offload_redis_size: int | str = "4GiB"
     kv_offload_redis_ttl: int = 86400
     kv_offload_timeout: float = 0.5
+    # GGUF weights kept block-quantized for the CPU kernels (kernels/cpu/quant.py,
+    # docs/quantization.md), experimental: none (default) dequantizes at load; gguf keeps
+    # them quantized (bfloat16 on the CPU only); auto where that applies and the kernel
+    # builds, else none.
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         self._check_model_and_cache()
@@ -122,6 +128,26 @@ class EngineConfig:
         self._check_device()
         self._check_chat_template()
         self._check_kv_tiers()
+        self._check_quantization()
+
+    def _check_quantization(self) -> None:
+        """A known mode; ``gguf`` only where the quantized kernels apply (bf16 on the CPU)."""
+        if self.quantization not in QUANTIZATION_MODES:
+            raise EngineConfigError(
+                f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, "
+                f"got {self.quantization!r}"
+            )
+        blocker = self._quantization_blocker()
+        if self.quantization == "gguf" and blocker:
+            raise EngineConfigError(f"quantization 'gguf': {blocker}")
+
+    def _quantization_blocker(self) -> str | None:
+        """Why GGUF weights cannot stay quantized with this config (None: they can)."""
+        if self.torch_dtype != torch.bfloat16:
+            return f"the quantized kernels compute in bfloat16, not {self.dtype}"
+        if self.resolved_device.type != "cpu":
+            return f"the quantized kernels run on the CPU, not {self.resolved_device}"
+        return None
 
     def _check_kv_tiers(self) -> None:
         """The KV tiers' directory, server, sizes and timeout (kvstore/tier.py)."""
@@ -296,6 +322,14 @@ class EngineConfig:
         """The attention backend asked for, else the device's default (``default_backend``:
         triton on cuda, cpu on a CPU with a C++ toolchain, else torch)."""
         return self.attention_backend or default_backend(self.resolved_device.type)
+
+    @property
+    def resolved_quantization(self) -> str:
+        """The mode the loader gets: ``auto`` is ``none`` where the kernels do not apply
+        (float32 or float16 runs, a GPU); whether they build is the loader's to find."""
+        if self.quantization == "auto" and self._quantization_blocker():
+            return "none"
+        return self.quantization
 
     @property
     def torch_dtype(self) -> torch.dtype:

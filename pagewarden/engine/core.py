@@ -86,7 +86,9 @@ class EngineCore:
         self.config = config
         apply_cpu_threads(config.cpu_threads, config.cpu_bind)
         self.loaded = _place_model(
-            loaded if loaded is not None else load_model(config.model, config.torch_dtype),
+            loaded
+            if loaded is not None
+            else load_model(config.model, config.torch_dtype, config.resolved_quantization),
             config.resolved_device,
         )
         self.tokenizer = self.loaded.tokenizer

@@ -71,6 +71,7 @@ class LLM:
         kv_offload_redis_ttl: int = EngineConfig.kv_offload_redis_ttl,
         kv_offload_timeout: float = EngineConfig.kv_offload_timeout,
         chat_template: str | None = None,
+        quantization: str = EngineConfig.quantization,
     ) -> None:
         # Every argument is an EngineConfig field of the same name (a test keeps it so).
         fields = {name: value for name, value in locals().items() if name != "self"}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,7 +16,8 @@ from pagewarden.kernels.attention import AttentionMetadata, AttentionOps
 from pagewarden.kernels.backend import AttentionBackendError
 from pagewarden.kernels.cpu import fused as cpu_fused
 from pagewarden.kernels.cpu import linear as cpu_linear
-from pagewarden.kernels.cpu.linear import linear
+from pagewarden.kernels.cpu.linear import embedding, linear
+from pagewarden.kernels.cpu.quant import QuantWeight
 from pagewarden.models.config import ModelConfig
 from pagewarden.models.layers import (
     Attention,
@@ -25,6 +27,7 @@ from pagewarden.models.layers import (
     RopeTable,
     compute_dtype_for,
 )
+from pagewarden.models.quantized import attach_quantized, densify_mixed
 
 
 class DecoderModel(nn.Module):
@@ -146,7 +149,7 @@ class DecoderForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(T, hidden) input embeddings; times sqrt(hidden) in their own dtype (Gemma)."""
-        x = self.model.embed_tokens(input_ids)
+        x = embedding(self.model.embed_tokens, input_ids)  # rows decoded if quantized
         if self.config.embed_scale:
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         return x
@@ -183,9 +186,11 @@ class DecoderForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits if dtype is None else logits.to(dtype)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Load HF-named tensors, fusing q/k/v and gate/up; raises KeyError on unknown or
-        missing names. Then picks the compute dtype for this machine (`use_compute_dtype`).
+        missing names. A ``QuantWeight`` (a GGUF tensor kept quantized) is attached to its
+        module instead (``models/quantized.py``), fused shards concatenated row-wise.
+        Then picks the compute dtype for this machine (`use_compute_dtype`).
         """
         params = dict(self.named_parameters(remove_duplicate=False))
         if self.storage_dtype is None:
@@ -194,6 +199,8 @@ class DecoderForCausalLM(nn.Module):
         c = self.config
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         sizes = {"qkv_proj": [q, kv, kv], "gate_up_proj": [c.intermediate_size] * 2}
+        quantized: dict[str, list[tuple[int, QuantWeight]]] = {}  # kept quantized (GGUF)
+        dense: set[str] = set()  # targets written densely (a mixed fused layer's test)
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
@@ -206,7 +213,12 @@ class DecoderForCausalLM(nn.Module):
                     break
             if target not in params:
                 raise KeyError(f"unexpected weight {name!r}")
+            if isinstance(tensor, QuantWeight):
+                quantized.setdefault(target, []).append((shard[1] if shard else 0, tensor))
+                loaded.add(name)
+                continue
             p = params[target]
+            dense.add(target)
             with torch.no_grad():
                 tensor = tensor.to(self.storage_dtype)  # rounded even when p is wider
                 if shard is None:
@@ -215,6 +227,9 @@ class DecoderForCausalLM(nn.Module):
                     sz = sizes[shard[0]]
                     p.narrow(0, sum(sz[: shard[1]]), sz[shard[1]]).copy_(tensor)
             loaded.add(name)
+        tied = {"lm_head": "model.embed_tokens"} if c.tie_word_embeddings else {}
+        densify_mixed(params, quantized, dense, sizes)
+        attach_quantized(self, quantized, tied)
         for n in params:
             if c.tie_word_embeddings and n == "lm_head.weight":
                 continue

@@ -15,6 +15,12 @@ import torch
 from pagewarden.models.architecture import GGUF_GLOBALS, Architecture, GGUFMeta
 from pagewarden.models.causal_lm import DecoderForCausalLM
 from pagewarden.models.config import ModelConfig
+from pagewarden.models.gguf_weights import (
+    QuantizationError,
+    gguf_weight,
+    keep_quantized,
+    release_map,
+)
 from pagewarden.models.registry import ARCHITECTURES, BY_GGUF_NAME, BY_HF_NAME
 from pagewarden.models.tokenizer import Tokenizer, TokenizerLoadError
 
@@ -56,10 +62,13 @@ def default_model_path() -> Path:
     return path
 
 
-def load_model(path: str | Path | None, dtype: torch.dtype = torch.bfloat16) -> LoadedModel:
-    """Load an HF directory (config.json + *.safetensors + tokenizer) or a .gguf file."""
+def load_model(
+    path: str | Path | None, dtype: torch.dtype = torch.bfloat16, quantization: str = "none"
+) -> LoadedModel:
+    """Load an HF directory (config.json + *.safetensors + tokenizer) or a .gguf file;
+    ``quantization`` (GGUF only; ``gguf_weights.QUANTIZATION_MODES``): none | auto | gguf."""
     p = default_model_path() if path is None else Path(path)
-    loaded = load_causal_lm(p, dtype)
+    loaded = load_causal_lm(p, dtype, quantization)
     tokenizer = _load_tokenizer(p, loaded.fields)
     return LoadedModel(loaded.model, loaded.config, tokenizer, loaded.name, p)
 
@@ -74,13 +83,16 @@ def _load_tokenizer(p: Path, gguf_fields: dict[str, Any]) -> Tokenizer:
         raise ModelLoadError(f"{p}: {e}") from e
 
 
-def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.bfloat16) -> LoadedWeights:
-    """The model of an HF directory or a .gguf file, without its tokenizer."""
+def load_causal_lm(
+    path: str | Path, dtype: torch.dtype = torch.bfloat16, quantization: str = "none"
+) -> LoadedWeights:
+    """The model of an HF directory or a .gguf file, without its tokenizer; a GGUF's
+    weights stay block-quantized under ``quantization`` auto / gguf (see ``load_model``)."""
     p = Path(path)
     if p.is_dir():
         return _load_hf_dir(p, dtype)
     if p.is_file() and p.suffix == ".gguf":
-        return _load_gguf(p, dtype)
+        return _load_gguf(p, dtype, quantization)
     raise ModelLoadError(
         f"{p}: expected an HF model directory (config.json + *.safetensors + tokenizer.json) or a .gguf file"
     )
@@ -103,7 +115,7 @@ def _config(where: Path, parse: Any, source: Any) -> ModelConfig:
 def _build(
     arch: Architecture,
     config: ModelConfig,
-    weights: Iterator[tuple[str, torch.Tensor]],
+    weights: Iterator[tuple[str, Any]],
     dtype: torch.dtype,
     where: Path,
 ) -> DecoderForCausalLM:
@@ -150,8 +162,20 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def _load_gguf(p: Path, dtype: torch.dtype) -> LoadedWeights:
-    import gguf
+def _gguf_hf_name(arch: Architecture, name: str, where: Path) -> str:
+    """The HF name of GGUF tensor ``name`` (``blk.N.<kind>.weight`` or a global one)."""
+    parts = name.split(".")
+    if parts[0] == "blk":
+        kind = parts[2]
+        if kind not in arch.gguf_tensors:
+            raise ModelLoadError(f"{where}: GGUF tensor {name} is not supported for {arch.name}")
+        return f"model.layers.{parts[1]}.{arch.gguf_tensors[kind]}.{parts[3]}"
+    if name in GGUF_GLOBALS:
+        return GGUF_GLOBALS[name]
+    raise ModelLoadError(f"{where}: GGUF tensor {name} is not supported for {arch.name}")
+
+
+def _load_gguf(p: Path, dtype: torch.dtype, quantization: str = "none") -> LoadedWeights:
     from gguf import GGUFReader
 
     try:
@@ -166,44 +190,39 @@ def _load_gguf(p: Path, dtype: torch.dtype) -> LoadedWeights:
             f"{p}: GGUF architecture {arch_name!r} is not supported ({_supported()})"
         )
     tensors = {t.name: t for t in reader.tensors}
+    try:
+        quantize = keep_quantized(quantization)
+    except QuantizationError as e:
+        raise ModelLoadError(f"{p}: {e}") from e
 
-    def array(name: str) -> np.ndarray:
-        t = tensors[name]
+    def tensor(name: str, keep: bool, perm: np.ndarray | None = None) -> Any:
         try:
-            arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError as e:
-            raise ModelLoadError(
-                f"{p}: tensor {name} has unsupported type {t.tensor_type.name}"
-            ) from e
-        return np.asarray(arr, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
+            return gguf_weight(tensors[name], keep, perm)
+        except QuantizationError as e:
+            raise ModelLoadError(f"{p}: {e}") from e
 
-    meta = GGUFMeta(str(arch_name), fields, frozenset(tensors), array)
+    meta = GGUFMeta(str(arch_name), fields, frozenset(tensors), lambda n: tensor(n, False))
     config = _config(p, arch.config_from_gguf, meta)
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
 
-    def weights() -> Iterator[tuple[str, torch.Tensor]]:
-        for name in tensors:
+    def weights() -> Iterator[tuple[str, Any]]:
+        for name, t in tensors.items():
             if name in arch.gguf_config_tensors:
                 continue
-            parts = name.split(".")
-            if parts[0] == "blk":
-                kind = parts[2]
-                if kind not in arch.gguf_tensors:
-                    raise ModelLoadError(
-                        f"{p}: GGUF tensor {name} is not supported for {arch.name}"
-                    )
-                hf = f"model.layers.{parts[1]}.{arch.gguf_tensors[kind]}.{parts[3]}"
-            elif name in GGUF_GLOBALS:
-                hf = GGUF_GLOBALS[name]
-            else:
-                raise ModelLoadError(f"{p}: GGUF tensor {name} is not supported for {arch.name}")
-            arr = array(name)
-            if arch.gguf_permuted_qk and parts[-2] == "attn_q":
-                arr = _unpermute(arr, config.num_attention_heads)
-            elif arch.gguf_permuted_qk and parts[-2] == "attn_k":
-                arr = _unpermute(arr, config.num_key_value_heads)
+            hf = _gguf_hf_name(arch, name, p)
+            perm = None
+            kind = name.split(".")[-2]
+            if arch.gguf_permuted_qk and kind in heads:  # a row order, for either form
+                perm = _unpermute(np.arange(int(t.shape[-1])), heads[kind])
+            arr = tensor(name, quantize, perm)
+            if not isinstance(arr, np.ndarray):
+                yield hf, arr  # a QuantWeight (kernels/cpu/quant)
+                continue
             if config.norm_offset and name.endswith("norm.weight"):
                 arr = arr - config.norm_offset  # llama.cpp stored offset + w
             yield hf, torch.from_numpy(np.array(arr, copy=True))
 
     model = _build(arch, config, weights(), dtype, p)
+    if quantize:
+        release_map(reader)
     return LoadedWeights(model, config, str(fields.get("general.name") or p.stem), fields)

@@ -46,3 +46,27 @@ def test_llm_takes_every_engine_config_field() -> None:
 
     params = set(inspect.signature(LLM.__init__).parameters) - {"self"}
     assert {f.name for f in fields(EngineConfig)} <= params
+
+
+def test_quantization_defaults_to_none_and_gguf_is_checked() -> None:
+    """GGUF weights stay dequantized unless asked (experimental, docs/quantization.md);
+    float32 / float16 runs and GPUs keep the dense path under auto, and refuse gguf."""
+    import argparse
+
+    from pagewarden.engine.args import add_engine_args, engine_config
+
+    assert EngineConfig().quantization == "none"
+    assert EngineConfig().resolved_quantization == "none"
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config(parser.parse_args([])).quantization == "none"
+    cfg = engine_config(parser.parse_args(["--quantization", "gguf", "--device", "cpu"]))
+    assert cfg.resolved_quantization == "gguf"
+    assert EngineConfig(quantization="auto", device="cpu").resolved_quantization == "auto"
+    for dtype in ("float32", "float16"):
+        auto = EngineConfig(quantization="auto", dtype=dtype, device="cpu")
+        assert auto.resolved_quantization == "none"
+        with pytest.raises(EngineConfigError, match="bfloat16"):
+            EngineConfig(quantization="gguf", dtype=dtype, device="cpu")
+    with pytest.raises(EngineConfigError, match="quantization must be"):
+        EngineConfig(quantization="q4")

@@ -22,6 +22,11 @@ decode step's GEMM time at small batches. Three packings, chosen by ``pick_packi
 The packed copy lives beside the layer's ``weight`` (``layer.__dict__``, not a parameter)
 and is rebuilt by ``pack`` whenever the weights change dtype; ``unpack`` drops it. Bench:
 ``bench/linear_prepack.py``.
+
+A layer may instead carry a GGUF block-quantized weight (``attach``; ``kernels/cpu/quant``):
+then its ``weight`` parameter is empty, every call below goes through the quantized GEMM
+(epilogues fused the same way), ``pack`` leaves it alone, and ``embedding`` decodes the
+gathered rows of a quantized embedding table.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from torch import nn
 
 from pagewarden.kernels.cpu import fused as cpu_fused
 from pagewarden.kernels.cpu import gemm as cpu_gemm
+from pagewarden.kernels.cpu import quant as cpu_quant
 
 Packing = Literal["tiles", "onednn", "mkl"]
 
@@ -41,6 +47,7 @@ _TILES = "gemm_tiles"  # cpu_gemm tiles, plain column order
 _GATE_UP = "gemm_tiles_gate_up"  # cpu_gemm tiles, gate and up interleaved (silu fused)
 _ONEDNN = "onednn_weight"
 _MKL = "mkl_single_row"
+_QUANT = "quant_weight"  # a cpu_quant.QuantWeight replacing the weight
 
 
 def pick_packing(dtype: torch.dtype, device: torch.device) -> Packing | None:
@@ -75,6 +82,8 @@ def pack(
     worth packing for one-row calls under ``mkl``; ``gate_up``: a [gate; up] layer called
     through ``linear_silu_mul``); None removes any packed copy."""
     unpack(layer)
+    if _QUANT in layer.__dict__:
+        return  # computes from its quantized weight
     weight = layer.weight.detach()
     if packing == "tiles":
         if layer.bias is None and cpu_gemm.fits(weight, gate_up):
@@ -90,12 +99,40 @@ def pack(
 
 def unpack(layer: nn.Linear) -> None:
     """Drop the layer's packed copy: it computes with ``F.linear`` again."""
-    for key in (_TILES, _GATE_UP, _ONEDNN, _MKL):
+    for key in (_TILES, _GATE_UP, _ONEDNN, _MKL):  # not _QUANT: that is the weight
         layer.__dict__.pop(key, None)
+
+
+def attach(layer: nn.Module, weight: cpu_quant.QuantWeight) -> None:
+    """Make ``layer`` (an nn.Linear, or an nn.Embedding read through ``embedding``) compute
+    from ``weight``; its ``weight`` parameter is replaced by an empty one (same dtype), so
+    no dense copy is kept. A parameter tied to another module's stays tied only by name:
+    give that module the same QuantWeight."""
+    unpack(layer)
+    layer.__dict__[_QUANT] = weight
+    old = layer.weight
+    layer.weight = nn.Parameter(old.new_empty(0), requires_grad=False)
+
+
+def quant_weight(layer: nn.Module) -> cpu_quant.QuantWeight | None:
+    """The layer's quantized weight, if it has one."""
+    return layer.__dict__.get(_QUANT)
+
+
+def embedding(module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    """``module(ids)``, decoding only the gathered rows where the table is quantized."""
+    q = module.__dict__.get(_QUANT)
+    if q is None:
+        return module(ids)
+    return cpu_quant.embedding(q, ids, module.weight.dtype).view(*ids.shape, q.shape[1])
 
 
 def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``layer(x)`` for x (T, in) -> (T, out), through the packed weight when there is one."""
+    q = layer.__dict__.get(_QUANT)
+    if q is not None:
+        out = cpu_quant.gemm(x, q)
+        return out if layer.bias is None else out + layer.bias
     tiles = layer.__dict__.get(_TILES)
     if tiles is not None:
         out = cpu_gemm.gemm(x, tiles, layer.out_features)
@@ -112,6 +149,11 @@ def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def linear_add(layer: nn.Linear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """``residual + layer(x)``, the add fused into the GEMM where the library can."""
+    q = layer.__dict__.get(_QUANT)
+    if q is not None:
+        if layer.bias is not None:
+            return residual + linear(layer, x)
+        return cpu_quant.gemm(x, q, residual=residual)
     tiles = layer.__dict__.get(_TILES)
     if tiles is not None:
         out = cpu_gemm.gemm(x, tiles, layer.out_features, residual)
@@ -129,6 +171,9 @@ def linear_add(layer: nn.Linear, x: torch.Tensor, residual: torch.Tensor) -> tor
 def linear_silu_mul(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up (T, I) of ``layer`` = [gate; up] (2I, in) applied to x (T, in):
     one fused call where the layer was packed with ``gate_up=True``."""
+    q = layer.__dict__.get(_QUANT)
+    if q is not None and layer.bias is None:
+        return cpu_quant.gemm(x, q, silu_mul=True)
     tiles = layer.__dict__.get(_GATE_UP)
     if tiles is not None:
         out = cpu_gemm.gemm(x, tiles, layer.out_features, silu_mul=True)

@@ -1,0 +1,90 @@
+"""Quantized GEMM (kernels/cpu/quant) against the bf16 tile GEMM (kernels/cpu/gemm) at the
+default model's shapes, side by side in one run: ms per call and the ratio.
+
+    python -m bench.quant_gemv [--rows 1 64] [--type Q4_1] [--iters 200]
+
+Weights are random blocks made by ``gguf.quants.quantize`` (Q4_0/1, Q5_0/1, Q8_0) or
+random bytes with small scales (K-quants). Noisy on a shared machine: note ``uptime``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+import torch
+
+from pagewarden.kernels.cpu import gemm as cpu_gemm
+from pagewarden.kernels.cpu import quant as cpu_quant
+
+# SmolLM2-135M: (N, K) of qkv, o_proj, gate_up, down, lm_head (tied Q8_0 embedding).
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+NAMES = {name: code for code, (name, _, _) in cpu_quant.KERNEL_TYPES.items()}
+
+
+def random_weight(qtype: int, n: int, k: int, rng: np.random.Generator) -> cpu_quant.QuantWeight:
+    import gguf
+
+    name, per_block, block_bytes = cpu_quant.KERNEL_TYPES[qtype]
+    try:
+        blocks = gguf.quants.quantize(
+            rng.standard_normal((n, k)).astype(np.float32), gguf.GGMLQuantizationType(qtype)
+        )
+    except NotImplementedError:
+        raw = rng.integers(0, 256, (n, k // per_block, block_bytes), dtype=np.uint8)
+        scale = np.frombuffer(np.full(raw.shape[:2], 0.01, np.float16).tobytes(), np.uint8)
+        at = 208 if name == "Q6_K" else 0
+        raw[..., at : at + 2] = scale.reshape(*raw.shape[:2], 2)
+        if name != "Q6_K":
+            raw[..., 2:4] = scale.reshape(*raw.shape[:2], 2)
+        blocks = raw.reshape(n, -1)
+    return cpu_quant.QuantWeight(torch.from_numpy(np.ascontiguousarray(blocks)), qtype, (n, k))
+
+
+def timed(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) / iters * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--type", default="Q4_1", choices=sorted(NAMES))
+    ap.add_argument("--iters", type=int, default=100)
+    args = ap.parse_args()
+    print(f"uptime: {os.popen('uptime').read().strip()}; torch threads {torch.get_num_threads()}")
+    rng = np.random.default_rng(0)
+    cpu_gemm.load()
+    cpu_quant.load()
+    total: dict[int, list[float]] = {}
+    for n, k in SHAPES:
+        qtype = NAMES["Q8_0"] if n == 49152 else NAMES[args.type]
+        w = random_weight(qtype, n, k, rng)
+        tiles = cpu_gemm.pack_tiles(w.dequantize().bfloat16())
+        for m in args.rows:
+            x = torch.randn(m, k).bfloat16()
+            iters = max(5, args.iters // max(1, m // 8))
+            tq = timed(lambda x=x, w=w: cpu_quant.gemm(x, w), iters)
+            tb = timed(lambda x=x, t=tiles, n=n: cpu_gemm.gemm(x, t, n), iters)
+            total.setdefault(m, [0.0, 0.0])
+            total[m][0] += tq
+            total[m][1] += tb
+            print(
+                f"{w.type_name:5s} N={n:6d} K={k:5d} M={m:4d}  quant {tq:8.3f} ms  "
+                f"bf16 {tb:8.3f} ms  bf16/quant {tb / tq:5.2f}x"
+            )
+    for m, (tq, tb) in total.items():
+        print(
+            f"sum of one layer's shapes + lm_head, M={m}: quant {tq:.3f} ms, bf16 {tb:.3f} ms, "
+            f"bf16/quant {tb / tq:.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()

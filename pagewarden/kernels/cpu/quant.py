@@ -1,0 +1,169 @@
+"""GGUF block-quantized weights kept quantized: the weight container and ``quant.cpp``.
+
+A ``QuantWeight`` holds one linear layer's weight exactly as the GGUF file stores it: a
+(N, row_bytes) uint8 tensor (row n = output column n, its K / block_weights blocks back to
+back; a view of the file's memory map where nothing had to be rearranged), the ggml type
+and the logical (N, K) shape. ``kernels/cpu/linear`` sends a layer that carries one
+(``attach``) through ``gemm`` here instead of a bf16 GEMM; embedding lookups decode only
+the rows they gather (``embedding``).
+
+Types with a kernel (``KERNEL_TYPES``): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K.
+The kernel decodes each 32 weights to float32 as ggml does and rounds them to bf16, so it
+multiplies by the same bf16 weights the dequantize-at-load path keeps; its error against
+a float32 matmul of the dequantized weights is that of bf16 weights and bf16 activations
+with float32 sums (tests/models/test_cpu_quant.py states the bound).
+
+Built at first use like the other extensions (``kernels/cpu/build``); ``load()`` is None
+where it cannot build or with ``PAGEWARDEN_NO_CPU_EXT=1`` (the loader then dequantizes
+at load, as before).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from pagewarden.kernels.cpu import pool as cpu_pool
+from pagewarden.kernels.cpu.build import built_once, compile_extension
+from pagewarden.kernels.cpu.fused import DISABLE_ENV
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("quant.cpp")
+# No FMA contraction: the decoder must round exactly as ggml's float32 mul-then-add.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+#: Flags of the AVX2 build (no AVX-512): the portable path only; tests build it too.
+AVX2_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
+
+#: ggml type id -> (name, weights per block, bytes per block), for the types with a kernel.
+KERNEL_TYPES: dict[int, tuple[str, int, int]] = {
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+}
+
+
+@dataclass(eq=False)
+class QuantWeight:
+    """A (N, K) weight in GGUF block layout: ``data`` (N, row_bytes) uint8, ``qtype`` a
+    key of ``KERNEL_TYPES``."""
+
+    data: torch.Tensor
+    qtype: int
+    shape: tuple[int, int]
+    #: Return float32 outputs whatever x's dtype (the lm_head: logits not rounded to bf16).
+    float_out: bool = False
+
+    def __post_init__(self) -> None:
+        if self.qtype not in KERNEL_TYPES:
+            raise ValueError(f"no kernel for ggml type {self.qtype}")
+        _, per_block, block_bytes = KERNEL_TYPES[self.qtype]
+        n, k = self.shape
+        if k % per_block or self.data.dtype != torch.uint8:
+            raise ValueError(f"{self.type_name} weight of shape {self.shape}: K not whole blocks")
+        if tuple(self.data.shape) != (n, k // per_block * block_bytes):
+            raise ValueError(
+                f"{self.type_name} data {tuple(self.data.shape)} does not hold a {self.shape} weight"
+            )
+
+    @property
+    def type_name(self) -> str:
+        return KERNEL_TYPES[self.qtype][0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def rows(self, start: int, count: int) -> QuantWeight:
+        """Rows [start, start + count) (a view)."""
+        return QuantWeight(self.data.narrow(0, start, count), self.qtype, (count, self.shape[1]))
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 (N, K) weight, decoded by the extension's scalar decoder."""
+        ext = _require()
+        return ext.dequantize(self.data.contiguous(), self.qtype, self.shape[1])
+
+    @staticmethod
+    def cat(parts: list[QuantWeight]) -> QuantWeight:
+        """Row-wise concatenation (each row's blocks are independent): a new tensor."""
+        assert parts and all(p.qtype == parts[0].qtype for p in parts)
+        assert all(p.shape[1] == parts[0].shape[1] for p in parts)
+        data = torch.cat([p.data for p in parts])
+        return QuantWeight(data, parts[0].qtype, (data.shape[0], parts[0].shape[1]))
+
+
+@built_once
+def load() -> ModuleType | None:
+    """The compiled kernel, built on the first call; None where it cannot run here."""
+    if os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes"):
+        return None
+    try:
+        ext = compile_extension("cpu_quant", _SOURCE, CFLAGS)
+    except Exception as e:  # no compiler, no ninja, a failed build: dequantize at load
+        reason = " ".join(str(e).split())[:300]
+        log.warning(
+            "quantized GEMM unavailable, weights dequantized: %s: %s", type(e).__name__, reason
+        )
+        return None
+    cpu_pool.bind(ext)
+    return ext
+
+
+def build_avx2() -> ModuleType:
+    """The extension built without AVX-512 (its portable path): for tests and benches."""
+    ext = compile_extension("cpu_quant_avx2", _SOURCE, AVX2_CFLAGS)
+    cpu_pool.bind(ext)
+    return ext
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def _require() -> ModuleType:
+    ext = load()
+    if ext is None:
+        raise RuntimeError("the quantized GEMM extension (kernels/cpu/quant.cpp) is unavailable")
+    return ext
+
+
+def gemm(
+    x: torch.Tensor,
+    w: QuantWeight,
+    residual: torch.Tensor | None = None,
+    silu_mul: bool = False,
+    ext: ModuleType | None = None,
+    portable: bool = False,
+) -> torch.Tensor:
+    """x (M, K) @ W^T (M, N) [+ residual], or silu(gate) * up (M, N / 2) for W = [gate; up].
+    x bf16 or float32 (other dtypes are computed in float32 and cast back); the output in
+    x's dtype, or float32 for a ``float_out`` weight."""
+    ext = ext or _require()
+    dtype = x.dtype
+    if dtype not in (torch.bfloat16, torch.float32):
+        x = x.float()
+        residual = None if residual is None else residual.float()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if residual is not None and (residual.dtype != x.dtype or residual.stride(-1) != 1):
+        residual = residual.to(x.dtype).contiguous()
+    float_out = w.float_out and residual is None and not silu_mul
+    out = ext.gemm(x, w.data, w.qtype, residual, silu_mul, portable, float_out)
+    return out if out.dtype == dtype or float_out else out.to(dtype)
+
+
+def embedding(w: QuantWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` of the (vocab, hidden) weight, decoded: (len(ids), hidden) in ``dtype``."""
+    ext = _require()
+    rows = w.data.index_select(0, ids.reshape(-1).to(torch.long))
+    return ext.dequantize(rows, w.qtype, w.shape[1]).to(dtype)

@@ -1,0 +1,196 @@
+"""kernels/cpu/quant: the GGUF block decoders and the quantized GEMM against the gguf
+package's dequantize followed by a float32 matmul; the default model kept quantized.
+
+Error bound (stated here, asserted below): the kernel multiplies bf16 activations by the
+bf16-rounded weights with float32 sums and rounds the output to bf16, so against the
+float32 product of the exactly dequantized weights
+    max |out - ref| <= 0.01 * max |ref|
+(measured about 0.002-0.004 at K = 512: half a bf16 ulp of the output plus bf16 weights);
+a wrong decode (a nibble, scale or sign off) gives errors of the order of |ref| itself.
+The scalar decoder must match gguf's dequantize bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagewarden.kernels.cpu import quant as cpu_quant
+from pagewarden.kernels.cpu.quant import KERNEL_TYPES, QuantWeight
+
+gguf = pytest.importorskip("gguf")
+
+pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="quant extension not built")
+
+TYPES = {name: code for code, (name, _, _) in KERNEL_TYPES.items()}
+BOUND = 0.01
+
+
+def random_weight(name: str, n: int, k: int, seed: int = 0) -> QuantWeight:
+    """gguf.quants.quantize of random normals where the package quantizes the type; else
+    random bytes with small valid scales (K-quants: every nibble, sub-scale and high bit
+    pattern occurs)."""
+    rng = np.random.default_rng(seed)
+    code = TYPES[name]
+    _, per_block, block_bytes = KERNEL_TYPES[code]
+    try:
+        blocks = gguf.quants.quantize(
+            rng.standard_normal((n, k)).astype(np.float32), gguf.GGMLQuantizationType(code)
+        )
+    except NotImplementedError:
+        raw = rng.integers(0, 256, (n, k // per_block, block_bytes), dtype=np.uint8)
+        scales = rng.uniform(0.002, 0.02, raw.shape[:2]).astype(np.float16)
+        halves = np.frombuffer(scales.tobytes(), np.uint8).reshape(*raw.shape[:2], 2)
+        if name == "Q6_K":
+            raw[..., 208:210] = halves
+        else:  # d, dmin
+            raw[..., 0:2] = halves
+            raw[..., 2:4] = halves
+        blocks = raw.reshape(n, -1)
+    return QuantWeight(torch.from_numpy(np.ascontiguousarray(blocks)), code, (n, k))
+
+
+def reference(w: QuantWeight) -> torch.Tensor:
+    arr = gguf.quants.dequantize(w.data.numpy(), gguf.GGMLQuantizationType(w.qtype))
+    return torch.from_numpy(np.asarray(arr, dtype=np.float32).reshape(w.shape))
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    err = (out.float() - ref).abs().max().item()
+    assert err <= BOUND * ref.abs().max().item(), (err, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("name", sorted(TYPES))
+def test_scalar_decoder_matches_gguf_bit_for_bit(name):
+    w = random_weight(name, 24, 512)
+    assert torch.equal(w.dequantize(), reference(w))
+
+
+@pytest.mark.parametrize("name", sorted(TYPES))
+@pytest.mark.parametrize("m", [1, 3, 9])  # decode-in-register (<= 4 rows) and scratch paths
+@pytest.mark.parametrize("portable", [False, True])
+def test_gemm_matches_float32_matmul(name, m, portable):
+    w = random_weight(name, 40, 512, seed=m)
+    ref_w = reference(w)
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 512, generator=g).bfloat16()
+    residual = torch.randn(m, 40, generator=g).bfloat16()
+    ref = x.float() @ ref_w.T
+    assert_close(cpu_quant.gemm(x, w, portable=portable), ref)
+    assert_close(cpu_quant.gemm(x, w, residual=residual, portable=portable), ref + residual.float())
+    silu = torch.nn.functional.silu(ref[:, :20]) * ref[:, 20:]
+    assert_close(cpu_quant.gemm(x, w, silu_mul=True, portable=portable), silu)
+    head = QuantWeight(w.data, w.qtype, w.shape, float_out=True)
+    out = cpu_quant.gemm(x, head, portable=portable)
+    assert out.dtype == torch.float32
+    # float32 outputs: only bf16 weights and activations remain
+    assert (out - ref).abs().max() <= 0.005 * ref.abs().max()
+
+
+def test_float32_activations_use_the_portable_path():
+    w = random_weight("Q4_1", 16, 256)
+    x = torch.randn(2, 256)
+    out = cpu_quant.gemm(x, w)
+    assert out.dtype == torch.float32
+    ref = x @ reference(w).T
+    assert (out - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+def test_weight_shape_is_checked():
+    w = random_weight("Q4_1", 4, 64)
+    with pytest.raises(ValueError):
+        QuantWeight(w.data, w.qtype, (4, 96))
+    with pytest.raises(ValueError):
+        QuantWeight(w.data, 99, (4, 64))
+    with pytest.raises(RuntimeError):  # x's K against the rows' bytes
+        cpu_quant.gemm(torch.randn(1, 96).bfloat16(), w)
+
+
+@pytest.mark.slow
+def test_avx2_build_compiles_and_matches():
+    ext = cpu_quant.build_avx2()
+    assert not ext.has_vector_kernel()
+    for name in ("Q4_1", "Q6_K"):
+        w = random_weight(name, 24, 512)
+        assert torch.equal(ext.dequantize(w.data, w.qtype, 512), reference(w))
+        x = torch.randn(3, 512).bfloat16()
+        assert_close(cpu_quant.gemm(x, w, ext=ext), x.float() @ reference(w).T)
+
+
+@pytest.mark.slow
+def test_default_model_kept_quantized_matches_dequantized():
+    from pagewarden.kernels.attention import AttentionMetadata
+    from pagewarden.kernels.cpu import linear as cpu_linear
+    from pagewarden.models.loader import load_model
+
+    q = load_model(None, torch.bfloat16, "gguf")
+    d = load_model(None, torch.bfloat16, "none")
+    model = q.model
+    assert cpu_linear.quant_weight(model.lm_head).type_name == "Q8_0"  # tied embedding
+    layer = model.model.layers[0]
+    assert cpu_linear.quant_weight(layer.self_attn.qkv_proj).type_name == "Q4_1"
+    assert cpu_linear.quant_weight(layer.mlp.gate_up_proj).shape == (3072, 576)
+    assert layer.mlp.gate_up_proj.weight.numel() == 0  # no dense copy kept
+    dense = dict(d.model.named_modules())
+    for name, module in model.named_modules():
+        qw = cpu_linear.quant_weight(module)
+        if qw is not None and name != "lm_head":  # the same bf16 weights, rows in order
+            assert torch.equal(qw.dequantize().bfloat16(), dense[name].weight), name
+
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = q.tokenizer.encode(q.tokenizer.apply_chat_template(msgs))
+    cfg, bs = q.config, 16
+    caches = [
+        torch.zeros(2, 8, bs, cfg.num_key_value_heads, cfg.head_dim, dtype=torch.bfloat16)
+        for _ in range(cfg.num_hidden_layers)
+    ]
+    table, out, ctx, new = [3, 6, 1, 5, 2], [], 0, list(ids)
+    for _ in range(8):  # greedy, prefill then decode steps
+        sl = [table[p // bs] * bs + p % bs for p in range(ctx, ctx + len(new))]
+        meta = AttentionMetadata.build([len(new)], [ctx], [table], sl, bs, "cpu")
+        h = model(torch.tensor(new), torch.arange(ctx, ctx + len(new)), caches, meta)
+        nxt = int(model.compute_logits(h[-1:]).argmax(-1))
+        ctx += len(new)
+        out.append(nxt)
+        new = [nxt]
+    assert "Paris" in q.tokenizer.decode(out)
+
+
+@pytest.mark.slow
+def test_llm_with_gguf_quantization_answers_greedy_chat():
+    """End to end through the engine: ``LLM(quantization="gguf")`` on the default model."""
+    from pagewarden import LLM
+    from pagewarden.kernels.cpu import linear as cpu_linear
+    from pagewarden.sampling_params import SamplingParams
+
+    llm = LLM(quantization="gguf", kv_cache_memory="64MiB", device="cpu")
+    assert llm.config.resolved_quantization == "gguf"
+    model = llm.engine.loaded.model
+    assert cpu_linear.quant_weight(model.model.layers[0].self_attn.qkv_proj) is not None
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    out = llm.chat(msgs, SamplingParams(max_tokens=16, temperature=0.0))
+    assert "Paris" in out[0].outputs[0].text
+
+
+def test_fused_shards_of_mixed_types_are_dequantized_into_the_dense_weight():
+    """Q4_K_M files mix types within q/k/v (Gemma 3 270M: v in Q8_0, q/k in Q5_0): such a
+    fused layer is decoded into its dense parameter; a uniform one stays quantized."""
+    from pagewarden.models.quantized import densify_mixed
+
+    qkv = torch.nn.Parameter(torch.zeros(40, 256, dtype=torch.bfloat16), requires_grad=False)
+    gate_up = torch.nn.Parameter(torch.zeros(32, 256), requires_grad=False)
+    q, k, v = (
+        random_weight(n, r, 256, s)
+        for s, (n, r) in enumerate([("Q5_0", 16), ("Q5_0", 12), ("Q8_0", 12)])
+    )
+    g, u = random_weight("Q4_1", 16, 256, 5), random_weight("Q4_1", 16, 256, 6)
+    shards = {
+        "a.qkv_proj.weight": [(2, v), (0, q), (1, k)],
+        "a.gate_up_proj.weight": [(0, g), (1, u)],
+    }
+    params = {"a.qkv_proj.weight": qkv, "a.gate_up_proj.weight": gate_up}
+    densify_mixed(params, shards, set(), {"qkv_proj": [16, 12, 12], "gate_up_proj": [16, 16]})
+    assert list(shards) == ["a.gate_up_proj.weight"]
+    want = torch.cat([reference(w) for w in (q, k, v)]).bfloat16()
+    assert torch.equal(qkv, want)
