@@ -23,7 +23,11 @@ MODEL = "tiny"
 
 class _Running:
     def __init__(
-        self, engine: AsyncEngine, api_key: str | None = None, admission: bool = False
+        self,
+        engine: AsyncEngine,
+        api_key: str | None = None,
+        admission: bool = False,
+        **app_options,
     ) -> None:
         # Most tests send more at once than the tiny pool's default admission limit;
         # tests of admission itself pass admission=True (the server's default).
@@ -31,7 +35,7 @@ class _Running:
         self.engine = engine
         self.server = uvicorn.Server(
             uvicorn.Config(
-                build_app(engine, MODEL, api_key, admission=ctl),
+                build_app(engine, MODEL, api_key, admission=ctl, **app_options),
                 host="127.0.0.1",
                 port=0,
                 log_level="warning",

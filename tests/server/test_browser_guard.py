@@ -4,37 +4,21 @@ allow-list (DNS rebinding) gets 400; /docs loads nothing from a CDN unless asked
 
 from __future__ import annotations
 
-import threading
-import time
-
 import httpx
 import pytest
-import uvicorn
 
-from pagewarden.server.admission import AdmissionController
-from pagewarden.server.api import build_app
 from pagewarden.server.browser_guard import BrowserGuard, _host_name, default_allowed_hosts
-from tests.server.test_api import MODEL, _engine
+from tests.server.test_api import MODEL, _engine, _Running
 
 
 @pytest.fixture(scope="module")
 def srv(tiny_llama_dir):
-    engine = _engine(tiny_llama_dir)
-    app = build_app(
-        engine,
-        MODEL,
-        admission=AdmissionController(1, fixed_limit=100),
+    running = _Running(
+        _engine(tiny_llama_dir),
         allowed_hosts=default_allowed_hosts("127.0.0.1", loopback=True),
     )
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}", engine
-    server.should_exit = True
-    thread.join(10)
-    engine.shutdown()
+    yield running.url, running.engine
+    running.stop()
 
 
 BODY = b'{"model": "%s", "prompt": "hi", "max_tokens": 1}' % MODEL.encode()
