@@ -97,6 +97,7 @@ class EngineCore:
             self.tokenizer = self.tokenizer.with_chat_template(template)
         self.kv_store = _build_kv_store(config, self.loaded)
         self.max_model_len = config.max_model_len or self.loaded.config.max_position_embeddings
+        self.min_prompt_tokens = self.loaded.model.select_context(self.max_model_len)
         self.scheduler = self._build_scheduler()
         self.runner = self._build_runner()
         # KV tiers (engine/kv_tiers.py): None unless --kv-offload-dir / --kv-offload-redis.
@@ -142,6 +143,7 @@ class EngineCore:
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
+                min_prompt_tokens=self.min_prompt_tokens,
                 enable_prefix_caching=config.enable_prefix_caching,
                 model_id=self.loaded.name,
                 preemption_mode=(

@@ -6,6 +6,7 @@ arrive HF-named (``load_weights``), with separate q/k/v and gate/up fused on the
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -28,6 +29,8 @@ from pagewarden.models.layers import (
     compute_dtype_for,
 )
 from pagewarden.models.quantized import attach_quantized, densify_mixed
+
+logger = logging.getLogger(__name__)
 
 
 class DecoderModel(nn.Module):
@@ -146,6 +149,26 @@ class DecoderForCausalLM(nn.Module):
         for rope in self.ropes:
             rope.reset()
         return dtype
+
+    def select_context(self, max_model_len: int) -> int:
+        """Fit the RoPE tables to contexts of up to ``max_model_len`` tokens; return the
+        fewest prompt tokens the model computes as transformers does: 1, or with
+        longrope's long factors (a context past the original one) original + 1, since
+        transformers uses the short factors for any sequence up to the original length."""
+        for rope in self.ropes:
+            rope.select_context(max_model_len)
+        fewest = max((rope.min_prompt_tokens for rope in self.ropes), default=1)
+        if fewest > 1:
+            logger.warning(
+                "max_model_len=%d is past the original context (%d): longrope's long factors "
+                "rotate every position, and prompts of fewer than %d tokens are refused; "
+                "set max_model_len <= %d to serve short prompts",
+                max_model_len,
+                fewest - 1,
+                fewest,
+                fewest - 1,
+            )
+        return fewest
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(T, hidden) input embeddings; times sqrt(hidden) in their own dtype (Gemma)."""

@@ -52,16 +52,16 @@ def _f64(values) -> torch.Tensor:
 
 
 def rope_inv_freq(
-    head_dim: int, theta: float, scaling: Scaling | None
-) -> tuple[torch.Tensor, float, int | None]:
-    """(inverse frequencies (head_dim / 2,), cos/sin factor, last position it is exact
-    for or None) of a RoPE with ``scaling`` (``config.ROPE_TYPES``)."""
+    head_dim: int, theta: float, scaling: Scaling | None, long: bool = False
+) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies (head_dim / 2,), cos/sin factor) of a RoPE with ``scaling``
+    (``config.ROPE_TYPES``); ``long`` picks longrope's long factors over its short ones."""
     # On the CPU explicitly: models are built under torch.device("meta").
     even = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu")
     inv = 1.0 / (theta ** (even / head_dim))
     s = dict(scaling or ())
     kind = rope_type(scaling)
-    mscale, limit = 1.0, None
+    mscale = 1.0
     if kind == "llama3":
         factor = s["factor"]
         low, high = s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
@@ -77,29 +77,77 @@ def rope_inv_freq(
     elif kind == "freq_factors":  # GGUF rope_freqs: llama.cpp divides theta_i by factor i
         inv = inv / _f64(s["factors"])
     elif kind == "longrope":
-        # The short factors, exact up to original_max_position_embeddings; beyond it
-        # transformers switches every position to the long factors (not implemented).
-        old = s["original_max_position_embeddings"]
-        inv = inv / _f64(s["short_factor"])
-        mscale = s.get("attention_factor") or 1.0
-        factor = s.get("factor") or 1.0
-        if s.get("attention_factor") is None and factor > 1.0:
-            mscale = math.sqrt(1 + math.log(factor) / math.log(old))
-        limit = old
+        return _longrope_inv_freq(head_dim, theta, s, long)
     elif kind != "default":
         raise UnsupportedModelError(f"rope_type {kind!r} is not supported")
-    return inv.float(), float(mscale), limit
+    return inv.float(), float(mscale)
+
+
+def _longrope_inv_freq(
+    head_dim: int, theta: float, s: dict, long: bool
+) -> tuple[torch.Tensor, float]:
+    """longrope (Phi-3 ``su``) as transformers computes it, in float32: theta_i divided by
+    the short or long factor i; cos/sin times ``attention_factor``, by default
+    sqrt(1 + ln(factor) / ln(original)) (both factor sets use the same one)."""
+    old = s["original_max_position_embeddings"]
+    cpu = torch.device("cpu")  # models are built under torch.device("meta")
+    factors = torch.tensor(s["long_factor" if long else "short_factor"], device=cpu)
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim
+    inv = 1.0 / (factors * theta**shape)
+    mscale = s.get("attention_factor")
+    factor = s.get("factor") or 1.0
+    if mscale is None:
+        mscale = math.sqrt(1 + math.log(factor) / math.log(old)) if factor > 1.0 else 1.0
+    return inv, float(mscale)
 
 
 class RopeTable:
-    """cos and signed sin (n, head_dim) of one RoPE, built once and grown on demand."""
+    """cos and signed sin (n, head_dim) of one RoPE, built once and grown on demand.
+
+    longrope has two factor sets and a cached key is never rotated again, so one set
+    serves every position: ``select_context`` picks it from the engine's context length,
+    as vLLM does (short up to ``original_max_position_embeddings``, else long); until it
+    is called, the short set and the original context.
+    """
 
     def __init__(self, head_dim: int, theta: float, scaling: Scaling | None) -> None:
-        self.inv_freq, self.mscale, self.limit = rope_inv_freq(head_dim, theta, scaling)
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self.inv_freq, self.mscale = rope_inv_freq(head_dim, theta, scaling)
+        self.limit: int | None = None  # positions past it are refused (longrope)
+        self.long = False
+        if rope_type(scaling) == "longrope":
+            self.limit = dict(scaling or ())["original_max_position_embeddings"]
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def reset(self) -> None:
         self._table = None
+
+    def select_context(self, max_model_len: int) -> None:
+        """Serve contexts up to ``max_model_len``: longrope's long factors when it is past
+        the original context (``UnsupportedModelError`` past the extended one)."""
+        if rope_type(self.scaling) != "longrope":
+            return
+        s = dict(self.scaling or ())
+        old, most = s["original_max_position_embeddings"], s["max_position_embeddings"]
+        if max_model_len > most:
+            raise UnsupportedModelError(
+                f"max_model_len={max_model_len} is past this longrope model's "
+                f"max_position_embeddings ({most})"
+            )
+        self.long = max_model_len > old
+        self.limit = max_model_len
+        self.inv_freq, self.mscale = rope_inv_freq(
+            self.head_dim, self.theta, self.scaling, self.long
+        )
+        self._table = None
+
+    @property
+    def min_prompt_tokens(self) -> int:
+        """The shortest prompt this table rotates as transformers does (see
+        ``DecoderForCausalLM.select_context``)."""
+        if not self.long:
+            return 1
+        return dict(self.scaling or ())["original_max_position_embeddings"] + 1
 
     def lookup(
         self, positions: torch.Tensor, size: int, dtype: torch.dtype, device: torch.device
@@ -108,8 +156,8 @@ class RopeTable:
         need = int(positions.max()) + 1
         if self.limit is not None and need > self.limit:
             raise UnsupportedModelError(
-                f"position {need - 1} is past original_max_position_embeddings "
-                f"({self.limit}): longrope's long factors are not implemented"
+                f"position {need - 1} is past the context this longrope table was "
+                f"selected for ({self.limit}, see RopeTable.select_context)"
             )
         if self._table is None or self._table[0].shape[0] < need or self._table[0].dtype != dtype:
             n = max(need, size)

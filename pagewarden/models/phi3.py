@@ -1,8 +1,18 @@
 """Phi-3 (mini/medium, 4k and 128k): the pre-norm decoder of ``layers.py`` with q/k/v and
 gate/up stored fused (``qkv_proj``, ``gate_up_proj``), a sliding window on every layer
-where the config sets one, and ``longrope`` (``su``) RoPE scaling: the short factors and
-the attention factor, exact up to ``original_max_position_embeddings``, which caps the
-context (transformers switches to the long factors past it: not implemented).
+where the config sets one, and ``longrope`` (``su``) RoPE scaling.
+
+longrope has a short and a long factor set. transformers rotates a whole sequence with
+the short set while it is at most ``original_max_position_embeddings`` (O) long and with
+the long set once it is longer; a paged KV cache never rotates a cached key again, so
+pagewarden, as vLLM, uses one set for every position, chosen from the engine's context
+(``RopeTable.select_context``):
+
+- ``max_model_len`` <= O (the default: the context is capped at O): the short set; every
+  request equals transformers.
+- O < ``max_model_len`` <= ``max_position_embeddings``: the long set; a request equals
+  transformers when its prompt is longer than O, and a shorter prompt (which
+  transformers would start with the short set) is refused at admission.
 
 llama.cpp stores ``attn_qkv`` and ``ffn_up`` (= [gate; up]) fused too, unpermuted, and the
 longrope factors as the tensors ``rope_factors_short`` / ``rope_factors_long``.
@@ -18,10 +28,13 @@ from pagewarden.models.config import ModelConfig, freeze, hf_common, rope_type
 
 
 def _cap_context(config: dict[str, Any]) -> dict[str, Any]:
-    """longrope is exact up to its original context only (see the module docstring)."""
+    """The default context of a longrope model is its original one (short factors, exact
+    for every prompt); the extended one is kept in the scaling for ``select_context``."""
     scaling = dict(config["rope_scaling"] or ())
     if rope_type(config["rope_scaling"]) == "longrope":
         old = int(scaling["original_max_position_embeddings"])
+        scaling.setdefault("max_position_embeddings", config["max_position_embeddings"])
+        config["rope_scaling"] = freeze(scaling)
         config["max_position_embeddings"] = min(config["max_position_embeddings"], old)
     return config
 

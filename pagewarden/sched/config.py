@@ -24,6 +24,10 @@ class SchedulerConfig:
     # falls back to recompute when the host tier is full).
     preemption_mode: str = "recompute"
     num_host_blocks: int = 0
+    # Shorter prompts are refused: a model computes them differently from its reference
+    # at this context length (Phi-3 longrope past its original context; see
+    # DecoderForCausalLM.select_context). 1 for every other model.
+    min_prompt_tokens: int = 1
 
     def __post_init__(self) -> None:
         for name in (
@@ -32,6 +36,7 @@ class SchedulerConfig:
             "max_num_seqs",
             "max_num_batched_tokens",
             "max_model_len",
+            "min_prompt_tokens",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -51,6 +56,10 @@ class SchedulerConfig:
         if self.max_model_len < MIN_MAX_MODEL_LEN:
             raise ValueError(
                 f"max_model_len must be >= {MIN_MAX_MODEL_LEN}, got {self.max_model_len}"
+            )
+        if not 1 <= self.min_prompt_tokens < self.max_model_len:
+            raise ValueError(
+                f"min_prompt_tokens must be in [1, max_model_len), got {self.min_prompt_tokens}"
             )
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(

@@ -146,7 +146,12 @@ class Scheduler:
         """The limits ``check_request`` applies to a request for this scheduler now."""
         cfg = self.config
         return AdmissionLimits(
-            cfg.max_model_len, cfg.block_size, self.usable_blocks(), cfg.max_num_seqs, vocab_size
+            cfg.max_model_len,
+            cfg.block_size,
+            self.usable_blocks(),
+            cfg.max_num_seqs,
+            vocab_size,
+            cfg.min_prompt_tokens,
         )
 
     def add_request(self, request: Request) -> None:

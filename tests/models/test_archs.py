@@ -152,14 +152,6 @@ def test_kernels_without_window_are_refused(tmp_path):
     assert all(isinstance(layer.self_attn.ops, TorchAttention) for layer in lm.model.layers)
 
 
-def test_longrope_past_original_context_is_refused(tmp_path):
-    """Phi-3's long factors are not implemented: its context is capped at the original."""
-    lm = load_model(make_tiny("phi3", tmp_path / "p"), torch.float32)
-    assert lm.config.max_position_embeddings == 128
-    with pytest.raises(ValueError, match="long factors"):
-        lm.model.ropes[0].lookup(torch.tensor([128]), 128, torch.float32, torch.device("cpu"))
-
-
 def test_masked_attention_matches_naive():
     """The torch path's window and softcap against a per-token loop."""
     from pagewarden.kernels.attention import AttentionMetadata, paged_attention
