@@ -24,6 +24,7 @@ from pagewarden.models.gguf_tokenizer import (
     TokenizerLoadError,
     build_gguf_tokenizer,
 )
+from pagewarden.models.sentencepiece_model import sentencepiece_tokenizer
 
 __all__ = ["Tokenizer", "TokenizerLoadError", "load_tokenizer"]
 
@@ -198,20 +199,24 @@ def _from_hf_dir(path: Path) -> Tokenizer:
     # tokenizer.json is used as it is, post-processor (BOS/EOS) included: transformers 5
     # ignores tokenizer_config.json's add_bos_token / add_eos_token when it loads one.
     tj = path / "tokenizer.json"
-    if not tj.is_file():
-        if (path / "tokenizer.model").is_file():
-            raise TokenizerLoadError(
-                f"{path}: only a SentencePiece tokenizer.model, no tokenizer.json; write one "
-                "with transformers: AutoTokenizer.from_pretrained(dir).save_pretrained(dir)"
-            )
-        raise TokenizerLoadError(f"{path}: expected tokenizer.json")
-    try:
-        tok = HFTokenizer.from_file(str(tj))
-    except Exception as e:  # tokenizers raises a bare Exception on a malformed file
-        raise TokenizerLoadError(f"{tj}: not a readable tokenizer.json: {e}") from e
     cfg: dict[str, Any] = {}
     if (path / "tokenizer_config.json").is_file():
         cfg = json.loads((path / "tokenizer_config.json").read_text())
+    if tj.is_file():
+        try:
+            tok = HFTokenizer.from_file(str(tj))
+        except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+            raise TokenizerLoadError(f"{tj}: not a readable tokenizer.json: {e}") from e
+    elif (path / "tokenizer.model").is_file():
+        model_type = ""
+        if (path / "config.json").is_file():
+            model_type = str(json.loads((path / "config.json").read_text()).get("model_type", ""))
+        try:
+            tok = sentencepiece_tokenizer(path / "tokenizer.model", cfg, model_type)
+        except TokenizerLoadError as e:
+            raise TokenizerLoadError(f"{path}: {e}") from e
+    else:
+        raise TokenizerLoadError(f"{path}: expected tokenizer.json or tokenizer.model")
     model_type = json.loads(tok.model.__getstate__()).get("type")
     if cfg.get("clean_up_tokenization_spaces") and model_type != "BPE":
         # transformers then rewrites decoded text (" ." -> "."); it skips that for BPE.

@@ -244,9 +244,10 @@ def test_hf_dir_clean_up_tokenization_spaces(tmp_path):
         load_tokenizer(d)
 
 
-def test_hf_dir_with_only_tokenizer_model_is_refused(tmp_path):
-    (tmp_path / "tokenizer.model").write_bytes(b"\x00")
-    with pytest.raises(TokenizerLoadError, match="tokenizer.model.*save_pretrained"):
+def test_malformed_tokenizer_model_is_refused(tmp_path):
+    """A tokenizer.model alone is loaded (test_sentencepiece_dir.py); a broken one is not."""
+    (tmp_path / "tokenizer.model").write_bytes(b"\x0a\x05ab")
+    with pytest.raises(TokenizerLoadError, match="tokenizer.model: truncated"):
         load_tokenizer(tmp_path)
 
 
