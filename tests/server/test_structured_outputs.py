@@ -330,6 +330,75 @@ def test_streamed_tool_calls_assemble(client, srv):
         assert reason == ("tool_calls" if choice == "required" else "stop")
 
 
+def _streamed_calls(stream) -> tuple[str, list[tuple[str, str]], str | None, int]:
+    """(content, calls, finish reason, argument deltas) of a streamed choice, checking
+    the order vLLM streams in: a call's first delta has id, type, name and empty
+    arguments; the next ones carry only argument text."""
+    content, calls, reason, n_arg_deltas = "", {}, None, 0
+    for chunk in stream:
+        for ch in chunk.choices:
+            reason = ch.finish_reason or reason
+            content += ch.delta.content or ""
+            for tc in ch.delta.tool_calls or []:
+                if tc.id is not None:
+                    assert tc.index not in calls and tc.type == "function"
+                    assert tc.function.name and tc.function.arguments == ""
+                    calls[tc.index] = [tc.function.name, ""]
+                else:
+                    assert tc.function.name is None and tc.function.arguments
+                    calls[tc.index][1] += tc.function.arguments
+                    n_arg_deltas += 1
+    assert sorted(calls) == list(range(len(calls)))
+    return content, [(n, a) for n, a in calls.values()], reason, n_arg_deltas
+
+
+# The hermes format, forced by a regex so that the small model writes it (tool_choice
+# auto reads the model's own text back with the hermes parser).
+HERMES_REGEX = (
+    r"Checking\. <tool_call>\n"
+    r'\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,9}", '
+    r'"unit": "(celsius|fahrenheit)"\}\}\n</tool_call>\n<tool_call>\n'
+    r'\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)"\}\}\n</tool_call>'
+)
+
+
+@pytest.mark.parametrize(
+    "choice,extra",
+    [
+        ("required", {"parallel_tool_calls": False}),
+        ("required", {}),
+        ({"type": "function", "function": {"name": "get_weather"}}, {}),
+        ("auto", {"extra_body": {"structured_outputs": {"regex": HERMES_REGEX}}}),
+    ],
+)
+def test_streamed_tool_call_arguments_equal_the_non_streamed_ones(client, srv, choice, extra):
+    """Same seed, streamed and not: the argument deltas add up to exactly the
+    non-streamed arguments, and they arrive in pieces as they are generated."""
+    kw = dict(
+        messages=[{"role": "user", "content": "Weather in Paris and the time in UTC?"}],
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice=choice,
+        temperature=1.0,
+        seed=11,
+        max_tokens=200,
+        **extra,
+    )
+    whole = _chat(client, srv, **kw).choices[0]
+    assert whole.message.tool_calls, whole
+    expected = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    content, calls, reason, n_arg_deltas = _streamed_calls(_chat(client, srv, stream=True, **kw))
+    assert calls == expected
+    assert reason == whole.finish_reason == ("stop" if isinstance(choice, dict) else "tool_calls")
+    assert n_arg_deltas > len(calls)  # streamed in pieces, not whole at the end
+    if choice == "auto":
+        assert [n for n, _ in calls] == ["get_weather", "get_time"]
+        assert content == "Checking. " and whole.message.content == "Checking."
+    else:
+        assert not content and whole.message.content is None
+    if extra.get("parallel_tool_calls") is False:
+        assert len(calls) == 1
+
+
 def test_agent_loop_history_renders(client, srv):
     """An assistant message with content null + tool_calls and a tool result replay."""
     r = _chat(
