@@ -289,6 +289,7 @@ class ChatCompletionRequest(_SamplingFields):
     prompt_logprobs: int | None = None  # vLLM: the rendered prompt's token logprobs
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+    echo: bool = False  # vLLM: the last message's content before the reply (server/chat.py)
     # accepted and ignored (OpenAI chat fields with no effect here)
     reasoning_effort: str | None = None
     verbosity: str | None = None
