@@ -22,6 +22,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from pagewarden.models.chat_template import template_variables
 from pagewarden.server.errors import APIError
 from pagewarden.server.protocol import ChatCompletionRequest, ChatMessage
 from pagewarden.server.tool_parsers import (
@@ -133,7 +134,9 @@ def plan_tools(req: ChatCompletionRequest, config: ToolConfig) -> ToolPlan:
 
 
 def template_knows_tools(template: str | None) -> bool:
-    return bool(template) and "tool_calls" in template  # type: ignore[operator]
+    """Whether the chat template renders tools itself (it reads the ``tools`` variable);
+    one that does not gets them in the Hermes format."""
+    return bool(template) and "tools" in template_variables(template)  # type: ignore[arg-type]
 
 
 def _arguments(text: str) -> object:
@@ -152,7 +155,7 @@ def template_messages(
     messages = []
     for i, m in enumerate(req.messages):
         messages.append(_message(m, i, native))
-    tools = plan.tools if plan.mode != "none" and plan.tools else None
+    tools = plan.tools or None  # tool_choice none too: vLLM keeps them in the prompt
     if tools and not native:
         prompt = _hermes_system_prompt(tools)
         if messages and messages[0]["role"] in ("system", "developer"):
