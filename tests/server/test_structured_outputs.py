@@ -485,3 +485,66 @@ def test_tool_errors(srv):
     for extra, needle in cases:
         r = httpx.post(srv.url + "/v1/chat/completions", json={**base, **extra}, timeout=60)
         assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_langchain_chat_openai(srv):
+    """LangChain's ChatOpenAI (langchain-openai, in the test extra): invoke, stream,
+    bind_tools with a tool-call round trip (the AI message's calls replayed with null
+    content, then the tool's result), a streamed required call, with_structured_output."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    sent: list[dict] = []  # the request bodies ChatOpenAI sends
+
+    def keep(request: httpx.Request) -> None:
+        sent.append(json.loads(request.read()))
+
+    llm = ChatOpenAI(
+        base_url=srv.url + "/v1",
+        api_key="x",
+        model=srv.model,
+        temperature=0,
+        max_tokens=12,
+        max_retries=0,
+        timeout=300,
+        http_client=httpx.Client(event_hooks={"request": [keep]}, timeout=300),
+    )
+    said = llm.invoke("Say hi").content
+    assert said and "".join(c.content for c in llm.stream("Say hi")) == said
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Current weather in a city."""
+        return f"sunny in {city}"
+
+    question = HumanMessage("What is the weather in Paris?")
+    ai = llm.bind_tools([get_weather], tool_choice="get_weather").invoke([question])
+    (call,) = ai.tool_calls
+    assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
+    replay = [question, ai, ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"])]
+    final = llm.bind_tools([get_weather]).invoke(replay)
+    assert final.content or final.tool_calls
+    _, assistant, result = sent[-1]["messages"]
+    assert assistant["content"] is None and assistant["tool_calls"][0]["id"] == call["id"]
+    assert result == {
+        "role": "tool",
+        "content": f"sunny in {call['args']['city']}",
+        "tool_call_id": call["id"],
+    }
+
+    required = llm.bind_tools([get_weather], tool_choice="any").bind(max_tokens=60)
+    chunks = list(required.stream([question]))
+    assembled = chunks[0]
+    for c in chunks[1:]:
+        assembled += c
+    assert [c["name"] for c in assembled.tool_calls] == ["get_weather"]
+    assert sum(1 for c in chunks if c.tool_call_chunks) > 2  # the arguments came in pieces
+
+    for method in ("json_schema", "function_calling", "json_mode"):
+        person = (
+            llm.with_structured_output(Person, method=method)
+            .bind(max_tokens=120)
+            .invoke("Describe a person as JSON with a name and an age.")
+        )
+        assert isinstance(person, Person), method
