@@ -21,6 +21,15 @@ from enum import Enum
 _WS = " \t\n\r"
 
 
+def _decode(literal: str) -> str | None:
+    """A JSON string literal's value; None if it is not one (a bad escape, say)."""
+    try:
+        value = json.loads(literal)
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
+
+
 class _At(Enum):
     OPEN = "open"  # before the object's "{"
     KEY_OR_CLOSE = "key_or_close"  # after "{"
@@ -92,7 +101,8 @@ class CallScanner:
         if self.args_start is None or self.args_end is None:
             return "{}"
         raw = text[self.args_start : self.args_end]
-        return json.loads(raw) if raw.startswith('"') else raw
+        decoded = _decode(raw) if raw.startswith('"') else None
+        return raw if decoded is None else decoded
 
     # ---- the state machine -----------------------------------------------------------
 
@@ -103,8 +113,8 @@ class CallScanner:
             return
         if at is _At.KEY:
             if self._string_char(ch):
-                self._key = json.loads(self._text[self._key_start : self.pos + 1])
-                self.at = _At.COLON
+                self._key = _decode(self._text[self._key_start : self.pos + 1])
+                self.at = _At.COLON if self._key is not None else _At.ERROR
             self.pos += 1
             return
         self.pos += 1
@@ -181,7 +191,7 @@ class CallScanner:
 
     def _end_value(self) -> None:
         if self._key == "name" and self.name is None and self._kind == "string":
-            self.name = json.loads(self._text[self._value_start : self.pos])
+            self.name = _decode(self._text[self._value_start : self.pos])
         if self.args_start == self._value_start:
             self.args_closed = True
         self.at = _At.COMMA_OR_CLOSE

@@ -88,7 +88,7 @@ class StreamingToolParser:
             if call is not None and not call.scanner.done and not call.scanner.error:
                 call.scanner.scan(text)
                 out += self._call_deltas(call, text)
-                if call.scanner.error:
+                if call.scanner.error or (call.scanner.done and call.scanner.name is None):
                     self._break()
                 elif call.scanner.done:
                     self.pos = call.scanner.end or self.pos

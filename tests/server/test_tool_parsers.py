@@ -78,6 +78,8 @@ CASES = [
     ("hermes", '<tool_call>{"name": "f"}</tool_call>'),
     ("hermes", "no call, only <tool talk"),
     ("hermes", "x <tool_call>{not json</tool_call>"),
+    ("hermes", '<tool_call>{"na\\qme": "f"}</tool_call>'),  # a bad escape: not a call
+    ("hermes", '<tool_call>{"name": "f\\q", "arguments": {}}</tool_call>'),
     (
         "llama3_json",
         '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {}}',
@@ -110,6 +112,15 @@ def test_streamed_deltas_add_up_to_the_parsed_output(name, text):
         assert calls == expected
         if not calls:
             assert content == text  # not a call after all: all of it is content
+
+
+def test_a_bad_escape_after_the_name_is_streamed_but_not_parsed_as_a_call():
+    """Streaming cannot take back a call whose name went out; the whole response gives
+    the output as content (and nothing raises)."""
+    text = '<tool_call>{"name": "f", "arguments": "\\q"}</tool_call>'
+    _, calls = _assemble(_stream(TOOL_PARSERS["hermes"](), text, list(range(1, len(text)))))
+    assert calls == [("f", '"\\q"')]
+    assert TOOL_PARSERS["hermes"]().parse(text).content == text
 
 
 def test_hermes_tag_split_across_tokens_streams_name_then_arguments():
