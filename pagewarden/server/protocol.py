@@ -357,9 +357,13 @@ class TokenizeRequest(OpenAIRequest):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    add_special_tokens: bool = True
+    # None: True for a prompt, False for messages (the template writes BOS), as vLLM
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    # with messages: rendered as on /v1/chat/completions (tools are in the prompt there)
+    tools: list[ChatTool] | None = Field(default=None, max_length=128)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(OpenAIRequest):

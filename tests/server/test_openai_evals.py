@@ -183,6 +183,8 @@ def test_tokenize_messages_and_detokenize(srv, prompt_ids):
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["count"] == len(body["tokens"]) == len(body["token_strs"])
+    chat = _post(srv, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1})
+    assert body["count"] == chat.json()["usage"]["prompt_tokens"]  # the prompt chat runs
     text = _post(srv, "/detokenize", {"tokens": body["tokens"]}).json()["prompt"]
     assert "hi there" in text
     assert _post(srv, "/detokenize", {"model": MODEL, "tokens": prompt_ids}).json() == {

@@ -401,27 +401,28 @@ def test_streamed_tool_call_arguments_equal_the_non_streamed_ones(client, srv, c
 
 def test_agent_loop_history_renders(client, srv):
     """An assistant message with content null + tool_calls and a tool result replay."""
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": '{"city": "Paris", "unit": "celsius"}',
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+    ]
     r = _chat(
         client,
         srv,
-        messages=[
-            {"role": "user", "content": "Weather in Paris?"},
-            {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [
-                    {
-                        "id": "call_1",
-                        "type": "function",
-                        "function": {
-                            "name": "get_weather",
-                            "arguments": '{"city": "Paris", "unit": "celsius"}',
-                        },
-                    }
-                ],
-            },
-            {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
-        ],
+        messages=messages,
         tools=[WEATHER_TOOL],
         tool_choice="none",
         max_tokens=8,
@@ -429,6 +430,11 @@ def test_agent_loop_history_renders(client, srv):
     )
     assert r.choices[0].message.content is not None
     assert r.usage.prompt_tokens > 60  # the tools and the call are in the prompt
+    # /tokenize renders the same prompt, tools and calls included
+    t = httpx.post(
+        srv.url + "/tokenize", json={"messages": messages, "tools": [WEATHER_TOOL]}, timeout=60
+    )
+    assert t.status_code == 200 and t.json()["count"] == r.usage.prompt_tokens, t.text
 
 
 def test_auto_tool_choice_parses_hermes_calls(client, srv):
