@@ -24,6 +24,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -158,6 +159,18 @@ def render_chat_template(
         )
     except jinja2.TemplateError as e:
         raise ChatTemplateError(str(e)) from e
+
+
+@lru_cache(maxsize=32)
+def template_variables(source: str) -> frozenset[str]:
+    """The names `source` reads from its render context (not those it sets itself): a
+    template renders tools natively when `tools` is among them. Empty if it does not
+    compile (rendering it then fails with the reason)."""
+    env = ImmutableSandboxedEnvironment(extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
+    except jinja2.TemplateSyntaxError:
+        return frozenset()
 
 
 def read_chat_template(value: str) -> str:

@@ -42,6 +42,7 @@ class _Job:
     rid: str
     created: int
     plan: ToolPlan
+    echo: str  # text put before every choice's content ("" without echo)
 
     def chunk(self, choices: list[dict], usage_: dict | None = None) -> str:
         body = {
@@ -77,9 +78,32 @@ def render_prompt(
     return None, list(rendered)
 
 
+def echo_prefix(req: ChatCompletionRequest, plan: ToolPlan) -> str:
+    """vLLM's chat ``echo``: the last message's content, when that message has the
+    reply's role (an assistant message the model continues); else nothing."""
+    if not req.echo:
+        return ""
+    if plan.mode != "none":
+        raise APIError(400, "echo cannot be combined with tool calls (tool_choice)", "echo")
+    if req.logprobs:
+        raise APIError(
+            400,
+            "echo with logprobs is not supported on chat completions (the echoed text has "
+            "no logprobs); use /v1/completions with echo and logprobs to score a prompt",
+            "echo",
+        )
+    last = req.messages[-1]
+    if last.role != "assistant" or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(p.text for p in last.content)  # vLLM joins text parts by lines
+
+
 async def create_chat_completion(ctx: ServerContext, request: Request) -> Response:
     salt, req = await ctx.read_request(request, ChatCompletionRequest)
     plan = plan_tools(req, ctx.tool_config)
+    echo = echo_prefix(req, plan)
     # Rendering and tokenizing are request-sized work: off the event loop.
     text, ids = await asyncio.to_thread(render_prompt, req, ctx, plan)
     spec, param = requested_spec(req)
@@ -106,6 +130,7 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
         ctx.response_id("chatcmpl", request),
         int(time.time()),
         plan,
+        echo,
     )
     if not req.stream:
         return await _full_response(job, request)
@@ -118,6 +143,8 @@ async def _full_response(job: _Job, request: Request) -> JSONResponse:
     choices = []
     for c in out.outputs:
         msg, reason = message(job.plan, c.text, c.finish_reason)
+        if job.echo:
+            msg["content"] = job.echo + (msg["content"] or "")
         choices.append(
             {
                 "index": c.index,
@@ -158,6 +185,18 @@ async def _events(job: _Job) -> AsyncIterator[str]:
                 for i in range(n)
             ]
         )
+        if job.echo:
+            yield job.chunk(
+                [
+                    {
+                        "index": i,
+                        "delta": {"content": job.echo},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for i in range(n)
+                ]
+            )
         async for _, out in merge(job.streams):
             for c in out.outputs:
                 if done[c.index]:

@@ -289,6 +289,7 @@ class ChatCompletionRequest(_SamplingFields):
     prompt_logprobs: int | None = None  # vLLM: the rendered prompt's token logprobs
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+    echo: bool = False  # vLLM: the last message's content before the reply (server/chat.py)
     # accepted and ignored (OpenAI chat fields with no effect here)
     reasoning_effort: str | None = None
     verbosity: str | None = None
@@ -356,9 +357,13 @@ class TokenizeRequest(OpenAIRequest):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    add_special_tokens: bool = True
+    # None: True for a prompt, False for messages (the template writes BOS), as vLLM
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    # with messages: rendered as on /v1/chat/completions (tools are in the prompt there)
+    tools: list[ChatTool] | None = Field(default=None, max_length=128)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(OpenAIRequest):

@@ -10,9 +10,11 @@ import asyncio
 
 from fastapi import FastAPI, Request
 
+from pagewarden.server.chat import render_prompt
 from pagewarden.server.context import ServerContext
 from pagewarden.server.errors import APIError
-from pagewarden.server.protocol import DetokenizeRequest, TokenizeRequest
+from pagewarden.server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
+from pagewarden.server.tools import ToolConfig, plan_tools
 
 
 def add_tokenize_routes(app: FastAPI, ctx: ServerContext) -> None:
@@ -32,17 +34,10 @@ def _tokenize(ctx: ServerContext, req: TokenizeRequest) -> dict:
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "send exactly one of prompt and messages", "prompt")
     if req.messages is not None:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            text = tok.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt
-            )
-        except Exception as exc:  # noqa: BLE001 - template errors are the client's input
-            raise APIError(400, f"cannot apply the chat template: {exc}", "messages") from None
+        ids = _chat_prompt_ids(ctx, req)
     else:
         assert req.prompt is not None
-        text = req.prompt
-    ids = tok.encode(text, add_special_tokens=req.add_special_tokens)
+        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
     return {
         "count": len(ids),
         "max_model_len": ctx.engine.max_model_len,
@@ -51,6 +46,23 @@ def _tokenize(ctx: ServerContext, req: TokenizeRequest) -> dict:
         if req.return_token_strs
         else None,
     }
+
+
+def _chat_prompt_ids(ctx: ServerContext, req: TokenizeRequest) -> list[int]:
+    """The prompt ``/v1/chat/completions`` would run for these messages and tools (with
+    ``add_special_tokens``, the tokenizer's own special tokens on top)."""
+    chat = ChatCompletionRequest(
+        model=req.model,
+        messages=req.messages or [],
+        tools=req.tools,
+        tool_choice="none" if req.tools else None,
+        add_generation_prompt=req.add_generation_prompt,
+        chat_template_kwargs=req.chat_template_kwargs,
+    )
+    text, ids = render_prompt(chat, ctx, plan_tools(chat, ToolConfig()))
+    if req.add_special_tokens and text is not None:
+        ids = ctx.tokenizer.encode(text, add_special_tokens=True)
+    return ids
 
 
 def _detokenize(ctx: ServerContext, req: DetokenizeRequest) -> dict:

@@ -22,9 +22,15 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from pagewarden.models.chat_template import template_variables
 from pagewarden.server.errors import APIError
 from pagewarden.server.protocol import ChatCompletionRequest, ChatMessage
-from pagewarden.server.tool_parsers import TOOL_PARSERS, ParsedToolCall
+from pagewarden.server.tool_parsers import (
+    TOOL_PARSERS,
+    ParsedToolCall,
+    RequiredToolParser,
+    StreamingToolParser,
+)
 from pagewarden.structured_outputs import StructuredOutputsParams
 
 _ANY_OBJECT: dict = {"type": "object"}
@@ -54,6 +60,7 @@ class ToolPlan:
     name: str | None = None  # the named function
     spec: StructuredOutputsParams | None = None
     parser: str | None = None
+    parallel: bool | None = None  # parallel_tool_calls; False: one call at most
 
 
 def plan_tools(req: ChatCompletionRequest, config: ToolConfig) -> ToolPlan:
@@ -91,7 +98,9 @@ def plan_tools(req: ChatCompletionRequest, config: ToolConfig) -> ToolPlan:
                 "and --tool-call-parser",
                 "tool_choice",
             )
-        return ToolPlan("auto", tools, parser=config.tool_call_parser)
+        return ToolPlan(
+            "auto", tools, parser=config.tool_call_parser, parallel=req.parallel_tool_calls
+        )
     if choice == "required":
         items = [
             {
@@ -125,7 +134,9 @@ def plan_tools(req: ChatCompletionRequest, config: ToolConfig) -> ToolPlan:
 
 
 def template_knows_tools(template: str | None) -> bool:
-    return bool(template) and "tool_calls" in template  # type: ignore[operator]
+    """Whether the chat template renders tools itself (it reads the ``tools`` variable);
+    one that does not gets them in the Hermes format."""
+    return bool(template) and "tools" in template_variables(template)  # type: ignore[arg-type]
 
 
 def _arguments(text: str) -> object:
@@ -144,7 +155,7 @@ def template_messages(
     messages = []
     for i, m in enumerate(req.messages):
         messages.append(_message(m, i, native))
-    tools = plan.tools if plan.mode != "none" and plan.tools else None
+    tools = plan.tools or None  # tool_choice none too: vLLM keeps them in the prompt
     if tools and not native:
         prompt = _hermes_system_prompt(tools)
         if messages and messages[0]["role"] in ("system", "developer"):
@@ -217,23 +228,23 @@ def _hermes_system_prompt(tools: list[dict]) -> str:
 # ---- the output ----------------------------------------------------------------------
 
 
-def _call_dict(call: ParsedToolCall, index: int | None = None) -> dict:
-    d: dict = {
+def _call_dict(call: ParsedToolCall) -> dict:
+    return {
         "id": f"call_{uuid.uuid4().hex[:24]}",
         "type": "function",
         "function": {"name": call.name, "arguments": call.arguments},
     }
-    if index is not None:
-        d["index"] = index
-    return d
 
 
-def _required_calls(text: str) -> list[ParsedToolCall] | None:
-    try:
-        items = json.loads(text)
-    except ValueError:
-        return None  # cut short by max_tokens
-    return [ParsedToolCall(it["name"], json.dumps(it["parameters"])) for it in items]
+def _parser(plan: ToolPlan) -> StreamingToolParser | None:
+    """The parser that reads ``plan``'s output back into calls (None: plain text or a
+    named function's arguments)."""
+    if plan.mode == "required":
+        return RequiredToolParser()
+    if plan.mode == "auto":
+        assert plan.parser is not None
+        return TOOL_PARSERS[plan.parser](max_calls=1 if plan.parallel is False else None)
+    return None
 
 
 def output_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[ParsedToolCall]]:
@@ -241,20 +252,17 @@ def output_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[ParsedTool
     if plan.mode == "named":
         assert plan.name is not None
         return None, [ParsedToolCall(plan.name, text)]
-    if plan.mode == "required":
-        calls = _required_calls(text)
-        return (text, []) if calls is None else (None, calls)
-    if plan.mode == "auto":
-        assert plan.parser is not None
-        parsed = TOOL_PARSERS[plan.parser]().parse(text)
-        return parsed.content, parsed.tool_calls
-    return text, []
+    parser = _parser(plan)
+    if parser is None:
+        return text, []
+    parsed = parser.parse(text)
+    return parsed.content, parsed.tool_calls
 
 
-def finish_reason(plan: ToolPlan, calls: list, reason: str | None) -> str | None:
+def finish_reason(plan: ToolPlan, called: bool, reason: str | None) -> str | None:
     """``tool_calls`` when the model called tools and stopped by itself; a named
     function's call ends with ``stop``, as OpenAI's does."""
-    if calls and reason == "stop" and plan.mode in ("auto", "required"):
+    if called and reason == "stop" and plan.mode in ("auto", "required"):
         return "tool_calls"
     return reason
 
@@ -265,70 +273,44 @@ def message(plan: ToolPlan, text: str, reason: str | None) -> tuple[dict, str | 
     msg: dict = {"role": "assistant", "content": content}
     if calls:
         msg["tool_calls"] = [_call_dict(c) for c in calls]
-    return msg, finish_reason(plan, calls, reason)
+    return msg, finish_reason(plan, bool(calls), reason)
 
 
 class StreamShaper:
-    """One streamed choice: its text deltas as ``delta`` dicts, tool calls included."""
+    """One streamed choice: its text deltas as ``delta`` dicts, tool calls included (a
+    call's name first, then its arguments as they are generated, as vLLM streams them)."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
-        self.sent = 0  # characters of the text already sent as content or arguments
+        self.parser = _parser(plan)
+        self.sent = 0  # characters of the text already sent (plain text, named arguments)
         self.call_id = f"call_{uuid.uuid4().hex[:24]}"
 
     def deltas(self, text: str, reason: str | None) -> tuple[list[dict], str | None]:
         """Deltas for ``text`` (the choice's whole text so far); at the end (``reason``
         set) also the finish reason to send."""
-        mode = self.plan.mode
-        if mode == "none":
-            return self._content(text, len(text)), reason
-        if mode == "named":
-            out = []
-            if self.sent == 0 and (text or reason is not None):
-                head = {
-                    "index": 0,
-                    "id": self.call_id,
-                    "type": "function",
-                    "function": {"name": self.plan.name, "arguments": ""},
-                }
-                out.append({"tool_calls": [head]})
-            if len(text) > self.sent:
-                args = {"index": 0, "function": {"arguments": text[self.sent :]}}
-                out.append({"tool_calls": [args]})
-                self.sent = len(text)
-            return out, reason
-        if mode == "auto":
-            parser = TOOL_PARSERS[self.plan.parser or ""]()
-            if reason is None:
-                return self._content(text, _content_end(parser, text)), None
-        elif reason is None:
-            return [], None  # required: the calls go out once their JSON is complete
-        content, calls = output_calls(self.plan, text)
-        if not calls:
-            return self._content(text, len(text)), reason
-        out = [{"tool_calls": [_call_dict(c, i) for i, c in enumerate(calls)]}]
-        return out, finish_reason(self.plan, calls, reason)
+        if self.parser is not None:
+            out = self.parser.feed(text, final=reason is not None)
+            return out, finish_reason(self.plan, self.parser.called, reason)
+        if self.plan.mode != "named":
+            return self._content(text), reason
+        out = []
+        if self.sent == 0 and (text or reason is not None):
+            head = {
+                "index": 0,
+                "id": self.call_id,
+                "type": "function",
+                "function": {"name": self.plan.name, "arguments": ""},
+            }
+            out.append({"tool_calls": [head]})
+        if len(text) > self.sent:
+            out.append({"tool_calls": [{"index": 0, "function": {"arguments": text[self.sent :]}}]})
+            self.sent = len(text)
+        return out, reason
 
-    def _content(self, text: str, end: int) -> list[dict]:
-        if end <= self.sent:
+    def _content(self, text: str) -> list[dict]:
+        if len(text) <= self.sent:
             return []
-        delta = text[self.sent : end]
-        self.sent = end
+        delta = text[self.sent :]
+        self.sent = len(text)
         return [{"content": delta}]
-
-
-def _content_end(parser, text: str) -> int:
-    """How much of ``text`` is surely content, not the start of a tool call."""
-    start = parser.start
-    if start == "{":  # llama3_json: the whole output is calls when it opens with one
-        stripped = text.lstrip()
-        if not stripped or stripped.startswith("{") or "<|python_tag|>".startswith(stripped[:14]):
-            return 0
-        return len(text)
-    at = text.find(start)
-    if at >= 0:
-        return at
-    for k in range(min(len(start) - 1, len(text)), 0, -1):
-        if start.startswith(text[-k:]):
-            return len(text) - k
-    return len(text)

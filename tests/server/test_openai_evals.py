@@ -183,6 +183,8 @@ def test_tokenize_messages_and_detokenize(srv, prompt_ids):
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["count"] == len(body["tokens"]) == len(body["token_strs"])
+    chat = _post(srv, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1})
+    assert body["count"] == chat.json()["usage"]["prompt_tokens"]  # the prompt chat runs
     text = _post(srv, "/detokenize", {"tokens": body["tokens"]}).json()["prompt"]
     assert "hi there" in text
     assert _post(srv, "/detokenize", {"model": MODEL, "tokens": prompt_ids}).json() == {
@@ -303,3 +305,53 @@ def test_chat_prompt_logprobs(srv):
     plp = r.json()["prompt_logprobs"]
     assert plp[0] is None and len(plp) == r.json()["usage"]["prompt_tokens"]
     assert all(entry and all(e["logprob"] <= 0 for e in entry.values()) for entry in plp[1:])
+
+
+def test_chat_echo_puts_the_last_assistant_message_first(client):
+    """vLLM's chat echo: the last message's content before the reply when that message
+    is the assistant's (the model continues it), streamed and not, for every choice."""
+    lead = "The answer, in short, is"
+    msgs = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": lead}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=5, temperature=0, n=2)
+    plain = client.chat.completions.create(**kw)
+    echoed = client.chat.completions.create(extra_body={"echo": True}, **kw)
+    assert [c.message.content for c in echoed.choices] == [
+        lead + c.message.content for c in plain.choices
+    ]
+    assert echoed.usage == plain.usage
+    streamed = ["", ""]
+    for chunk in client.chat.completions.create(stream=True, extra_body={"echo": True}, **kw):
+        for ch in chunk.choices:
+            streamed[ch.index] += ch.delta.content or ""
+    assert streamed == [c.message.content for c in echoed.choices]
+    # the last message is the user's: nothing to echo
+    user_last = dict(kw, messages=msgs[:1])
+    a = client.chat.completions.create(extra_body={"echo": True}, **user_last)
+    b = client.chat.completions.create(**user_last)
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        ({"logprobs": True}, "echo with logprobs"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "f"}},
+            },
+            "echo cannot be combined with tool calls",
+        ),
+    ],
+)
+def test_chat_echo_refuses_what_it_cannot_serve(srv, extra, needle):
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "assistant", "content": "Once"}],
+        "echo": True,
+        "max_tokens": 2,
+        **extra,
+    }
+    r = _post(srv, "/v1/chat/completions", body)
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "echo"

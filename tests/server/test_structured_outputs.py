@@ -330,29 +330,99 @@ def test_streamed_tool_calls_assemble(client, srv):
         assert reason == ("tool_calls" if choice == "required" else "stop")
 
 
+def _streamed_calls(stream) -> tuple[str, list[tuple[str, str]], str | None, int]:
+    """(content, calls, finish reason, argument deltas) of a streamed choice, checking
+    the order vLLM streams in: a call's first delta has id, type, name and empty
+    arguments; the next ones carry only argument text."""
+    content, calls, reason, n_arg_deltas = "", {}, None, 0
+    for chunk in stream:
+        for ch in chunk.choices:
+            reason = ch.finish_reason or reason
+            content += ch.delta.content or ""
+            for tc in ch.delta.tool_calls or []:
+                if tc.id is not None:
+                    assert tc.index not in calls and tc.type == "function"
+                    assert tc.function.name and tc.function.arguments == ""
+                    calls[tc.index] = [tc.function.name, ""]
+                else:
+                    assert tc.function.name is None and tc.function.arguments
+                    calls[tc.index][1] += tc.function.arguments
+                    n_arg_deltas += 1
+    assert sorted(calls) == list(range(len(calls)))
+    return content, [(n, a) for n, a in calls.values()], reason, n_arg_deltas
+
+
+# The hermes format, forced by a regex so that the small model writes it (tool_choice
+# auto reads the model's own text back with the hermes parser).
+HERMES_REGEX = (
+    r"Checking\. <tool_call>\n"
+    r'\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,9}", '
+    r'"unit": "(celsius|fahrenheit)"\}\}\n</tool_call>\n<tool_call>\n'
+    r'\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)"\}\}\n</tool_call>'
+)
+
+
+@pytest.mark.parametrize(
+    "choice,extra",
+    [
+        ("required", {"parallel_tool_calls": False}),
+        ("required", {}),
+        ({"type": "function", "function": {"name": "get_weather"}}, {}),
+        ("auto", {"extra_body": {"structured_outputs": {"regex": HERMES_REGEX}}}),
+    ],
+)
+def test_streamed_tool_call_arguments_equal_the_non_streamed_ones(client, srv, choice, extra):
+    """Same seed, streamed and not: the argument deltas add up to exactly the
+    non-streamed arguments, and they arrive in pieces as they are generated."""
+    kw = dict(
+        messages=[{"role": "user", "content": "Weather in Paris and the time in UTC?"}],
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice=choice,
+        temperature=1.0,
+        seed=11,
+        max_tokens=200,
+        **extra,
+    )
+    whole = _chat(client, srv, **kw).choices[0]
+    assert whole.message.tool_calls, whole
+    expected = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    content, calls, reason, n_arg_deltas = _streamed_calls(_chat(client, srv, stream=True, **kw))
+    assert calls == expected
+    assert reason == whole.finish_reason == ("stop" if isinstance(choice, dict) else "tool_calls")
+    assert n_arg_deltas > len(calls)  # streamed in pieces, not whole at the end
+    if choice == "auto":
+        assert [n for n, _ in calls] == ["get_weather", "get_time"]
+        assert content == "Checking. " and whole.message.content == "Checking."
+    else:
+        assert not content and whole.message.content is None
+    if extra.get("parallel_tool_calls") is False:
+        assert len(calls) == 1
+
+
 def test_agent_loop_history_renders(client, srv):
     """An assistant message with content null + tool_calls and a tool result replay."""
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": '{"city": "Paris", "unit": "celsius"}',
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+    ]
     r = _chat(
         client,
         srv,
-        messages=[
-            {"role": "user", "content": "Weather in Paris?"},
-            {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [
-                    {
-                        "id": "call_1",
-                        "type": "function",
-                        "function": {
-                            "name": "get_weather",
-                            "arguments": '{"city": "Paris", "unit": "celsius"}',
-                        },
-                    }
-                ],
-            },
-            {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
-        ],
+        messages=messages,
         tools=[WEATHER_TOOL],
         tool_choice="none",
         max_tokens=8,
@@ -360,6 +430,11 @@ def test_agent_loop_history_renders(client, srv):
     )
     assert r.choices[0].message.content is not None
     assert r.usage.prompt_tokens > 60  # the tools and the call are in the prompt
+    # /tokenize renders the same prompt, tools and calls included
+    t = httpx.post(
+        srv.url + "/tokenize", json={"messages": messages, "tools": [WEATHER_TOOL]}, timeout=60
+    )
+    assert t.status_code == 200 and t.json()["count"] == r.usage.prompt_tokens, t.text
 
 
 def test_auto_tool_choice_parses_hermes_calls(client, srv):
@@ -416,3 +491,66 @@ def test_tool_errors(srv):
     for extra, needle in cases:
         r = httpx.post(srv.url + "/v1/chat/completions", json={**base, **extra}, timeout=60)
         assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_langchain_chat_openai(srv):
+    """LangChain's ChatOpenAI (langchain-openai, in the test extra): invoke, stream,
+    bind_tools with a tool-call round trip (the AI message's calls replayed with null
+    content, then the tool's result), a streamed required call, with_structured_output."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    sent: list[dict] = []  # the request bodies ChatOpenAI sends
+
+    def keep(request: httpx.Request) -> None:
+        sent.append(json.loads(request.read()))
+
+    llm = ChatOpenAI(
+        base_url=srv.url + "/v1",
+        api_key="x",
+        model=srv.model,
+        temperature=0,
+        max_tokens=12,
+        max_retries=0,
+        timeout=300,
+        http_client=httpx.Client(event_hooks={"request": [keep]}, timeout=300),
+    )
+    said = llm.invoke("Say hi").content
+    assert said and "".join(c.content for c in llm.stream("Say hi")) == said
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Current weather in a city."""
+        return f"sunny in {city}"
+
+    question = HumanMessage("What is the weather in Paris?")
+    ai = llm.bind_tools([get_weather], tool_choice="get_weather").invoke([question])
+    (call,) = ai.tool_calls
+    assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
+    replay = [question, ai, ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"])]
+    final = llm.bind_tools([get_weather]).invoke(replay)
+    assert final.content or final.tool_calls
+    _, assistant, result = sent[-1]["messages"]
+    assert assistant["content"] is None and assistant["tool_calls"][0]["id"] == call["id"]
+    assert result == {
+        "role": "tool",
+        "content": f"sunny in {call['args']['city']}",
+        "tool_call_id": call["id"],
+    }
+
+    required = llm.bind_tools([get_weather], tool_choice="any").bind(max_tokens=60)
+    chunks = list(required.stream([question]))
+    assembled = chunks[0]
+    for c in chunks[1:]:
+        assembled += c
+    assert [c["name"] for c in assembled.tool_calls] == ["get_weather"]
+    assert sum(1 for c in chunks if c.tool_call_chunks) > 2  # the arguments came in pieces
+
+    for method in ("json_schema", "function_calling", "json_mode"):
+        person = (
+            llm.with_structured_output(Person, method=method)
+            .bind(max_tokens=120)
+            .invoke("Describe a person as JSON with a name and an age.")
+        )
+        assert isinstance(person, Person), method
