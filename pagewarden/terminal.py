@@ -43,10 +43,10 @@ def recommended_sampling(model_path: Path) -> dict[str, Any]:
         if cfg.get("do_sample") is False:
             return {"temperature": 0.0}
         return {k: cfg[k] for k in _SAMPLING_KEYS if k in cfg}
-    from gguf import GGUFReader
+    from pagewarden.models.gguf_metadata import read_gguf_metadata
 
-    fields = GGUFReader(str(model_path)).fields
-    shipped = {name: fields[key].contents() for key, name in _GGUF_KEYS.items() if key in fields}
+    fields = read_gguf_metadata(model_path)
+    shipped = {name: fields[key] for key, name in _GGUF_KEYS.items() if key in fields}
     # GGUF stores them as float32: 0.6 reads back as 0.6000000238.
     return {k: round(v, 6) if isinstance(v, float) else v for k, v in shipped.items()}
 

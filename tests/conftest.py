@@ -92,3 +92,18 @@ def make_tiny_llama(path: str | Path, **config_overrides) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """The real Gemma 3 270M Q4_K_M GGUF, assembled once from its wheels into the cache
+    (pagewarden/models/gguf_wheels.py). Skipped without the wheels, unless CI requires
+    them (PAGEWARDEN_REQUIRE_GEMMA=1: then missing wheels fail)."""
+    from pagewarden.models.gguf_wheels import WHEEL_GGUFS, GGUFWheelError, gguf_from_wheels
+
+    try:
+        return gguf_from_wheels("gemma3")
+    except GGUFWheelError as e:
+        if os.environ.get("PAGEWARDEN_REQUIRE_GEMMA"):
+            raise
+        pytest.skip(f"Gemma 3 wheels not installed ({e}); {WHEEL_GGUFS['gemma3'].pip_install}")

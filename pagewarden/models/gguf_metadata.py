@@ -83,22 +83,28 @@ class _Cursor:
 def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
     """Every metadata key of the GGUF at `path` -> its value (str, int, float, bool, list)."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        c = _Cursor(buf)
-        try:
-            if bytes(buf[:4]) != b"GGUF":
-                raise GGUFMetadataError(f"{path}: not a GGUF file (bad magic)")
-            c.pos = 4
-            version = c.unpack("<I")
-            if version not in (2, 3):
-                raise GGUFMetadataError(f"{path}: GGUF version {version} (big-endian?) unsupported")
-            c.unpack("<Q")  # tensor count
-            n_kv = c.unpack("<Q")
-            if n_kv > _MAX_KV:
-                raise GGUFMetadataError(f"{path}: {n_kv} metadata entries exceeds {_MAX_KV}")
-            out: dict[str, Any] = {}
-            for _ in range(n_kv):
-                key = c.string()
-                out[key] = c.value(c.unpack("<I"))
-            return out
-        except struct.error as e:
-            raise GGUFMetadataError(f"{path}: metadata truncated ({e})") from e
+        return read_metadata_section(buf, path)[0]
+
+
+def read_metadata_section(buf: Any, path: str | Path) -> tuple[dict[str, Any], int]:
+    """The metadata of the GGUF in `buf` (anything with the buffer protocol: an mmap, a
+    numpy memmap) and the offset where its tensor infos start."""
+    c = _Cursor(buf)
+    try:
+        if bytes(buf[:4]) != b"GGUF":
+            raise GGUFMetadataError(f"{path}: not a GGUF file (bad magic)")
+        c.pos = 4
+        version = c.unpack("<I")
+        if version not in (2, 3):
+            raise GGUFMetadataError(f"{path}: GGUF version {version} (big-endian?) unsupported")
+        c.unpack("<Q")  # tensor count
+        n_kv = c.unpack("<Q")
+        if n_kv > _MAX_KV:
+            raise GGUFMetadataError(f"{path}: {n_kv} metadata entries exceeds {_MAX_KV}")
+        out: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = c.string()
+            out[key] = c.value(c.unpack("<I"))
+        return out, c.pos
+    except struct.error as e:
+        raise GGUFMetadataError(f"{path}: metadata truncated ({e})") from e

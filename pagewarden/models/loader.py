@@ -176,13 +176,12 @@ def _gguf_hf_name(arch: Architecture, name: str, where: Path) -> str:
 
 
 def _load_gguf(p: Path, dtype: torch.dtype, quantization: str = "none") -> LoadedWeights:
-    from gguf import GGUFReader
+    from pagewarden.models.gguf_tensors import open_gguf
 
     try:
-        reader = GGUFReader(str(p))
+        fields, reader = open_gguf(p)
     except Exception as e:  # gguf raises plain ValueError/struct errors on bad files
         raise ModelLoadError(f"{p}: not a readable GGUF file: {e}") from e
-    fields = {k: f.contents() for k, f in reader.fields.items()}
     arch_name = fields.get("general.architecture")
     arch = BY_GGUF_NAME.get(str(arch_name))
     if arch is None or arch.config_from_gguf is None:

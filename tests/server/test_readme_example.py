@@ -10,16 +10,15 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_readme_curl_names_the_default_model():
-    import gguf
-
+    from pagewarden.models.gguf_metadata import read_gguf_metadata
     from pagewarden.models.loader import default_model_path
 
     path = default_model_path()
-    fields = gguf.GGUFReader(str(path)).fields
+    fields = read_gguf_metadata(path)
     from pagewarden.server.model_names import served_names
 
     # The name the loader gives the default model (models/loader.py, _load_gguf).
-    internal = str(fields["general.name"].contents()) if "general.name" in fields else path.stem
+    internal = str(fields["general.name"]) if "general.name" in fields else path.stem
     served = served_names(None, None, internal)  # what `pagewarden serve` answers to
     bodies = re.findall(
         r"curl localhost:8000/v1/completions .*?-d '(\{.*?\})'", README.read_text(), re.S

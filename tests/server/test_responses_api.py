@@ -9,15 +9,12 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.serve_process import ServeProcess
 from tests.server.test_structured_outputs import PERSON, WEATHER_TOOL
 
 
 @pytest.fixture(scope="module")
-def srv():
-    s = ServeProcess()
-    yield s
-    s.stop()
+def srv(serve_proc):
+    return serve_proc
 
 
 @pytest.fixture(scope="module")

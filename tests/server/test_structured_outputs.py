@@ -11,8 +11,6 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server.serve_process import ServeProcess
-
 PERSON = {
     "type": "object",
     "properties": {
@@ -54,10 +52,8 @@ TIME_TOOL = {
 
 
 @pytest.fixture(scope="module")
-def srv():
-    s = ServeProcess("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    yield s
-    s.stop()
+def srv(serve_proc):
+    return serve_proc
 
 
 @pytest.fixture(scope="module")
