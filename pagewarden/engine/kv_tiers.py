@@ -143,8 +143,10 @@ def attach_kv_tiers(
         logger.warning("KV tier not started: %s", e)
     if not tiers:
         return None
-    store = TierStore(ns, tiers)
-    scheduler.enable_kv_tiers(TierPrefix(store.load))
+    # Loads run on the store's loader thread; one that makes no progress for the tier
+    # timeout gives up (the request computes the rest of its blocks).
+    store = TierStore(ns, tiers, load_timeout_s=config.kv_offload_timeout)
+    scheduler.enable_kv_tiers(TierPrefix(store.loader.start, store.loader.wait))
 
     def offload(evicted: list[EvictedBlock], payloads: list[bytes], sums: list[int | None]) -> None:
         store.offer(
