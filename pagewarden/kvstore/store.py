@@ -185,13 +185,21 @@ class TierStore:
         c.load_buckets[-1] += 1
 
     # ----------------------------------------------------------------- stores
-    def offer(self, offloads: Sequence[Offload]) -> None:
-        """Queue evicted blocks for the writer; a full queue drops them (counted)."""
+    def offer(self, offloads: Sequence[Offload], deadline: float | None = None) -> int:
+        """Queue blocks for the writer; returns how many were queued. A full queue drops
+        them (counted), at once or, with a ``deadline`` (``time.monotonic()``), once it
+        has passed (a clean stop waits for room)."""
+        queued = 0
         for item in offloads:
             try:
-                self._queue.put_nowait(item)
+                if deadline is None:
+                    self._queue.put_nowait(item)
+                else:
+                    self._queue.put(item, timeout=max(0.0, deadline - time.monotonic()))
+                queued += 1
             except queue.Full:
                 self.counters.offload_dropped += 1
+        return queued
 
     def _write_loop(self) -> None:
         while True:
