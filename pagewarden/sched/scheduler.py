@@ -256,9 +256,9 @@ class Scheduler:
                 preemption.schedule_swapped(self, plan)
             if not self.swapped:  # swapped requests come back before new ones start
                 self._schedule_waiting(plan)
-            # Nothing to run but tier loads in flight: wait for one rather than spin.
-            if not plan.requests and self.tier_prefix and self.tier_prefix.wait(0.02):
-                self._schedule_waiting(plan)
+                # Nothing to run but tier loads in flight: wait for one, do not spin.
+                if not plan.requests and self.tier_prefix and self.tier_prefix.wait(0.02):
+                    self._schedule_waiting(plan)
         out = SchedulerOutput(
             self.num_steps,
             plan.requests,
