@@ -146,9 +146,10 @@ def attach_kv_tiers(
         logger.warning("KV tier not started: %s", e)
     if not tiers:
         return None
-    # Loads run on the store's loader thread; one that makes no progress for the tier
-    # timeout gives up (the request computes the rest of its blocks).
-    store = TierStore(ns, tiers, load_timeout_s=config.kv_offload_timeout)
+    # Loads run on the store's loader thread; one that makes no progress for twice the
+    # tier timeout gives up (the request computes the rest of its blocks): a backstop for
+    # a tier with no timeout of its own (a hung disk); a Redis call times out first.
+    store = TierStore(ns, tiers, load_timeout_s=2 * config.kv_offload_timeout)
     scheduler.enable_kv_tiers(TierPrefix(store.loader.start, store.loader.wait))
 
     def offload(evicted: list[EvictedBlock], payloads: list[bytes], sums: list[int | None]) -> None:
