@@ -45,7 +45,7 @@ def _start(model_dir: Path, offload_dir: Path, port: int) -> subprocess.Popen:
         start_new_session=True,  # its own process group: SIGKILL reaches the engine core too
     )  # fmt: skip
     line = ""
-    deadline = time.time() + 300
+    deadline = time.time() + 600  # a loaded machine may build the C++ kernels first
     while "serving" not in line and time.time() < deadline and proc.poll() is None:
         line = proc.stdout.readline()
     assert f"http://127.0.0.1:{port}" in line, line
