@@ -139,8 +139,8 @@ def main() -> int:
                 f"output {tps:6.2f} tok/s  tokens equal: {outs == results['no tier'][2]}",
                 flush=True,
             )
-            if engine.kv_tiers is not None:
-                engine.kv_tiers.close()
+            if engine.kv_tiers is not None:  # a clean stop: the pool's prefixes go too
+                engine.shutdown()
     finally:
         if redis is not None:
             redis[0].terminate()

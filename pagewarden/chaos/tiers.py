@@ -142,12 +142,13 @@ def _redis(engine: EngineCore) -> RedisTier | None:
     return next((t for t in engine.kv_tiers.tiers if isinstance(t, RedisTier)), None)
 
 
-class _Entries:
-    """Every stored entry of one engine's tiers, read and written back as bytes."""
+class TierEntries:
+    """Every stored entry of some tiers (files of a disk tier, keys of a Redis tier),
+    read and written back as bytes."""
 
-    def __init__(self, engine: EngineCore) -> None:
-        self.files = _disk_entries(engine)
-        self.redis = _redis(engine)
+    def __init__(self, files: list[Path], redis: RedisTier | None = None) -> None:
+        self.files = files
+        self.redis = redis
         self.redis_keys = (
             sorted(self.redis.client.scan_iter(match=self.redis.prefix + "*"))
             if self.redis is not None
@@ -193,9 +194,15 @@ def _reencode(data: bytes, ns: Namespace, foreign: Namespace) -> bytes:
 
 def damage(kind: str, engine: EngineCore, rng: random.Random) -> int:
     """Damage the tiers' entries as ``kind`` says; returns how many entries changed."""
-    entries = _Entries(engine)
-    ns = engine.kv_tiers.ns if engine.kv_tiers is not None else None
-    assert ns is not None
+    assert engine.kv_tiers is not None
+    entries = TierEntries(_disk_entries(engine), _redis(engine))
+    return damage_entries(kind, entries, engine.kv_tiers.ns, rng)
+
+
+def damage_entries(kind: str, entries: TierEntries, ns: Namespace, rng: random.Random) -> int:
+    """Damage ``entries`` (of namespace ``ns``) as ``kind`` says (the entry kinds: not
+    ``tier_hang``, ``tier_gone``); returns how many entries changed. Also for a tier
+    that another process serves from (a real server's directory)."""
     targets = entries.all()
     header_len = ns.entry_bytes - ns.layout.payload_bytes
     if kind in ("bitflip", "header_bitflip", "truncated"):

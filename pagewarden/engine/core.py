@@ -30,7 +30,7 @@ from pagewarden.engine.grammar import (
 )
 from pagewarden.engine.integrity import IntegrityMonitor, IntegrityStats
 from pagewarden.engine.kv_events import KVEventPublisher
-from pagewarden.engine.kv_tiers import attach_kv_tiers, note_landed
+from pagewarden.engine.kv_tiers import attach_kv_tiers, note_landed, offload_cached
 from pagewarden.engine.output_processor import OutputProcessor
 from pagewarden.engine.outputs import RequestOutput
 from pagewarden.engine.profiles import ProfileState, ProfileSwitch
@@ -411,6 +411,13 @@ class EngineCore:
             new.max_num_batched_tokens,
             change.detail,
         )
+
+    def shutdown(self, offload_timeout_s: float = 5.0) -> None:
+        """A clean stop: the KV tiers get the prefix-cached blocks still in the pool (up
+        to ``offload_timeout_s``) and what is queued, then close. Engine thread only."""
+        if self.kv_tiers is not None:
+            offload_cached(self.kv_tiers, self.scheduler, self.runner, offload_timeout_s)
+            self.kv_tiers.close(1.0)
 
     def stats(self) -> EngineStats:
         scheduler = self.scheduler.stats()

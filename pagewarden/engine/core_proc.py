@@ -334,8 +334,7 @@ def run_engine_core(config: EngineConfig, inbox_conn: Connection, out_conn: Conn
             core.step()
         if core.kv_events is not None:
             core.kv_events.close()
-        if core.kv_tiers is not None:  # write what is queued for the KV tiers
-            core.kv_tiers.close()
+        core.shutdown()  # the pool's cached prefix blocks and the queue to the KV tiers
         if core.recorder is not None:
             core.recorder.close()
     except BaseException as exc:  # noqa: BLE001 - reported to the supervisor, then exit

@@ -4,7 +4,9 @@
 model's fingerprint (architecture, config, a hash of the weights as loaded, dtype) and
 the KV layout, and connects them: the scheduler extends prefix hits from them and lists
 evicted blocks, the runner hands those blocks' bytes to the writer thread. After a step,
-``note_landed`` deletes the entries whose bytes failed their check in the pool.
+``note_landed`` deletes the entries whose bytes failed their check in the pool. On a
+clean stop, ``offload_cached`` writes the prefix-cached blocks still in the pool too, so
+a restart on the same directory finds them.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import time
 from hashlib import blake2b
 from typing import Any
 
@@ -143,8 +146,11 @@ def attach_kv_tiers(
         logger.warning("KV tier not started: %s", e)
     if not tiers:
         return None
-    store = TierStore(ns, tiers)
-    scheduler.enable_kv_tiers(TierPrefix(store.load))
+    # Loads run on the store's loader thread; one that makes no progress for twice the
+    # tier timeout gives up (the request computes the rest of its blocks): a backstop for
+    # a tier with no timeout of its own (a hung disk); a Redis call times out first.
+    store = TierStore(ns, tiers, load_timeout_s=2 * config.kv_offload_timeout)
+    scheduler.enable_kv_tiers(TierPrefix(store.loader.start, store.loader.wait))
 
     def offload(evicted: list[EvictedBlock], payloads: list[bytes], sums: list[int | None]) -> None:
         store.offer(
@@ -167,3 +173,34 @@ def note_landed(store: TierStore, out: SchedulerOutput, result: ModelRunnerOutpu
             store.reject(
                 load.tier, load.key, RejectReason.POOL_CHECKSUM, "checksum differs in the pool"
             )
+
+
+def offload_cached(
+    store: TierStore, scheduler: Scheduler, runner: ModelRunner, timeout_s: float
+) -> int:
+    """Write every sealed, prefix-cached block still in the pool to the tiers (a clean
+    stop), waiting up to ``timeout_s`` in all; returns how many were queued. The writer
+    checks each block against its seal as for evictions; what does not fit in time is
+    left out (counted as dropped)."""
+    pool = scheduler.kv.pool
+    blocks = [
+        EvictedBlock(b.block_id, h, b.parent_hash, b.token_bytes)
+        for h, b in pool.hash_index.items()
+        if b.token_bytes is not None and b.block_id not in pool.quarantined
+    ]
+    deadline = time.monotonic() + timeout_s
+    queued = 0
+    for i in range(0, len(blocks), 64):  # a chunk's bytes at a time, not the whole pool
+        chunk = blocks[i : i + 64]
+        ids = [b.block_id for b in chunk]
+        payloads, sums = runner.kv_store.read_blocks(ids), runner.guard.seal_sums(ids)
+        queued += store.offer(
+            [
+                Offload(BlockIdentity(e.block_hash, e.parent_hash, e.token_bytes), p, s)
+                for e, p, s in zip(chunk, payloads, sums)
+            ],
+            deadline,
+        )
+    store.flush(max(0.0, deadline - time.monotonic()))
+    logger.info("pagewarden: %d cached KV blocks offered to the tiers at shutdown", queued)
+    return queued

@@ -1,7 +1,7 @@
 """The tiers of one engine: verified loads, an off-critical-path writer, counters.
 
-Loads run on the engine thread when a request is scheduled (one ``get`` per block, tiers
-in order: disk, then Redis); every entry is verified by ``format.decode_entry`` against
+Loads run on the loader thread (``loader.py``) when a request is first looked at for
+scheduling (one ``get`` per block, tiers in order: disk, then Redis); every entry is verified by ``format.decode_entry`` against
 the requesting chain before it is used, and the worker recomputes its checksum once more
 over the bytes that landed in the pool (``LandedBlock``). Stores go through a bounded
 queue to one writer thread; a full queue drops the block (counted), never the step.
@@ -33,6 +33,7 @@ from pagewarden.kvstore.format import (
     encode_entry,
 )
 from pagewarden.kvstore.keys import block_key
+from pagewarden.kvstore.loader import LoadedBlock, TierLoader
 from pagewarden.kvstore.tier import KVTier, TierError
 from pagewarden.metrics.stats import HistogramSnapshot, KVTierStats
 
@@ -59,16 +60,6 @@ class TierCounters:
 
 
 @dataclass(frozen=True)
-class LoadedBlock:
-    """A verified entry on its way into the pool."""
-
-    payload: bytes
-    checksum: int  # unsigned 64-bit block checksum
-    tier: str
-    key: str
-
-
-@dataclass(frozen=True)
 class Offload:
     """An evicted block's bytes, snapshot before anything overwrote them."""
 
@@ -86,6 +77,7 @@ class TierStore:
         tiers: Sequence[KVTier],
         queue_size: int = 256,
         log_interval_s: float = 10.0,
+        load_timeout_s: float = 0.5,
     ) -> None:
         self.ns = namespace
         self.tiers = list(tiers)
@@ -104,6 +96,9 @@ class TierStore:
         # appended by both threads, taken by the engine thread.
         self._events: list[CacheEvent] = []
         self._events_lock = threading.Lock()
+        # Asynchronous loads (``loader.py``); one that makes no progress for
+        # ``load_timeout_s`` gives up: the request computes the rest of its blocks.
+        self.loader = TierLoader(self.load_one, load_timeout_s)
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
 
@@ -112,15 +107,23 @@ class TierStore:
         """Verified entries for the longest prefix of ``chain`` some tier holds."""
         out: list[LoadedBlock] = []
         for ident in chain:
-            start = time.perf_counter()
-            found = self._load_one(ident)
+            found = self.load_one(ident)
             if found is None:
-                self.counters.misses += 1
                 break
-            self._observe(time.perf_counter() - start)
-            self.counters.hits[found.tier] += 1
             out.append(found)
         return out
+
+    def load_one(self, ident: BlockIdentity) -> LoadedBlock | None:
+        """The verified entry of one block from the first tier that has it, counted as a
+        hit (with its latency) or a miss; None on a miss."""
+        start = time.perf_counter()
+        found = self._load_one(ident)
+        if found is None:
+            self.counters.misses += 1
+            return None
+        self._observe(time.perf_counter() - start)
+        self.counters.hits[found.tier] += 1
+        return found
 
     def _load_one(self, ident: BlockIdentity) -> LoadedBlock | None:
         key = block_key(self.ns, ident.block_hash)
@@ -182,13 +185,21 @@ class TierStore:
         c.load_buckets[-1] += 1
 
     # ----------------------------------------------------------------- stores
-    def offer(self, offloads: Sequence[Offload]) -> None:
-        """Queue evicted blocks for the writer; a full queue drops them (counted)."""
+    def offer(self, offloads: Sequence[Offload], deadline: float | None = None) -> int:
+        """Queue blocks for the writer; returns how many were queued. A full queue drops
+        them (counted), at once or, with a ``deadline`` (``time.monotonic()``), once it
+        has passed (a clean stop waits for room)."""
+        queued = 0
         for item in offloads:
             try:
-                self._queue.put_nowait(item)
+                if deadline is None:
+                    self._queue.put_nowait(item)
+                else:
+                    self._queue.put(item, timeout=max(0.0, deadline - time.monotonic()))
+                queued += 1
             except queue.Full:
                 self.counters.offload_dropped += 1
+        return queued
 
     def _write_loop(self) -> None:
         while True:
@@ -256,6 +267,7 @@ class TierStore:
         except queue.Full:
             pass
         self._writer.join(timeout=1.0)
+        self.loader.close()
         for tier in self.tiers:
             tier.close()
 

@@ -235,6 +235,8 @@ class Scheduler:
         req.finish_reason = reason
         req.stop_reason = stop_reason
         self.kv.free(req.req_id)
+        if self.tier_prefix is not None:  # a load in flight is dropped (no block held)
+            self.tier_prefix.forget(req.req_id)
         del self.requests[req.req_id]
         self.departed_ids.append(req.req_id)
         pid = req.parent_id
@@ -259,6 +261,9 @@ class Scheduler:
                 preemption.schedule_swapped(self, plan)
             if not self.swapped:  # swapped requests come back before new ones start
                 self._schedule_waiting(plan)
+                # Nothing to run but tier loads in flight: wait for one, do not spin.
+                if not plan.requests and self.tier_prefix and self.tier_prefix.wait(0.02):
+                    self._schedule_waiting(plan)
         out = SchedulerOutput(
             self.num_steps,
             plan.requests,
@@ -311,31 +316,40 @@ class Scheduler:
     def _schedule_waiting(self, plan: StepPlan) -> None:
         """Admit waiting requests in order while the budget, the seats and the free blocks
         last; each starts after its cached prefix."""
-        kv = self.kv
+        kv, tiers = self.kv, self.tier_prefix
         max_seqs = self.max_num_seqs
+        i = 0  # requests whose tier load is in flight wait in place; the others go on
         while (
-            self.waiting
+            i < len(self.waiting)
             and plan.budget > 0
             and len(self.running) < max_seqs
             and len(plan.requests) < max_seqs
         ):
-            req = self.waiting[0]
+            req = self.waiting[i]
+            if tiers is not None and tiers.is_loading(req.req_id):
+                i += 1
+                continue
             target = req.num_computable_tokens
             # A request that still has prompt logprobs to report computes its whole
             # prompt: a cached prefix would skip the positions it must score.
             reuse = 0 if needs_prompt_logprobs(req) else target - 1
             cached = kv.lookup_prefix(req.req_id, req.all_token_ids, req.extra_keys, reuse)
-            loads = None
-            if self.tier_prefix is not None and kv.enable_prefix_caching and reuse:
-                cached, loads = self.tier_prefix.extend(kv, req, cached, reuse)
+            loads: list[TierLoad] | None = []
+            if tiers is not None and kv.enable_prefix_caching and reuse:
+                extended = tiers.extend(kv, req, cached, reuse)
+                cached, loads = extended if extended is not None else (cached, None)
             num_new = min(target - cached, plan.budget)
-            copies = kv.allocate_slots(req.req_id, cached, num_new)
+            copies = None if loads is None else kv.allocate_slots(req.req_id, cached, num_new)
             if copies is None:
                 kv.free(req.req_id)  # unpin the prefix we looked up (and loaded)
+                if loads is None:  # its load just started: it waits
+                    i += 1
+                    continue
                 break
-            if loads:
-                self.tier_loads.extend(loads)
-            self.waiting.popleft()
+            if tiers is not None:
+                tiers.forget(req.req_id)
+                self.tier_loads.extend(loads or ())
+            del self.waiting[i]
             if req.num_preemptions == 0:
                 req.num_cached_tokens = min(cached, req.num_prompt_tokens)
             req.num_computed_tokens = cached

@@ -229,6 +229,7 @@ def _state(ctx: ServerContext, snapshot, history: DashboardHistory) -> dict:
         }
     return {
         "version": STATE_VERSION,
+        "tiers": _tiers(stats),
         "model": ctx.model,
         "now": now,
         "engine": {
@@ -242,4 +243,30 @@ def _state(ctx: ServerContext, snapshot, history: DashboardHistory) -> dict:
         "kv": kv,
         "snapshot": snap,
         "series": history.series(),
+    }
+
+
+def _tiers(stats) -> dict | None:
+    """The KV tiers' counters of the latest step (the /metrics ``kv_tier_*`` families,
+    from the same ``KVTierStats``); None without tiers."""
+    t = getattr(stats, "kv_tiers", None) if stats is not None else None
+    if t is None:
+        return None
+    per_tier = {
+        name: {
+            "hits": t.hits.get(name, 0),
+            "stores": t.stores.get(name, 0),
+            "errors": t.errors.get(name, 0),
+            "bytes": t.bytes.get(name, 0),
+            "rejected": {r: n for (tier, r), n in sorted(t.rejected.items()) if tier == name},
+        }
+        for name in sorted(t.hits)
+    }
+    return {
+        "tiers": per_tier,
+        "misses": t.misses,
+        "offload_dropped": t.offload_dropped,
+        "offload_unverified": t.offload_unverified,
+        "loads": t.load_latency.count,
+        "load_seconds": t.load_latency.total,
     }

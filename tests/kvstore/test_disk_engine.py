@@ -132,3 +132,16 @@ def test_a_block_that_lands_wrong_in_the_pool_is_recomputed(tiny_llama_dir, tmp_
     assert c.rejected.get(("disk", "pool_checksum"), 0) == 1
     integrity = llm.engine.stats().integrity
     assert any(k.found_by == "tier_load" for k in integrity.failures), integrity.failures
+
+
+def test_a_clean_shutdown_writes_the_cached_prefix_for_the_next_engine(
+    tiny_llama_dir, tmp_path, baseline
+):
+    first = _llm(tiny_llama_dir, tmp_path)
+    _run(first, PROMPTS[:1])  # nothing evicted: the prefix is only in the pool
+    assert first.engine.kv_tiers.counters.stores["disk"] == 0
+    first.engine.shutdown()
+    assert first.engine.kv_tiers.counters.stores["disk"] >= 10  # 41 tokens: 10 sealed blocks
+    second = _llm(tiny_llama_dir, tmp_path)
+    assert _run(second, PROMPTS[:1]) == baseline[:1]
+    assert second.engine.kv_tiers.counters.hits["disk"] >= 9

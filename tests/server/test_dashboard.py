@@ -34,7 +34,7 @@ ARTIFACTS = Path(os.environ.get("PAGEWARDEN_TEST_ARTIFACTS", "test-artifacts"))
 class _Server:
     """The app on loopback (uvicorn in a thread), API key set, fault injection enabled."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, offload_dir: Path) -> None:
         # The engine-core process is spawned with this environment.
         self._old_env = os.environ.get(remote.ENV_VAR)
         os.environ[remote.ENV_VAR] = "1"
@@ -44,6 +44,7 @@ class _Server:
             num_kv_blocks=NUM_BLOCKS,
             block_size=16,
             max_model_len=256,
+            kv_offload_dir=str(offload_dir),  # a disk KV tier, shown by the page
         )
         self.engine = AsyncEngine(cfg)
         app = build_app(
@@ -85,8 +86,8 @@ class _Server:
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_llama_dir):
-    s = _Server(tiny_llama_dir)
+def srv(tiny_llama_dir, tmp_path_factory):
+    s = _Server(tiny_llama_dir, tmp_path_factory.mktemp("kv_tier"))
     yield s
     s.stop()
 
@@ -123,6 +124,52 @@ def test_state_needs_the_key_and_matches_the_pool(srv):
     assert snap["cost_s"] < 0.05
     for column in ("t", "kv_usage", "running", "ttft_p99_ms", "max_num_seqs", "profile"):
         assert column in state["series"]
+
+
+def _complete_ids(srv: _Server, prompt: list[int]) -> None:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "ignore_eos": True}
+    r = httpx.post(srv.url + "/v1/completions", json=body, headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+
+
+def _tier_metric(srv: _Server, name: str, labels: str = 'tier="disk"') -> float:
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    match = re.search(rf"^pagewarden:{name}{{[^}}]*{labels}[^}}]*}} (\S+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_state_shows_the_kv_tiers_with_the_metrics_numbers(srv):
+    """Hits, stores, rejections by reason and bytes of the disk tier, as /metrics has them."""
+    # Nine 200-token prompts (13 blocks each with their output) through a 95-block pool:
+    # the first ones are evicted to the tier, and the first comes back from it.
+    prompts = [[3 + (7 * i + j) % 400 for j in range(200)] for i in range(9)]
+    for p in prompts + prompts[:1]:
+        _complete_ids(srv, p)
+    offload_dir = Path(srv.engine.client.config.kv_offload_dir)
+    _wait("tier entries", lambda: len(list(offload_dir.rglob("*.kvb"))) >= 24, timeout=30)
+    for path in offload_dir.rglob("*.kvb"):  # a payload bit of every entry: all rejected
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0x10
+        path.write_bytes(bytes(data))
+    _complete_ids(srv, prompts[1])  # evicted earlier: its first entry fails its checksum
+
+    def agreeing():
+        state = srv.state()
+        t = state["tiers"]
+        disk = t["tiers"]["disk"]
+        metrics = (
+            _tier_metric(srv, "kv_tier_hits_total"),
+            _tier_metric(srv, "kv_tier_stores_total"),
+            _tier_metric(srv, "kv_tier_bytes"),
+            _tier_metric(srv, "kv_tier_rejected_total", 'reason="checksum",tier="disk"'),
+        )
+        shown = (disk["hits"], disk["stores"], disk["bytes"], disk["rejected"].get("checksum", 0))
+        return (t, disk) if shown == metrics and srv.state()["tiers"] == t else None
+
+    t, disk = _wait("the state and /metrics to agree", agreeing, timeout=30, every=0.5)
+    assert disk["hits"] >= 11 and disk["stores"] >= 24 and disk["bytes"] > 0
+    assert disk["rejected"]["checksum"] >= 1 and disk["errors"] == 0
+    assert t["loads"] == disk["hits"] and t["misses"] >= 1
 
 
 def _start_load(srv: _Server, n: int, max_tokens: int) -> list[threading.Thread]:

@@ -235,7 +235,30 @@ function render(state) {
     fillTable($("requests").tBodies[0], requestRows(snap), "no requests", 7);
     fillTable($("events").tBodies[0], eventRows(snap), "no integrity events", 6);
   }
+  renderTiers(state.tiers);
   drawCharts(state.series, state.profile);
+}
+
+// The KV tiers' counters of the latest step: the same numbers /metrics exports
+// (pagewarden:kv_tier_*); the section stays hidden on an engine without tiers.
+function renderTiers(t) {
+  $("tiers-section").hidden = !t;
+  if (!t) return;
+  const rows = Object.entries(t.tiers).map(([name, c]) => {
+    const rejected = Object.entries(c.rejected).map(([r, n]) => `${r}: ${n}`).join(", ");
+    const total = Object.values(c.rejected).reduce((a, b) => a + b, 0);
+    const tr = el("tr", { "data-tier": name });
+    tr.append(el("td", {}, name));
+    for (const v of [c.hits, c.stores, total ? `${total} (${rejected})` : "0", c.errors, c.bytes]) {
+      tr.append(el("td", { class: "num" }, String(v)));
+    }
+    return tr;
+  });
+  fillTable($("tiers").tBodies[0], rows, "no tiers", 6);
+  const perLoad = t.loads ? ` · ${((t.load_seconds / t.loads) * 1000).toFixed(2)} ms per load` : "";
+  $("tiers-summary").textContent =
+    `${t.misses} misses · ${t.offload_dropped} not offloaded (queue full) · ` +
+    `${t.offload_unverified} failed their seal${perLoad}`;
 }
 
 function notice(text) {

@@ -1,0 +1,143 @@
+"""Asynchronous tier loads: a loader thread reads a request's chain into host buffers.
+
+The scheduler starts a ``LoadJob`` when it first looks at a waiting request; the request
+then waits (it is not scheduled) while the rest of the batch keeps stepping. The loader
+thread runs jobs in order, one block at a time through ``TierStore.load_one``, which
+verifies every entry against the requesting chain (model, layout, hashes, token ids,
+checksum) before it is appended to ``job.blocks``. A job ends at the first miss, when
+cancelled (the request was aborted) or when the loader made no progress for
+``stall_timeout_s`` (a hung tier): the blocks verified so far are used, the rest of the
+chain is computed. Nothing here touches the pool: the worker copies the blocks in and
+checks them there once more before a step reads them.
+
+Ownership: ``blocks`` is appended to by the loader thread only, and read by the engine
+thread only after ``done`` is set or the job timed out (then the job is cancelled first
+and the prefix read is a snapshot: a block appended later is ignored).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pagewarden.kvstore.format import BlockIdentity
+
+logger = logging.getLogger("pagewarden.kvstore")
+
+
+@dataclass(frozen=True)
+class LoadedBlock:
+    """A verified entry on its way into the pool."""
+
+    payload: bytes
+    checksum: int  # unsigned 64-bit block checksum
+    tier: str
+    key: str
+
+
+LoadOne = Callable[[BlockIdentity], LoadedBlock | None]
+
+
+class LoadJob:
+    """The verified blocks of one request's chain, as the loader reads them."""
+
+    def __init__(self, chain: Sequence[BlockIdentity], loader: TierLoader) -> None:
+        self.chain = list(chain)
+        self.blocks: list[LoadedBlock] = []
+        self.done = threading.Event()
+        self.cancelled = False
+        self.timed_out = False
+        self.issued = time.monotonic()
+        self._loader = loader
+
+    def ready(self) -> bool:
+        """True when the job finished, or stalled past the loader's timeout (then it is
+        cancelled: what landed so far is all it gives)."""
+        if self.done.is_set() or self.timed_out:
+            return True
+        if self._loader.stalled(self):
+            self.cancelled = True
+            self.timed_out = True
+            self._loader.count_timeout()
+            return True
+        return False
+
+    def result(self) -> list[LoadedBlock]:
+        """The verified prefix of the chain (call once ``ready()``)."""
+        return list(self.blocks)
+
+    def cancel(self) -> None:
+        """Stop loading (the request went away); the loader drops the job."""
+        self.cancelled = True
+
+
+class TierLoader:
+    """One daemon thread that runs ``LoadJob`` s in order (see the module docstring)."""
+
+    def __init__(self, load_one: LoadOne, stall_timeout_s: float) -> None:
+        self.load_one = load_one
+        self.stall_timeout_s = stall_timeout_s
+        self.timeouts = 0  # jobs given up on: the loader made no progress in time
+        self._jobs: queue.Queue[LoadJob | None] = queue.Queue()
+        self._progress = time.monotonic()  # when the loader last finished a block or job
+        self._wake = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="kv-tier-loader", daemon=True)
+        self._thread.start()
+
+    def start(self, chain: Sequence[BlockIdentity]) -> LoadJob:
+        """Queue a load of ``chain``'s longest stored, verified prefix."""
+        job = LoadJob(chain, self)
+        self._jobs.put(job)
+        return job
+
+    def stalled(self, job: LoadJob) -> bool:
+        """No block landed for ``stall_timeout_s`` since the job was issued."""
+        since = max(job.issued, self._progress)
+        return time.monotonic() - since > self.stall_timeout_s
+
+    def count_timeout(self) -> None:
+        self.timeouts += 1
+        logger.warning(
+            "KV tier: a load made no progress in %.1f s; the request computes its blocks",
+            self.stall_timeout_s,
+        )
+
+    def wait(self, jobs: Sequence[LoadJob], timeout_s: float) -> None:
+        """Block until one of ``jobs`` is done or ``timeout_s`` passed (an idle engine
+        waits here rather than spinning)."""
+        with self._wake:
+            if not any(j.done.is_set() for j in jobs):
+                self._wake.wait(timeout_s)
+
+    def close(self) -> None:
+        """Stop the thread after the job it is on (queued jobs are dropped)."""
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            self._progress = time.monotonic()
+            try:
+                self._load(job)
+            except Exception:  # the loader must outlive any one bad job
+                logger.exception("KV tier loader: a load failed; treated as a miss")
+            finally:
+                job.done.set()
+                with self._wake:
+                    self._wake.notify_all()
+
+    def _load(self, job: LoadJob) -> None:
+        for ident in job.chain:
+            if job.cancelled:
+                return
+            block = self.load_one(ident)
+            self._progress = time.monotonic()
+            if block is None or job.cancelled:
+                return
+            job.blocks.append(block)
