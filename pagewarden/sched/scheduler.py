@@ -144,15 +144,9 @@ class Scheduler:
 
     def admission_limits(self, vocab_size: int | None = None) -> AdmissionLimits:
         """The limits ``check_request`` applies to a request for this scheduler now."""
-        cfg = self.config
-        return AdmissionLimits(
-            cfg.max_model_len,
-            cfg.block_size,
-            self.usable_blocks(),
-            cfg.max_num_seqs,
-            vocab_size,
-            cfg.min_prompt_tokens,
-        )
+        c = self.config
+        limits = (c.max_model_len, c.block_size, self.usable_blocks(), c.max_num_seqs)
+        return AdmissionLimits(*limits, vocab_size, c.min_prompt_tokens)
 
     def add_request(self, request: Request) -> None:
         """Queue ``request``; raises ``RequestRejected`` if it can never be served."""
