@@ -97,7 +97,10 @@ class EngineCore:
             self.tokenizer = self.tokenizer.with_chat_template(template)
         self.kv_store = _build_kv_store(config, self.loaded)
         self.max_model_len = config.max_model_len or self.loaded.config.max_position_embeddings
-        self.min_prompt_tokens = self.loaded.model.select_context(self.max_model_len)
+        # A model with context-dependent RoPE (Phi-3 longrope) picks its factors here;
+        # models without the hook (test doubles, custom modules) need nothing.
+        select_context = getattr(self.loaded.model, "select_context", None)
+        self.min_prompt_tokens = select_context(self.max_model_len) if select_context else 1
         self.scheduler = self._build_scheduler()
         self.runner = self._build_runner()
         # KV tiers (engine/kv_tiers.py): None unless --kv-offload-dir / --kv-offload-redis.
