@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 import hmac
 import json
 import math
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
@@ -23,11 +28,16 @@ from pagewarden.engine.core import RequestRejected
 from pagewarden.sampling_params import SamplingParams
 from pagewarden.server.admission import AdmissionController
 from pagewarden.server.errors import APIError, validation_error
+from pagewarden.server.prompt_size import prompt_size_limit
 from pagewarden.server.protocol import unsupported_field
 from pagewarden.server.request_id import client_request_id, request_id
 from pagewarden.server.tools import ToolConfig
 
 DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
+#: Threads that tokenize, render chat templates and detokenize prompts for one app.
+PROMPT_WORKERS = 2
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -63,8 +73,18 @@ class ServerContext:
         self.engine, self.api_keys = engine, api_keys
         self.limits, self.admission = limits, admission
         self.tokenizer = engine.tokenizer
+        # What a prompt may be before it is tokenized (prompt_size.py).
+        self.prompt_limit = prompt_size_limit(self.tokenizer, engine.max_model_len)
+        # Request-sized prompt work runs here, never on the event loop, on a fixed number
+        # of threads: a flood queues behind them instead of taking every core.
+        self._prompt_pool = ThreadPoolExecutor(PROMPT_WORKERS, "pagewarden-prompt")
         # tool calling flags (server/tools.py); build_app sets them
         self.tool_config = ToolConfig()
+
+    async def prompt_work(self, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)`` on the prompt pool (tokenizing, template rendering, decoding)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._prompt_pool, functools.partial(fn, *args))
 
     def authorize(self, request: Request) -> str | None:
         """Return the tenant's cache salt (None without keys); 401 on a bad key."""
