@@ -16,13 +16,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 from pagewarden.engine.async_engine import AsyncEngine
 from pagewarden.engine.config import EngineConfig
 from pagewarden.faults import remote
-from pagewarden.server.admission import AdmissionController
-from pagewarden.server.api import build_app
+from pagewarden.server.admin import AdminPolicy
+from tests.server.test_api import _Running
 
 KEY = "dashboard-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -31,8 +30,8 @@ PAUSE_S = 4.0  # how long the test holds the step loop still
 ARTIFACTS = Path(os.environ.get("PAGEWARDEN_TEST_ARTIFACTS", "test-artifacts"))
 
 
-class _Server:
-    """The app on loopback (uvicorn in a thread), API key set, fault injection enabled."""
+class _Server(_Running):
+    """The app on loopback (test_api's ``_Running``), API key set, fault injection enabled."""
 
     def __init__(self, model_dir: Path) -> None:
         # The engine-core process is spawned with this environment.
@@ -45,24 +44,10 @@ class _Server:
             block_size=16,
             max_model_len=256,
         )
-        self.engine = AsyncEngine(cfg)
-        app = build_app(
-            self.engine, "tiny", KEY, admission=AdmissionController(1, fixed_limit=1000)
-        )
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
+        super().__init__(AsyncEngine(cfg), KEY)
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.engine.shutdown()
+        super().stop()
         if self._old_env is None:
             os.environ.pop(remote.ENV_VAR, None)
         else:
@@ -328,9 +313,6 @@ def _visible_owners(url: str, key: str) -> set[str]:
 
 
 def test_a_tenant_key_sees_only_its_own_requests_the_admin_key_all(tiny_llama_dir):
-    from pagewarden.server.admin import AdminPolicy
-    from tests.server.test_api import _Running
-
     cfg = EngineConfig(
         model=str(tiny_llama_dir),
         dtype="float32",
