@@ -39,6 +39,9 @@ class RequestView:
     computed_tokens: int  # tokens whose K/V is in the cache
     blocks: int  # device blocks its table holds (host blocks when swapped)
     preemptions: int
+    # Whose request it is: its prefix-cache salt (one per API key; None without keys).
+    # The dashboard shows a tenant only its own requests by it and never sends it out.
+    tenant: str | None = None
 
 
 @dataclass(frozen=True)
@@ -155,4 +158,5 @@ def _request_view(req, status: str, kv) -> RequestView:
         computed_tokens=req.num_computed_tokens,
         blocks=blocks,
         preemptions=req.num_preemptions,
+        tenant=req.cache_salt,
     )

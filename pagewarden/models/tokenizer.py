@@ -34,6 +34,8 @@ _END_OF_GENERATION = frozenset(
     {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>"}
 )
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+#: Texts longer than this are encoded without holding the GIL (`Tokenizer.encode`).
+_GIL_FREE_CHARS = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +104,10 @@ class Tokenizer:
         return self._tok
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > _GIL_FREE_CHARS:
+            # `tokenizers` releases the GIL in encode_batch, not in encode: a long prompt
+            # tokenized on a worker thread must not stall the server's event loop.
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -102,10 +101,11 @@ def echo_prefix(req: ChatCompletionRequest, plan: ToolPlan) -> str:
 
 async def create_chat_completion(ctx: ServerContext, request: Request) -> Response:
     salt, req = await ctx.read_request(request, ChatCompletionRequest)
+    ctx.prompt_limit.check_messages(req.messages)  # by size, before any rendering
     plan = plan_tools(req, ctx.tool_config)
     echo = echo_prefix(req, plan)
     # Rendering and tokenizing are request-sized work: off the event loop.
-    text, ids = await asyncio.to_thread(render_prompt, req, ctx, plan)
+    text, ids = await ctx.prompt_work(render_prompt, req, ctx, plan)
     spec, param = requested_spec(req)
     if plan.spec is not None:
         if spec is not None:

@@ -9,7 +9,6 @@ vLLM's ``prompt_logprobs`` adds each choice's ``prompt_logprobs`` in vLLM's form
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -98,15 +97,24 @@ class _Job:
         }
 
 
-def _prompts(req: CompletionRequest, ctx: ServerContext) -> list[tuple[str | None, list[int]]]:
-    """(text or None, token ids) per prompt, within the per-request prompt limit."""
+def _raw_prompts(req: CompletionRequest, ctx: ServerContext) -> list[str | list[int]]:
+    """The request's prompts, each within the size that can fit the context: checked in
+    time that does not grow with a prompt's length (validation typed the list whole)."""
     p = req.prompt
-    raw = [p] if isinstance(p, str) or (p and all(isinstance(x, int) for x in p)) else list(p)
+    raw = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
     if not raw:
         raise APIError(400, "the prompt is empty", "prompt")
     limit = ctx.limits.max_prompts_per_request
     if len(raw) > limit:
         raise APIError(400, f"at most {limit} prompts per request, got {len(raw)}", "prompt")
+    ctx.prompt_limit.check_prompts(raw)
+    return raw  # type: ignore[return-value]
+
+
+def _tokenized(
+    raw: list[str | list[int]], ctx: ServerContext
+) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) per prompt."""
     tok = ctx.tokenizer
     return [(x, tok.encode(x)) if isinstance(x, str) else (None, list(x)) for x in raw]
 
@@ -135,13 +143,14 @@ async def create_completion(ctx: ServerContext, request: Request) -> Response:
     salt, req = await ctx.read_request(request, CompletionRequest)
     if req.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
+    raw = _raw_prompts(req, ctx)  # refused by size before any tokenizing
     spec, param = requested_spec(req)
     await check(spec, param)
     params = _engine_params(req, ctx, spec)
     # Tokenizing is request-sized work: off the event loop.
-    prompts = await asyncio.to_thread(_prompts, req, ctx)
+    prompts = await ctx.prompt_work(_tokenized, raw, ctx)
     streams = await ctx.submit(prompts, params, salt, "cmpl", request)
-    echoed = await asyncio.to_thread(
+    echoed = await ctx.prompt_work(
         lambda: [
             (text if text is not None else ctx.tokenizer.decode(ids)) if req.echo else ""
             for text, ids in prompts

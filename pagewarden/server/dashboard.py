@@ -11,10 +11,13 @@ already holds, so answering never waits on the engine:
 - the ``EngineStats`` of the latest step or heartbeat (the block counts /metrics shows);
 - the time series of ``DashboardHistory``, sampled here once a second.
 
-Keys: with ``--api-key`` set, both routes want a key, as ``Authorization: Bearer KEY``
-(scripts), as ``?key=KEY`` (a browser's first load; the answer sets an HttpOnly cookie
-scoped to ``/dashboard``) or as that cookie (the page's own polls and reloads).
-The schema of the state is in docs/dashboard.md.
+Keys: with ``--api-key`` set, both routes want a key (an API key or the admin key), as
+``Authorization: Bearer KEY`` (scripts), as ``?key=KEY`` (a browser's first load; the
+answer sets an HttpOnly cookie scoped to ``/dashboard``, a signed session naming the key,
+never the key) or as that cookie (the page's own polls and reloads). A tenant's key sees
+only its own requests (ids, token counts, the blocks they hold, what a recovery rolled
+back); the admin key (``--admin-key``) sees every tenant's. The pool's block map, counts
+and time series are the same for all. The schema of the state is in docs/dashboard.md.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 
 from pagewarden.faults import remote
 from pagewarden.server.admin import AdminPolicy
-from pagewarden.server.context import ServerContext, read_body
+from pagewarden.server.context import ServerContext, cache_salt_for, read_body
 from pagewarden.server.dashboard_history import DashboardHistory, HistorySampler, profile_name
 from pagewarden.server.errors import APIError
 
@@ -63,7 +66,7 @@ def add_dashboard_routes(app: FastAPI, ctx: ServerContext, admin: AdminPolicy) -
     async def dashboard(request: Request) -> Response:
         # The one place a key may come in the URL: exchanged for a session cookie at once
         # (the page then strips it from the address bar).
-        key_index = _authorize(ctx, request, sessions, allow_query=True)
+        key_index = _authorize(ctx, admin, request, sessions, allow_query=True)
         page = FileResponse(STATIC_DIR / "dashboard.html", headers={"Cache-Control": "no-store"})
         if key_index is not None:
             _set_session(page, sessions.issue(key_index))
@@ -77,9 +80,12 @@ def add_dashboard_routes(app: FastAPI, ctx: ServerContext, admin: AdminPolicy) -
 
     @app.get("/dashboard/state")
     async def state(request: Request) -> Response:
-        key_index = _authorize(ctx, request, sessions, allow_query=False)
+        key_index = _authorize(ctx, admin, request, sessions, allow_query=False)
+        tenant = _tenant(ctx, key_index)
         snapshot = await feed.latest()
-        body = JSONResponse(_state(ctx, snapshot, history), headers={"Cache-Control": "no-store"})
+        body = JSONResponse(
+            _state(ctx, snapshot, history, tenant), headers={"Cache-Control": "no-store"}
+        )
         if key_index is not None and request.cookies.get(COOKIE):
             _set_session(body, sessions.issue(key_index))  # renewed while the page polls
         return body
@@ -163,23 +169,42 @@ def _set_session(response: Response, token: str) -> None:
     )
 
 
+def _dashboard_keys(ctx: ServerContext, admin: AdminPolicy) -> list[str]:
+    """The keys that open the dashboard: the API keys, then the admin keys."""
+    return ctx.api_keys + admin.admin_keys
+
+
+def _tenant(ctx: ServerContext, key_index: int | None) -> str | None:
+    """The cache salt whose requests the key may see; None: it sees every tenant's (the
+    admin key, or a server without API keys)."""
+    if key_index is None or key_index >= len(ctx.api_keys):
+        return None
+    return cache_salt_for(ctx.api_keys[key_index])
+
+
 def _authorize(
-    ctx: ServerContext, request: Request, sessions: SessionTokens, allow_query: bool
+    ctx: ServerContext,
+    admin: AdminPolicy,
+    request: Request,
+    sessions: SessionTokens,
+    allow_query: bool,
 ) -> int | None:
-    """The index of the API key the request proves (None without keys): a bearer key, a
-    session cookie, or (``allow_query``, the page itself) ``?key=``; else 401."""
+    """The index in ``_dashboard_keys`` of the key the request proves (None without API
+    keys): a bearer key, a session cookie, or (``allow_query``, the page itself)
+    ``?key=``; else 401."""
     if not ctx.api_keys:
         return None
+    keys = _dashboard_keys(ctx, admin)
     auth = request.headers.get("authorization", "")
     candidates = [auth[7:] if auth.lower().startswith("bearer ") else ""]
     if allow_query:
         candidates.append(request.query_params.get("key") or "")
     for token in candidates:
-        for index, key in enumerate(ctx.api_keys):
+        for index, key in enumerate(keys):
             if token and hmac.compare_digest(token.encode(), key.encode()):
                 return index
     session = sessions.verify(request.cookies.get(COOKIE) or "")
-    if session is not None and session < len(ctx.api_keys):
+    if session is not None and session < len(keys):
         return session
     raise APIError(
         401,
@@ -205,13 +230,14 @@ class _SnapshotFeed:
         return self.engine.snapshot
 
 
-def _state(ctx: ServerContext, snapshot, history: DashboardHistory) -> dict:
+def _state(ctx: ServerContext, snapshot, history: DashboardHistory, tenant: str | None) -> dict:
+    """The dashboard state as ``tenant`` (a cache salt; None: every tenant) may see it."""
     engine = ctx.engine
     stats = engine.engine_stats()
     now = time.time()
     snap = None
     if snapshot is not None:
-        snap = dataclasses.asdict(snapshot)
+        snap = _visible(dataclasses.asdict(snapshot), tenant)
         snap["age_s"] = max(now - snapshot.taken_at, 0.0)
     kv = None
     if stats is not None:
@@ -270,3 +296,23 @@ def _tiers(stats) -> dict | None:
         "loads": t.load_latency.count,
         "load_seconds": t.load_latency.total,
     }
+
+
+def _visible(snap: dict, tenant: str | None) -> dict:
+    """``snap`` (an ``EngineSnapshot`` as a dict) with only ``tenant``'s request ids (all
+    for None), and no request's tenant salt."""
+    requests = snap["requests"]
+    if tenant is not None:
+        requests = [r for r in requests if r["tenant"] == tenant]
+    for r in requests:
+        del r["tenant"]
+    snap["requests"] = requests
+    if tenant is None:
+        return snap
+    own = {r["id"] for r in requests}
+    holders = {b: [i for i in ids if i in own] for b, ids in snap["holders"].items()}
+    snap["holders"] = {b: ids for b, ids in holders.items() if ids}
+    snap["host_holders"] = {b: i for b, i in snap["host_holders"].items() if i in own}
+    for event in snap["events"]:
+        event["rolled_back"] = {i: p for i, p in event["rolled_back"].items() if i in own}
+    return snap

@@ -35,9 +35,11 @@ class APIError(Exception):
         message: str,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers
+        self.code = code  # OpenAI's error code (``context_length_exceeded``); None: the status
 
 
 #: A validation error reports at most this many of the problems it found.
@@ -79,20 +81,22 @@ def validation_error(errors: Iterable[dict], field_order: Sequence[str] = ()) ->
     return APIError(400, message or "the request is invalid", param)
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict:
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict:
     return {
         "error": {
             "message": message,
             "type": _ERROR_TYPES.get(status, "APIError"),
             "param": param,
-            "code": status,
+            "code": status if code is None else code,
         }
     }
 
 
 def error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(
-        error_body(exc.status, exc.message, exc.param), exc.status, headers=exc.headers
+        error_body(exc.status, exc.message, exc.param, exc.code), exc.status, headers=exc.headers
     )
 
 

@@ -279,6 +279,14 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(p.text for p in self.content)
 
+    def text_length(self) -> int:
+        """``len(self.text())`` without building it."""
+        if self.content is None:
+            return 0
+        if isinstance(self.content, str):
+            return len(self.content)
+        return sum(len(p.text) for p in self.content)
+
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)

@@ -114,6 +114,25 @@ def _tool_choice(choice: str | dict | None) -> Any:
     return choice
 
 
+def _input_chars(req: ResponsesRequest) -> int:
+    """Characters of the instructions and the input's message and tool-output text (what
+    the chat template renders besides its own text and tool calls)."""
+    chars = len(req.instructions or "")
+    if isinstance(req.input, str):
+        return chars + len(req.input)
+    for item in req.input:
+        for text in (item.get("content"), item.get("output")):
+            if isinstance(text, str):
+                chars += len(text)
+            elif isinstance(text, list):
+                chars += sum(
+                    len(p["text"])
+                    for p in text
+                    if isinstance(p, dict) and isinstance(p.get("text"), str)
+                )
+    return chars
+
+
 def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     """The chat completion request a Responses body stands for."""
     if req.previous_response_id is not None:
@@ -228,9 +247,12 @@ class _Response:
 
 async def create_response(ctx: ServerContext, request: Request) -> Response:
     salt, req = await ctx.read_request(request, ResponsesRequest)
+    # By size, before the conversion, any rendering or tokenizing.
+    ctx.prompt_limit.check_text(_input_chars(req), "input", "the input's text")
     chat = to_chat(req)
     plan = plan_tools(chat, ctx.tool_config)
-    text, ids = render_prompt(chat, ctx, plan)
+    # Rendering and tokenizing are request-sized work: off the event loop.
+    text, ids = await ctx.prompt_work(render_prompt, chat, ctx, plan)
     spec, param = requested_spec(chat)
     if spec is not None and param is not None:
         param = param.replace("response_format.json_schema", "text.format")

@@ -1,12 +1,12 @@
 """``POST /tokenize`` and ``POST /detokenize`` in vLLM's request and response format.
 
-Tokenizing and template rendering are request-sized work: they run on a worker thread,
-never on the event loop. Token ids are checked against the vocabulary before decoding.
+Tokenizing and template rendering are request-sized work: they run on the app's prompt
+pool (``ServerContext.prompt_work``), never on the event loop, after the prompt's size has
+been checked (``prompt_size.py``). Token ids are checked against the vocabulary before
+decoding.
 """
 
 from __future__ import annotations
-
-import asyncio
 
 from fastapi import FastAPI, Request
 
@@ -21,12 +21,17 @@ def add_tokenize_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
         _, req = await ctx.read_request(request, TokenizeRequest)
-        return await asyncio.to_thread(_tokenize, ctx, req)
+        # By size, before any rendering or tokenizing (prompt_size.py).
+        if req.prompt is not None:
+            ctx.prompt_limit.check_text(len(req.prompt), "prompt")
+        if req.messages is not None:
+            ctx.prompt_limit.check_messages(req.messages)
+        return await ctx.prompt_work(_tokenize, ctx, req)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
         _, req = await ctx.read_request(request, DetokenizeRequest)
-        return await asyncio.to_thread(_detokenize, ctx, req)
+        return await ctx.prompt_work(_detokenize, ctx, req)
 
 
 def _tokenize(ctx: ServerContext, req: TokenizeRequest) -> dict:

@@ -425,3 +425,14 @@ def test_gemma3_incremental_decode_equals_full_decode(gemma3):
         det = IncrementalDetokenizer(ours, [], SamplingParams())
         streamed = "".join(det.add_tokens([i]).text for i in ids) + det.flush()
         assert streamed == ours.decode(ids), text
+
+
+def test_long_texts_encode_the_same_without_the_gil():
+    """Past a few thousand characters ``encode`` goes through ``encode_batch`` (which
+    releases the GIL, so a server's event loop keeps running): the same ids."""
+    tok = load_tokenizer(default_model_path())
+    text = " ".join(ALL_TEXTS) * 40 + " ünïcödé 日本語 🙂\n\n   x"
+    assert len(text) > 4096
+    for special in (True, False):
+        want = tok.backend.encode(text, add_special_tokens=special).ids
+        assert tok.encode(text, add_special_tokens=special) == want

@@ -5,44 +5,27 @@ profile switches are rate-limited; debug routes answer bad bodies with 400, not 
 from __future__ import annotations
 
 import os
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 
 from pagewarden.faults import remote
 from pagewarden.serve.cli import is_loopback
 from pagewarden.server.admin import AdminPolicy
-from pagewarden.server.admission import AdmissionController
-from pagewarden.server.api import build_app
-from tests.server.test_api import MODEL, _engine
+from tests.server.test_api import MODEL, _engine, _Running
 
 TENANT, ADMIN = "sk-tenant", "sk-admin"
 
 
-class _App:
+class _App(_Running):
+    """A server on the module's shared engine (stopping it leaves the engine running)."""
+
     def __init__(self, engine, policy: AdminPolicy) -> None:
-        app = build_app(
-            engine, MODEL, TENANT, admission=AdmissionController(1, fixed_limit=100), admin=policy
-        )
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
+        super().__init__(engine, TENANT, admin=policy, shutdown_engine=False)
 
     def post(self, path: str, body, key: str | None = None, **kw) -> httpx.Response:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         return httpx.post(self.url + path, json=body, headers=headers, timeout=30, **kw)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")

@@ -25,17 +25,21 @@ class _Running:
     def __init__(
         self,
         engine: AsyncEngine,
-        api_key: str | None = None,
+        api_key: str | list[str] | None = None,
         admission: bool = False,
+        served: str | list[str] = MODEL,
+        shutdown_engine: bool = True,
         **app_options,
     ) -> None:
+        # ``served``: the model names; ``shutdown_engine``: stop() shuts the engine down
+        # (False where several servers share one engine).
         # Most tests send more at once than the tiny pool's default admission limit;
         # tests of admission itself pass admission=True (the server's default).
         ctl = None if admission else AdmissionController(1, fixed_limit=1000)
-        self.engine = engine
+        self.engine, self.shutdown_engine = engine, shutdown_engine
         self.server = uvicorn.Server(
             uvicorn.Config(
-                build_app(engine, MODEL, api_key, admission=ctl, **app_options),
+                build_app(engine, served, api_key, admission=ctl, **app_options),
                 host="127.0.0.1",
                 port=0,
                 log_level="warning",
@@ -51,7 +55,8 @@ class _Running:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
-        self.engine.shutdown()
+        if self.shutdown_engine:
+            self.engine.shutdown()
 
 
 def _engine(model_dir, **kw) -> AsyncEngine:

@@ -16,13 +16,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 from pagewarden.engine.async_engine import AsyncEngine
 from pagewarden.engine.config import EngineConfig
 from pagewarden.faults import remote
-from pagewarden.server.admission import AdmissionController
-from pagewarden.server.api import build_app
+from pagewarden.server.admin import AdminPolicy
+from tests.server.test_api import _Running
 
 KEY = "dashboard-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -31,8 +30,8 @@ PAUSE_S = 4.0  # how long the test holds the step loop still
 ARTIFACTS = Path(os.environ.get("PAGEWARDEN_TEST_ARTIFACTS", "test-artifacts"))
 
 
-class _Server:
-    """The app on loopback (uvicorn in a thread), API key set, fault injection enabled."""
+class _Server(_Running):
+    """The app on loopback (test_api's ``_Running``), API key set, fault injection enabled."""
 
     def __init__(self, model_dir: Path, offload_dir: Path) -> None:
         # The engine-core process is spawned with this environment.
@@ -46,24 +45,10 @@ class _Server:
             max_model_len=256,
             kv_offload_dir=str(offload_dir),  # a disk KV tier, shown by the page
         )
-        self.engine = AsyncEngine(cfg)
-        app = build_app(
-            self.engine, "tiny", KEY, admission=AdmissionController(1, fixed_limit=1000)
-        )
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
+        super().__init__(AsyncEngine(cfg), KEY)
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.engine.shutdown()
+        super().stop()
         if self._old_env is None:
             os.environ.pop(remote.ENV_VAR, None)
         else:
@@ -328,3 +313,82 @@ def _used_cells_match_metrics(srv: _Server, browser) -> None:
             return
         time.sleep(max(end - time.monotonic(), 0.0))
     raise AssertionError("the step loop never held still long enough to compare")
+
+
+# ---- tenants (issue 35 item 4): a key sees only its own requests ---------------------
+
+TENANTS = {"tenant-a": "key-a", "tenant-b": "key-b"}
+ADMIN = "admin-key"
+
+
+def _tenant_load(url: str, tenant: str, n: int) -> list[threading.Thread]:
+    """``n`` long streams from ``tenant``'s key, their request ids starting with its name."""
+
+    def run(i: int) -> None:
+        headers = {"Authorization": f"Bearer {TENANTS[tenant]}", "X-Request-Id": f"{tenant}-{i}"}
+        body = {"model": "tiny", "prompt": "blocks " * 8, "max_tokens": 200, "ignore_eos": True}
+        with httpx.stream(
+            "POST",
+            url + "/v1/completions",
+            json=body | {"stream": True},
+            headers=headers,
+            timeout=120,
+        ) as r:
+            assert r.status_code == 200
+            for _ in r.iter_lines():
+                pass
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _visible_owners(url: str, key: str) -> set[str]:
+    """Whose requests the state shows to ``key`` (by request id), checking that no other
+    part of the snapshot names a request the list does not, and no salt is sent."""
+    r = httpx.get(url + "/dashboard/state", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    assert r.status_code == 200, r.text
+    snap = r.json()["snapshot"]
+    if snap is None:
+        return set()
+    ids = {req["id"] for req in snap["requests"]}
+    assert all("tenant" not in req for req in snap["requests"])
+    held = {i for holders in snap["holders"].values() for i in holders}
+    assert held <= ids | {i for i in held if not i.startswith("cmpl-tenant")}
+    return {t for t in TENANTS if any(f"-{t}-" in i for i in ids | held)}
+
+
+def test_a_tenant_key_sees_only_its_own_requests_the_admin_key_all(tiny_llama_dir):
+    cfg = EngineConfig(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        num_kv_blocks=NUM_BLOCKS,
+        block_size=16,
+        max_model_len=256,
+        max_num_seqs=2,  # the rest wait: listed in the snapshot all the same
+    )
+    srv = _Running(AsyncEngine(cfg), api_key=list(TENANTS.values()), admin=AdminPolicy([ADMIN]))
+    try:
+        threads = _tenant_load(srv.url, "tenant-a", 3) + _tenant_load(srv.url, "tenant-b", 3)
+        seen: dict[str, set[str]] = {"admin": set(), "tenant-a": set(), "tenant-b": set()}
+
+        def both_seen() -> bool:
+            seen["admin"] |= _visible_owners(srv.url, ADMIN)
+            for tenant, key in TENANTS.items():
+                owners = _visible_owners(srv.url, key)
+                assert owners <= {tenant}, f"{tenant}'s key sees {owners}"
+                seen[tenant] |= owners
+            return all(seen.values()) and seen["admin"] == set(TENANTS)
+
+        _wait("each key's view of the running requests", both_seen, timeout=60, every=0.3)
+        # A tenant's session cookie carries the same view as its key.
+        page = httpx.get(srv.url + "/dashboard?key=key-a")
+        cookie = page.cookies.get("pagewarden_dashboard_session")
+        assert cookie and "key-a" not in cookie
+        admin_page = httpx.get(srv.url + f"/dashboard?key={ADMIN}")
+        assert admin_page.status_code == 200
+        for t in threads:
+            t.join(120)
+    finally:
+        srv.stop()

@@ -5,46 +5,22 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import threading
-import time
 
 import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 
 from pagewarden.engine.async_engine import AsyncEngine
 from pagewarden.engine.config import EngineConfig
-from pagewarden.server.admission import AdmissionController
-from pagewarden.server.api import build_app
 from pagewarden.server.cors import CorsPolicy, CorsPolicyError
+from tests.server.test_api import _Running
 
 transformers = pytest.importorskip("transformers")
 
 MODEL = "tiny"
 PROMPT = "Hello world! The quick brown fox"
 TOLERANCE = 0.02
-
-
-class _Server:
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.engine = engine
-        app = build_app(engine, MODEL, admission=AdmissionController(1, fixed_limit=1000))
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +34,7 @@ def srv(tiny_llama_dir):
         max_model_len=256,
         max_num_batched_tokens=8,
     )
-    s = _Server(AsyncEngine(cfg))
+    s = _Running(AsyncEngine(cfg))
     yield s
     s.stop()
 

@@ -3,45 +3,21 @@
 from __future__ import annotations
 
 import logging
-import threading
-import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from pagewarden.engine.async_engine import AsyncEngine
 from pagewarden.engine.config import EngineConfig
-from pagewarden.server.admission import AdmissionController
-from pagewarden.server.api import build_app
 from pagewarden.server.model_names import (
     DEFAULT_SERVED_NAME,
     ServedNameError,
     served_names,
 )
+from tests.server.test_api import _Running
 
 NAMES = ["tiny", "tiny-alias"]
-
-
-class _Server:
-    def __init__(self, engine: AsyncEngine, names: list[str]) -> None:
-        self.engine = engine
-        app = build_app(engine, names, admission=AdmissionController(1, fixed_limit=1000))
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +29,7 @@ def srv(tiny_llama_dir):
         block_size=16,
         max_model_len=256,
     )
-    s = _Server(AsyncEngine(cfg), NAMES)
+    s = _Running(AsyncEngine(cfg), served=NAMES)
     yield s
     s.stop()
 
