@@ -90,5 +90,6 @@ def main() -> None:
         )
     print(f"uptime: {os.popen('uptime').read().strip()}")
 
+
 if __name__ == "__main__":
     main()

@@ -47,7 +47,9 @@ Kernel = Literal["int8", "bf16"]
 KERNEL_ENV = "PAGEWARDEN_QUANT_KERNEL"
 #: ``pick_kernel``: the int8 kernel up to this many rows, the bf16-decode kernel above
 #: (bench/quant_gemv.py, docs/quantization.md).
-INT8_MAX_ROWS = 1 << 30
+INT8_MAX_ROWS = 4
+#: ``pick_kernel`` overridden for the whole process (benches; ``KERNEL_ENV`` at import).
+FORCED_KERNEL: str | None = os.environ.get(KERNEL_ENV, "").strip().lower() or None
 
 #: ggml type id -> (name, weights per block, bytes per block), for the types with a kernel.
 KERNEL_TYPES: dict[int, tuple[str, int, int]] = {
@@ -149,7 +151,7 @@ def _require() -> ModuleType:
 def pick_kernel(ext: ModuleType, x: torch.Tensor, w: QuantWeight) -> Kernel:
     """The kernel ``gemm`` uses for x (M, K) against ``w`` under ``kernel="auto"``: int8
     where it exists (bf16 x, an AVX512-VNNI build) and M <= ``INT8_MAX_ROWS``, else bf16."""
-    forced = os.environ.get(KERNEL_ENV, "").strip().lower()
+    forced = FORCED_KERNEL
     if forced in ("int8", "bf16"):
         return "int8" if forced == "int8" and _int8_ok(ext, x) else "bf16"
     rows = x.shape[0]
