@@ -47,7 +47,7 @@ Kernel = Literal["int8", "bf16"]
 KERNEL_ENV = "PAGEWARDEN_QUANT_KERNEL"
 #: ``pick_kernel``: the int8 kernel up to this many rows, the bf16-decode kernel above
 #: (bench/quant_gemv.py, docs/quantization.md).
-INT8_MAX_ROWS = 4
+INT8_MAX_ROWS = 1
 #: ``pick_kernel`` overridden for the whole process (benches; ``KERNEL_ENV`` at import).
 FORCED_KERNEL: str | None = os.environ.get(KERNEL_ENV, "").strip().lower() or None
 
