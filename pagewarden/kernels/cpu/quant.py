@@ -8,10 +8,13 @@ and the logical (N, K) shape. ``kernels/cpu/linear`` sends a layer that carries 
 the rows they gather (``embedding``).
 
 Types with a kernel (``KERNEL_TYPES``): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K.
-The kernel decodes each 32 weights to float32 as ggml does and rounds them to bf16, so it
-multiplies by the same bf16 weights the dequantize-at-load path keeps; its error against
-a float32 matmul of the dequantized weights is that of bf16 weights and bf16 activations
-with float32 sums (tests/models/test_cpu_quant.py states the bound).
+Two kernels (``pick_kernel`` chooses per call; ``kernel=`` or ``PAGEWARDEN_QUANT_KERNEL``
+forces one): ``bf16`` decodes each 32 weights to float32 as ggml does and rounds them to
+bf16, so it multiplies by the same bf16 weights the dequantize-at-load path keeps (error:
+bf16 weights and activations, float32 sums); ``int8`` (quant_int8.cpp, AVX512-VNNI)
+quantizes the activations to int8 per block of 32 and uses the weights exactly (error:
+the activations' 8-bit rounding, as llama.cpp). tests/models/test_cpu_quant.py states both
+bounds.
 
 Built at first use like the other extensions (``kernels/cpu/build``); ``load()`` is None
 where it cannot build or with ``PAGEWARDEN_NO_CPU_EXT=1`` (the loader then dequantizes
