@@ -1,7 +1,8 @@
-"""Quantized GEMM (kernels/cpu/quant) against the bf16 tile GEMM (kernels/cpu/gemm) at the
-default model's shapes, side by side in one run: ms per call and the ratio.
+"""Quantized GEMMs (kernels/cpu/quant: the int8 kernel and the bf16-decode kernel) against
+the bf16 tile GEMM of ``--quantization none`` (kernels/cpu/gemm) at the default model's
+shapes, side by side in one run: ms per call and the ratios.
 
-    python -m bench.quant_gemv [--rows 1 64] [--type Q4_1] [--iters 200]
+    python -m bench.quant_gemv [--rows 1 4 16 64] [--type Q4_1] [--iters 200]
 
 Weights are random blocks made by ``gguf.quants.quantize`` (Q4_0/1, Q5_0/1, Q8_0) or
 random bytes with small scales (K-quants). Noisy on a shared machine: note ``uptime``.
@@ -54,7 +55,7 @@ def timed(fn, iters: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--type", default="Q4_1", choices=sorted(NAMES))
     ap.add_argument("--iters", type=int, default=100)
     args = ap.parse_args()
@@ -70,20 +71,24 @@ def main() -> None:
         for m in args.rows:
             x = torch.randn(m, k).bfloat16()
             iters = max(5, args.iters // max(1, m // 8))
-            tq = timed(lambda x=x, w=w: cpu_quant.gemm(x, w), iters)
+            t8 = timed(lambda x=x, w=w: cpu_quant.gemm(x, w, kernel="int8"), iters)
+            tq = timed(lambda x=x, w=w: cpu_quant.gemm(x, w, kernel="bf16"), iters)
             tb = timed(lambda x=x, t=tiles, n=n: cpu_gemm.gemm(x, t, n), iters)
-            total.setdefault(m, [0.0, 0.0])
-            total[m][0] += tq
-            total[m][1] += tb
+            acc = total.setdefault(m, [0.0, 0.0, 0.0])
+            for i, t in enumerate((t8, tq, tb)):
+                acc[i] += t
             print(
-                f"{w.type_name:5s} N={n:6d} K={k:5d} M={m:4d}  quant {tq:8.3f} ms  "
-                f"bf16 {tb:8.3f} ms  bf16/quant {tb / tq:5.2f}x"
+                f"{w.type_name:5s} N={n:6d} K={k:5d} M={m:4d}  int8 {t8:8.3f} ms  "
+                f"bf16-decode {tq:8.3f} ms  none {tb:8.3f} ms  none/int8 {tb / t8:5.2f}x  "
+                f"none/bf16-decode {tb / tq:5.2f}x"
             )
-    for m, (tq, tb) in total.items():
+    for m, (t8, tq, tb) in total.items():
         print(
-            f"sum of one layer's shapes + lm_head, M={m}: quant {tq:.3f} ms, bf16 {tb:.3f} ms, "
-            f"bf16/quant {tb / tq:.2f}x"
+            f"sum of one layer's shapes + lm_head, M={m}: int8 {t8:.3f} ms, bf16-decode "
+            f"{tq:.3f} ms, none {tb:.3f} ms; none/int8 {tb / t8:.2f}x, none/bf16-decode "
+            f"{tb / tq:.2f}x"
         )
+    print(f"uptime: {os.popen('uptime').read().strip()}")
 
 
 if __name__ == "__main__":

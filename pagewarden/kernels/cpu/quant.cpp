@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "pool.h"
+#include "quant_int8.h"
 #include "quant_scalar.h"
 
 namespace {
@@ -406,7 +407,7 @@ at::Tensor dequantize(const at::Tensor& w, int64_t type, int64_t k) {
 }
 
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, const c10::optional<at::Tensor>& residual,
-                bool silu_mul, bool portable, bool float_out) {
+                bool silu_mul, bool portable, bool float_out, bool int8) {
   Problem p{};
   p.type = int(type);
   TORCH_CHECK(type_info(p.type, &p.ti), "cpu_quant: unsupported type ", type);
@@ -434,6 +435,18 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, const c1
   }
   if (p.m == 0 || p.n_out == 0) return out;
   const bool bf16 = x.scalar_type() == at::kBFloat16;
+  if (int8) {  // quant_int8.cpp
+    TORCH_CHECK(bf16 && !portable && has_int8_kernel(), "cpu_quant int8: needs bf16 x and an AVX512-VNNI build");
+    TORCH_CHECK(p.k % 32 == 0 && (x.data_ptr() != nullptr), "cpu_quant int8: K a multiple of 32");
+    const Int8Problem q{p.type, p.w, p.row_bytes, p.m, p.k, p.n_out, p.silu,
+                        reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
+                        res.defined() ? reinterpret_cast<const uint16_t*>(res.data_ptr()) : nullptr,
+                        res.defined() ? res.stride(0) : 0,
+                        float_out ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr()),
+                        float_out ? out.data_ptr<float>() : nullptr};
+    gemm_int8(q);
+    return out;
+  }
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   if (bf16 && !portable) {
     switch (p.type) {
@@ -469,5 +482,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_pool", &pw::set_pool, "hand work items to the pool behind a cpu_pool capsule");
   m.def("has_vector_kernel", &has_vector_kernel, "whether this build has the AVX512-BF16 path");
   m.def("dequantize", &dequantize, "scalar decoder: (N, row_bytes) uint8 -> (N, K) float32");
-  m.def("gemm", &gemm, "x @ W^T against GGUF-quantized W, fused epilogues");
+  m.def("has_int8_kernel", &has_int8_kernel, "whether this build has the AVX512-VNNI int8 path");
+  m.def("gemm", &gemm, "x @ W^T against GGUF-quantized W, fused epilogues (int8: quant_int8.cpp)");
 }

@@ -8,10 +8,13 @@ and the logical (N, K) shape. ``kernels/cpu/linear`` sends a layer that carries 
 the rows they gather (``embedding``).
 
 Types with a kernel (``KERNEL_TYPES``): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K.
-The kernel decodes each 32 weights to float32 as ggml does and rounds them to bf16, so it
-multiplies by the same bf16 weights the dequantize-at-load path keeps; its error against
-a float32 matmul of the dequantized weights is that of bf16 weights and bf16 activations
-with float32 sums (tests/models/test_cpu_quant.py states the bound).
+Two kernels (``pick_kernel`` chooses per call; ``kernel=`` or ``PAGEWARDEN_QUANT_KERNEL``
+forces one): ``bf16`` decodes each 32 weights to float32 as ggml does and rounds them to
+bf16, so it multiplies by the same bf16 weights the dequantize-at-load path keeps (error:
+bf16 weights and activations, float32 sums); ``int8`` (quant_int8.cpp, AVX512-VNNI)
+quantizes the activations to int8 per block of 32 and uses the weights exactly (error:
+the activations' 8-bit rounding, as llama.cpp). tests/models/test_cpu_quant.py states both
+bounds.
 
 Built at first use like the other extensions (``kernels/cpu/build``); ``load()`` is None
 where it cannot build or with ``PAGEWARDEN_NO_CPU_EXT=1`` (the loader then dequantizes
@@ -25,6 +28,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Literal
 
 import torch
 
@@ -34,11 +38,21 @@ from pagewarden.kernels.cpu.fused import DISABLE_ENV
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("quant.cpp")
+_SOURCES = [Path(__file__).with_name("quant.cpp"), Path(__file__).with_name("quant_int8.cpp")]
 # No FMA contraction: the decoder must round exactly as ggml's float32 mul-then-add.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 #: Flags of the AVX2 build (no AVX-512): the portable path only; tests build it too.
 AVX2_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
+
+#: Which quantized GEMM kernel ``gemm`` runs (``pick_kernel``).
+Kernel = Literal["int8", "bf16"]
+#: Environment override of ``pick_kernel`` (int8 | bf16; anything else: the rule).
+KERNEL_ENV = "PAGEWARDEN_QUANT_KERNEL"
+#: ``pick_kernel``: the int8 kernel up to this many rows, the bf16-decode kernel above
+#: (bench/quant_gemv.py, docs/quantization.md).
+INT8_MAX_ROWS = 1
+#: ``pick_kernel`` overridden for the whole process (benches; ``KERNEL_ENV`` at import).
+FORCED_KERNEL: str | None = os.environ.get(KERNEL_ENV, "").strip().lower() or None
 
 #: ggml type id -> (name, weights per block, bytes per block), for the types with a kernel.
 KERNEL_TYPES: dict[int, tuple[str, int, int]] = {
@@ -108,7 +122,7 @@ def load() -> ModuleType | None:
     if os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes"):
         return None
     try:
-        ext = compile_extension("cpu_quant", _SOURCE, CFLAGS)
+        ext = compile_extension("cpu_quant", _SOURCES, CFLAGS)
     except Exception as e:  # no compiler, no ninja, a failed build: dequantize at load
         reason = " ".join(str(e).split())[:300]
         log.warning(
@@ -121,7 +135,7 @@ def load() -> ModuleType | None:
 
 def build_avx2() -> ModuleType:
     """The extension built without AVX-512 (its portable path): for tests and benches."""
-    ext = compile_extension("cpu_quant_avx2", _SOURCE, AVX2_CFLAGS)
+    ext = compile_extension("cpu_quant_avx2", _SOURCES, AVX2_CFLAGS)
     cpu_pool.bind(ext)
     return ext
 
@@ -137,6 +151,20 @@ def _require() -> ModuleType:
     return ext
 
 
+def pick_kernel(ext: ModuleType, x: torch.Tensor, w: QuantWeight) -> Kernel:
+    """The kernel ``gemm`` uses for x (M, K) against ``w`` under ``kernel="auto"``: int8
+    where it exists (bf16 x, an AVX512-VNNI build) and M <= ``INT8_MAX_ROWS``, else bf16."""
+    forced = FORCED_KERNEL
+    if forced in ("int8", "bf16"):
+        return "int8" if forced == "int8" and _int8_ok(ext, x) else "bf16"
+    rows = x.shape[0]
+    return "int8" if rows <= INT8_MAX_ROWS and _int8_ok(ext, x) else "bf16"
+
+
+def _int8_ok(ext: ModuleType, x: torch.Tensor) -> bool:
+    return x.dtype == torch.bfloat16 and bool(ext.has_int8_kernel())
+
+
 def gemm(
     x: torch.Tensor,
     w: QuantWeight,
@@ -144,11 +172,19 @@ def gemm(
     silu_mul: bool = False,
     ext: ModuleType | None = None,
     portable: bool = False,
+    kernel: Kernel | Literal["auto"] = "auto",
 ) -> torch.Tensor:
     """x (M, K) @ W^T (M, N) [+ residual], or silu(gate) * up (M, N / 2) for W = [gate; up].
     x bf16 or float32 (other dtypes are computed in float32 and cast back); the output in
-    x's dtype, or float32 for a ``float_out`` weight."""
+    x's dtype, or float32 for a ``float_out`` weight. ``kernel``: int8 (activations
+    quantized per block of 32; bf16 x and an AVX512-VNNI build, else ValueError), bf16
+    (weights decoded to bf16), or auto (``pick_kernel``); ``portable`` forces the scalar
+    path."""
     ext = ext or _require()
+    if kernel == "int8" and not (_int8_ok(ext, x) and not portable):
+        raise ValueError("the int8 quantized GEMM needs bf16 activations and an AVX512-VNNI build")
+    if kernel == "auto":
+        kernel = "bf16" if portable else pick_kernel(ext, x, w)
     dtype = x.dtype
     if dtype not in (torch.bfloat16, torch.float32):
         x = x.float()
@@ -158,7 +194,7 @@ def gemm(
     if residual is not None and (residual.dtype != x.dtype or residual.stride(-1) != 1):
         residual = residual.to(x.dtype).contiguous()
     float_out = w.float_out and residual is None and not silu_mul
-    out = ext.gemm(x, w.data, w.qtype, residual, silu_mul, portable, float_out)
+    out = ext.gemm(x, w.data, w.qtype, residual, silu_mul, portable, float_out, kernel == "int8")
     return out if out.dtype == dtype or float_out else out.to(dtype)
 
 
