@@ -107,3 +107,17 @@ def gemma3_gguf() -> Path:
         if os.environ.get("PAGEWARDEN_REQUIRE_GEMMA"):
             raise
         pytest.skip(f"Gemma 3 wheels not installed ({e}); {WHEEL_GGUFS['gemma3'].pip_install}")
+
+
+@pytest.fixture(scope="session")
+def serve_proc():
+    """One real ``pagewarden serve`` on the default model for the whole session (the
+    hermes tool-call parser on, for ``tool_choice: auto``), shared by the
+    structured-outputs, tools and Responses tests, which would each start their own. It
+    lives here, not in a ``tests/server/conftest.py``: a second module named ``conftest``
+    would shadow this one for the tests that ``from conftest import ...``."""
+    from tests.server.serve_process import ServeProcess
+
+    s = ServeProcess("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    yield s
+    s.stop()
