@@ -84,7 +84,9 @@ def main() -> None:
     ap.add_argument("--ttft-reps", type=int, default=7)
     args = ap.parse_args()
 
-    core = EngineCore(EngineConfig(max_num_seqs=max(args.batch, 32)))
+    # The adaptive batch rule would halve the batch mid-run when a step is slow (it did,
+    # on one round): off, so both kinds of request always run at --batch.
+    core = EngineCore(EngineConfig(max_num_seqs=max(args.batch, 32), adaptive_batch=False))
     ids = core.tokenizer.encode(PROMPT)
     spec = StructuredOutputsParams.from_schema(ROWS)
     common = dict(temperature=1.0, seed=0, max_tokens=args.max_tokens)
