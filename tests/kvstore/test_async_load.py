@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pagewarden import LLM, SamplingParams
+from tests.kvstore.test_disk_engine import _llm as _disk_llm
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
@@ -48,16 +49,8 @@ class GatedTier:
 
 
 def _llm(model_dir: Path, offload_dir: Path | None, **kw) -> LLM:
-    return LLM(
-        model=str(model_dir),
-        dtype="float32",
-        block_size=4,
-        num_kv_blocks=24,
-        max_model_len=128,
-        max_num_seqs=2,
-        kv_offload_dir=None if offload_dir is None else str(offload_dir),
-        **kw,
-    )
+    """The disk-engine tests' engine with two seats: one request loads, one decodes."""
+    return _disk_llm(model_dir, offload_dir, max_num_seqs=2, **kw)
 
 
 def _tokens(llm: LLM, prompt: list[int], params: SamplingParams) -> list[int]:

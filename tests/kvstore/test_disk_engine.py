@@ -18,14 +18,14 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 PROMPTS = [[3 + (7 * i + j) % 400 for j in range(41)] for i in range(6)]
 
 
-def _llm(model_dir: Path, offload_dir: Path | None, **kw) -> LLM:
+def _llm(model_dir: Path, offload_dir: Path | None, max_num_seqs: int = 1, **kw) -> LLM:
     return LLM(
         model=str(model_dir),
         dtype="float32",
         block_size=4,
         num_kv_blocks=24,
         max_model_len=128,
-        max_num_seqs=1,
+        max_num_seqs=max_num_seqs,
         kv_offload_dir=None if offload_dir is None else str(offload_dir),
         **kw,
     )
