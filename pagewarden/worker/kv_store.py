@@ -16,25 +16,12 @@ memory (pinned when the cache is on a GPU); swapping copies whole blocks between
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
 
 from pagewarden.kv.swap_space import BlockSwap
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
+from pagewarden.kvstore.tier import parse_size
 
 
 class KVCacheSizeError(ValueError):
@@ -42,20 +29,13 @@ class KVCacheSizeError(ValueError):
 
 
 def parse_memory(value: int | str) -> int:
-    """Bytes from an int or a string like "2GiB", "512MB", "1.5 GiB"."""
-    if isinstance(value, int):
-        if value <= 0:
-            raise KVCacheSizeError(f"kv_cache_memory must be positive, got {value}")
-        return value
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    if match is None or match.group(2).lower() not in _UNITS:
+    """Bytes from an int or a string like "2GiB", "512MB", "1.5 GiB" (the tiers' parser)."""
+    try:
+        return parse_size(value)
+    except ValueError:
         raise KVCacheSizeError(
-            f"kv_cache_memory {value!r} is not a size; use bytes or e.g. '2GiB', '512MB'"
-        )
-    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if size <= 0:
-        raise KVCacheSizeError(f"kv_cache_memory must be positive, got {value!r}")
-    return size
+            f"kv_cache_memory {value!r} is not a positive size; use bytes or e.g. '2GiB', '512MB'"
+        ) from None
 
 
 @dataclass(frozen=True)
