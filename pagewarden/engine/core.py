@@ -97,10 +97,11 @@ class EngineCore:
             self.tokenizer = self.tokenizer.with_chat_template(template)
         self.kv_store = _build_kv_store(config, self.loaded)
         self.max_model_len = config.max_model_len or self.loaded.config.max_position_embeddings
-        # A model with context-dependent RoPE (Phi-3 longrope) picks its factors here;
-        # models without the hook (test doubles, custom modules) need nothing.
+        # A model with length-dependent RoPE (Phi-3 longrope) says past which sequence
+        # length it rotates with its long factors; models without the hook (test doubles,
+        # custom modules) need nothing.
         select_context = getattr(self.loaded.model, "select_context", None)
-        self.min_prompt_tokens = select_context(self.max_model_len) if select_context else 1
+        self.rope_switch_tokens = select_context(self.max_model_len) if select_context else None
         self.scheduler = self._build_scheduler()
         self.runner = self._build_runner()
         # KV tiers (engine/kv_tiers.py): None unless --kv-offload-dir / --kv-offload-redis.
@@ -146,7 +147,7 @@ class EngineCore:
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
-                min_prompt_tokens=self.min_prompt_tokens,
+                rope_switch_tokens=self.rope_switch_tokens,
                 enable_prefix_caching=config.enable_prefix_caching,
                 model_id=self.loaded.name,
                 preemption_mode=(

@@ -30,19 +30,23 @@ class ExtraKeyKind(enum.IntEnum):
     CACHE_SALT = 1
     MODEL_ID = 2
     ADAPTER = 3
+    ROPE = 4  # a RoPE variant other than the model's first (Phi-3 longrope's "long")
 
 
-_extra_cache: dict[tuple[str | None, str | None, str | None], bytes] = {}
+_extra_cache: dict[tuple[str | None, str | None, str | None, str | None], bytes] = {}
 
 
 def encode_extra_keys(
-    model_id: str | None = None, cache_salt: str | None = None, adapter: str | None = None
+    model_id: str | None = None,
+    cache_salt: str | None = None,
+    adapter: str | None = None,
+    rope: str | None = None,
 ) -> bytes:
     """Canonical bytes for a request's extra keys: count, then (tag, length, utf-8) each.
 
     ``None`` omits a key; ``""`` is a present, empty key (so they differ).
     """
-    key = (model_id, cache_salt, adapter)
+    key = (model_id, cache_salt, adapter, rope)
     cached = _extra_cache.get(key)
     if cached is not None:
         return cached
@@ -52,6 +56,7 @@ def encode_extra_keys(
             (ExtraKeyKind.CACHE_SALT, cache_salt),
             (ExtraKeyKind.MODEL_ID, model_id),
             (ExtraKeyKind.ADAPTER, adapter),
+            (ExtraKeyKind.ROPE, rope),
         )
         if value is not None
     ]

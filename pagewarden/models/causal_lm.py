@@ -6,7 +6,6 @@ arrive HF-named (``load_weights``), with separate q/k/v and gate/up fused on the
 from __future__ import annotations
 
 import inspect
-import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -29,8 +28,6 @@ from pagewarden.models.layers import (
     compute_dtype_for,
 )
 from pagewarden.models.quantized import attach_quantized, densify_mixed
-
-logger = logging.getLogger(__name__)
 
 
 class DecoderModel(nn.Module):
@@ -150,25 +147,13 @@ class DecoderForCausalLM(nn.Module):
             rope.reset()
         return dtype
 
-    def select_context(self, max_model_len: int) -> int:
+    def select_context(self, max_model_len: int) -> int | None:
         """Fit the RoPE tables to contexts of up to ``max_model_len`` tokens; return the
-        fewest prompt tokens the model computes as transformers does: 1, or with
-        longrope's long factors (a context past the original one) original + 1, since
-        transformers uses the short factors for any sequence up to the original length."""
-        for rope in self.ropes:
-            rope.select_context(max_model_len)
-        fewest = max((rope.min_prompt_tokens for rope in self.ropes), default=1)
-        if fewest > 1:
-            logger.warning(
-                "max_model_len=%d is past the original context (%d): longrope's long factors "
-                "rotate every position, and prompts of fewer than %d tokens are refused; "
-                "set max_model_len <= %d to serve short prompts",
-                max_model_len,
-                fewest - 1,
-                fewest,
-                fewest - 1,
-            )
-        return fewest
+        sequence length past which a request is rotated with longrope's long factors
+        (None: one factor set for every request), as transformers picks them."""
+        switches = {rope.select_context(max_model_len) for rope in self.ropes} - {None}
+        assert len(switches) <= 1, "one longrope switch per model"
+        return switches.pop() if switches else None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(T, hidden) input embeddings; times sqrt(hidden) in their own dtype (Gemma)."""
@@ -184,13 +169,19 @@ class DecoderForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        rope_long: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states (T, hidden) of the new tokens; writes their K/V into kv_caches."""
+        """Hidden states (T, hidden) of the new tokens; writes their K/V into kv_caches.
+        ``rope_long`` (T,) bool: the tokens rotated with longrope's long factors (the
+        requests longer than ``select_context``'s switch)."""
         assert input_ids.dim() == 1 and input_ids.shape == positions.shape
         assert len(kv_caches) == self.config.num_hidden_layers
         x = self.embed(input_ids)  # (T, hidden)
         size, device = self.config.max_position_embeddings, x.device
-        rotations = [rope.lookup(positions, size, x.dtype, device) for rope in self.ropes]
+        rotations = [
+            rope.lookup(positions, size, x.dtype, device, rope_long if i == 0 else None)
+            for i, rope in enumerate(self.ropes)
+        ]
         for layer, attn, cache in zip(self.model.layers, self._attention, kv_caches):
             cos, sin = rotations[attn.rope_index]  # (T, 1, D)
             x = layer(x, cos, sin, cache, meta)

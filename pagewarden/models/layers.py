@@ -104,72 +104,88 @@ def _longrope_inv_freq(
 class RopeTable:
     """cos and signed sin (n, head_dim) of one RoPE, built once and grown on demand.
 
-    longrope has two factor sets and a cached key is never rotated again, so one set
-    serves every position: ``select_context`` picks it from the engine's context length,
-    as vLLM does (short up to ``original_max_position_embeddings``, else long); until it
-    is called, the short set and the original context.
+    longrope has a short and a long factor set. transformers picks one for a whole
+    forward pass from the sequence's length (short while it is at most the original
+    context O, long past it) and recomputes every position when a sequence grows past O.
+    So the table holds both sets, rows ``[0, n)`` short and ``[n, 2n)`` long, and each
+    token says which it uses (``lookup``'s ``long``); the scheduler restarts a request
+    that grows past O (``Scheduler._restart_past_rope_switch``), so its cached keys are
+    never a mix of the two. Positions past the context given to ``select_context`` (until
+    then, O) are refused.
     """
 
     def __init__(self, head_dim: int, theta: float, scaling: Scaling | None) -> None:
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self.inv_freq, self.mscale = rope_inv_freq(head_dim, theta, scaling)
+        self.long_inv_freq: torch.Tensor | None = None
+        self.original: int | None = None  # longrope's O
         self.limit: int | None = None  # positions past it are refused (longrope)
-        self.long = False
         if rope_type(scaling) == "longrope":
-            self.limit = dict(scaling or ())["original_max_position_embeddings"]
+            self.long_inv_freq = rope_inv_freq(head_dim, theta, scaling, long=True)[0]
+            self.original = self.limit = dict(scaling or ())["original_max_position_embeddings"]
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rows = 0  # positions per factor set in _table
 
     def reset(self) -> None:
         self._table = None
 
-    def select_context(self, max_model_len: int) -> None:
-        """Serve contexts up to ``max_model_len``: longrope's long factors when it is past
-        the original context (``UnsupportedModelError`` past the extended one)."""
-        if rope_type(self.scaling) != "longrope":
-            return
-        s = dict(self.scaling or ())
-        old, most = s["original_max_position_embeddings"], s["max_position_embeddings"]
+    def select_context(self, max_model_len: int) -> int | None:
+        """Serve contexts up to ``max_model_len``; return the sequence length past which
+        a request uses longrope's long factors (None: every request uses one set).
+        ``UnsupportedModelError`` past longrope's extended context."""
+        if self.original is None:
+            return None
+        most = dict(self.scaling or ())["max_position_embeddings"]
         if max_model_len > most:
             raise UnsupportedModelError(
                 f"max_model_len={max_model_len} is past this longrope model's "
                 f"max_position_embeddings ({most})"
             )
-        self.long = max_model_len > old
         self.limit = max_model_len
-        self.inv_freq, self.mscale = rope_inv_freq(
-            self.head_dim, self.theta, self.scaling, self.long
-        )
         self._table = None
-
-    @property
-    def min_prompt_tokens(self) -> int:
-        """The shortest prompt this table rotates as transformers does (see
-        ``DecoderForCausalLM.select_context``)."""
-        if not self.long:
-            return 1
-        return dict(self.scaling or ())["original_max_position_embeddings"] + 1
+        return self.original if max_model_len > self.original else None
 
     def lookup(
-        self, positions: torch.Tensor, size: int, dtype: torch.dtype, device: torch.device
+        self,
+        positions: torch.Tensor,
+        size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        long: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin_signed (T, 1, head_dim) for ``positions`` (see ``apply_rope``)."""
+        """cos, sin_signed (T, 1, head_dim) for ``positions`` (T,) (see ``apply_rope``);
+        ``long`` (T,) bool picks longrope's long factors for those tokens."""
         need = int(positions.max()) + 1
         if self.limit is not None and need > self.limit:
             raise UnsupportedModelError(
                 f"position {need - 1} is past the context this longrope table was "
                 f"selected for ({self.limit}, see RopeTable.select_context)"
             )
-        if self._table is None or self._table[0].shape[0] < need or self._table[0].dtype != dtype:
-            n = max(need, size)
-            positions_f = torch.arange(n, dtype=torch.float32, device="cpu")
-            freqs = torch.outer(positions_f, self.inv_freq)  # (n, D/2)
-            cos, sin = freqs.cos() * self.mscale, freqs.sin() * self.mscale
-            self._table = (
-                torch.cat((cos, cos), dim=-1).to(device, dtype),  # (n, D)
-                torch.cat((-sin, sin), dim=-1).to(device, dtype),  # (n, D)
-            )
+        if long is not None and self.long_inv_freq is None:
+            raise UnsupportedModelError("long factors asked of a RoPE without them")
+        if self._table is None or self._rows < need or self._table[0].dtype != dtype:
+            self._rows = max(need, size)
+            self._table = self._build(self._rows, dtype, device)
         cos_t, sin_t = self._table
-        return cos_t[positions].unsqueeze(1), sin_t[positions].unsqueeze(1)
+        rows = positions
+        if long is not None:  # rows [0, n): short factors; [n, 2n): long
+            rows = positions + long.to(positions.dtype) * self._rows
+        return cos_t[rows].unsqueeze(1), sin_t[rows].unsqueeze(1)
+
+    def _build(
+        self, n: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin_signed) (n, D), or (2n, D) with the long set's rows after the short's."""
+        positions_f = torch.arange(n, dtype=torch.float32, device="cpu")
+        sets = (
+            [self.inv_freq] if self.long_inv_freq is None else [self.inv_freq, self.long_inv_freq]
+        )
+        freqs = torch.cat([torch.outer(positions_f, f) for f in sets])  # (n * sets, D/2)
+        cos, sin = freqs.cos() * self.mscale, freqs.sin() * self.mscale
+        return (
+            torch.cat((cos, cos), dim=-1).to(device, dtype),
+            torch.cat((-sin, sin), dim=-1).to(device, dtype),
+        )
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:

@@ -4,15 +4,13 @@ where the config sets one, and ``longrope`` (``su``) RoPE scaling.
 
 longrope has a short and a long factor set. transformers rotates a whole sequence with
 the short set while it is at most ``original_max_position_embeddings`` (O) long and with
-the long set once it is longer; a paged KV cache never rotates a cached key again, so
-pagewarden, as vLLM, uses one set for every position, chosen from the engine's context
-(``RopeTable.select_context``):
-
-- ``max_model_len`` <= O (the default: the context is capped at O): the short set; every
-  request equals transformers.
-- O < ``max_model_len`` <= ``max_position_embeddings``: the long set; a request equals
-  transformers when its prompt is longer than O, and a shorter prompt (which
-  transformers would start with the short set) is refused at admission.
+the long set once it is longer, and recomputes every position when a sequence grows past
+O. pagewarden does the same per request: the RoPE table holds both sets
+(``RopeTable``), the scheduler marks each request short or long from its length and
+restarts it from position 0 when it grows past O (``SchedulerConfig.rope_switch_tokens``),
+and KV rotated with the long set is hashed apart in the prefix cache. The default context
+is O (``max_model_len`` unset: only the short set is ever used); a longer one, up to
+``max_position_embeddings``, serves short and long requests alike.
 
 llama.cpp stores ``attn_qkv`` and ``ffn_up`` (= [gate; up]) fused too, unpermuted, and the
 longrope factors as the tensors ``rope_factors_short`` / ``rope_factors_long``.

@@ -37,7 +37,6 @@ class AdmissionLimits:
     usable_blocks: int  # blocks a request may hold: all but block 0 and retired ones
     max_num_seqs: int
     vocab_size: int | None = None  # None: token ids are not range-checked
-    min_prompt_tokens: int = 1  # see SchedulerConfig.min_prompt_tokens
 
 
 def max_kv_blocks(num_prompt_tokens: int, max_tokens: int, block_size: int) -> int:
@@ -65,14 +64,6 @@ def check_request(
         except SamplingParamsError as exc:
             raise RequestRejected(str(exc), exc.param) from None
     max_len = limits.max_model_len
-    if num_prompt < limits.min_prompt_tokens:
-        raise RequestRejected(
-            f"the prompt has {num_prompt} tokens; at max_model_len={max_len} this model "
-            f"computes prompts of fewer than {limits.min_prompt_tokens} tokens differently "
-            "from its reference (Phi-3 longrope's long factors); serve them from an engine "
-            f"with max_model_len <= {limits.min_prompt_tokens - 1}",
-            "prompt",
-        )
     if num_prompt >= max_len:
         raise RequestRejected(
             f"the prompt has {num_prompt} tokens; the context length max_model_len={max_len} "

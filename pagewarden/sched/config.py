@@ -24,10 +24,11 @@ class SchedulerConfig:
     # falls back to recompute when the host tier is full).
     preemption_mode: str = "recompute"
     num_host_blocks: int = 0
-    # Shorter prompts are refused: a model computes them differently from its reference
-    # at this context length (Phi-3 longrope past its original context; see
-    # DecoderForCausalLM.select_context). 1 for every other model.
-    min_prompt_tokens: int = 1
+    # A request longer than this many tokens is rotated with the model's second RoPE
+    # factor set (Phi-3 longrope past its original context, as transformers does; see
+    # DecoderForCausalLM.select_context): it restarts when it grows past it, and its
+    # blocks are hashed apart. None for every other model.
+    rope_switch_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -36,7 +37,6 @@ class SchedulerConfig:
             "max_num_seqs",
             "max_num_batched_tokens",
             "max_model_len",
-            "min_prompt_tokens",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -57,9 +57,12 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_model_len must be >= {MIN_MAX_MODEL_LEN}, got {self.max_model_len}"
             )
-        if not 1 <= self.min_prompt_tokens < self.max_model_len:
+        switch = self.rope_switch_tokens
+        if switch is not None and not (
+            isinstance(switch, int) and 1 <= switch < self.max_model_len
+        ):
             raise ValueError(
-                f"min_prompt_tokens must be in [1, max_model_len), got {self.min_prompt_tokens}"
+                f"rope_switch_tokens must be None or an int in [1, max_model_len), got {switch!r}"
             )
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(

@@ -61,6 +61,10 @@ class ScheduledRequest:
     # positions whose next token's logprob it has not reported yet: the runner scores
     # ``prompt_token_ids[p + 1]`` for each of its positions ``p < len(prompt) - 1``.
     score_prompt: bool = False
+    # True when these tokens are rotated with the model's long RoPE factors (Phi-3
+    # longrope on a sequence past its original context; see
+    # SchedulerConfig.rope_switch_tokens).
+    rope_long: bool = False
 
     @property
     def num_context_tokens(self) -> int:

@@ -47,6 +47,7 @@ def scheduled_request(
         output_token_ids=req.output_token_ids,
         seed=req.seed,
         score_prompt=needs_prompt_logprobs(req) and start < req.num_prompt_tokens - 1,
+        rope_long=req.rope_long,
     )
 
 

@@ -14,6 +14,8 @@ can be handed to others in the same step).
 
 from __future__ import annotations
 
+from pagewarden.kv.prefix_hash import encode_extra_keys
+from pagewarden.sched.config import SchedulerConfig
 from pagewarden.sched.plan import StepPlan
 from pagewarden.sched.request import Request, RequestStatus
 from pagewarden.sched.state import SchedulerState
@@ -34,6 +36,40 @@ def preempt(sched: SchedulerState, req: Request) -> None:
             req.status = RequestStatus.SWAPPED
             sched.swapped.appendleft(req)
             return
+    sched.kv.free(req.req_id)
+    req.num_computed_tokens = 0
+    req.status = RequestStatus.WAITING
+    sched.waiting.appendleft(req)
+
+
+def set_rope(config: SchedulerConfig, req: Request) -> None:
+    """Pick ``req``'s RoPE factor set from its length (``rope_switch_tokens``) and the
+    prefix-cache keys that go with it: KV rotated with the long set is hashed apart."""
+    switch = config.rope_switch_tokens
+    req.rope_long = switch is not None and req.num_tokens > switch
+    rope = "long" if req.rope_long else None
+    req.extra_keys = encode_extra_keys(config.model_id, req.cache_salt, rope=rope)
+
+
+def restart_past_rope_switch(sched: SchedulerState) -> None:
+    """Restart each running request that grew past ``rope_switch_tokens`` on the short
+    RoPE factors: transformers then computes the whole sequence again with the long ones,
+    so its KV is dropped and recomputed, as a recompute preemption does (the runner
+    forgets its state the same way) without counting one."""
+    switch = sched.config.rope_switch_tokens
+    if switch is None:
+        return
+    for req in [r for r in sched.running if not r.rope_long and r.num_tokens > switch]:
+        sched.running.remove(req)
+        _restart(sched, req)
+
+
+def _restart(sched: SchedulerState, req: Request) -> None:
+    """Drop ``req``'s KV and put it at the front of waiting to compute every token again.
+    The caller has removed it from ``running``."""
+    req.num_preemptions += 1  # not a first admission: its prompt's cache count stays
+    sched.preempted_ids.append(req.req_id)
+    sched.departed_ids.append(req.req_id)
     sched.kv.free(req.req_id)
     req.num_computed_tokens = 0
     req.status = RequestStatus.WAITING

@@ -69,6 +69,7 @@ class Request:
         "num_preemptions",
         "stop_ids",
         "num_prompt_tokens",
+        "rope_long",
     )
 
     def __init__(
@@ -102,6 +103,9 @@ class Request:
         self.extra_keys = b""
         self.num_preemptions = 0
         self.stop_ids = stop_token_set(sampling_params, self.eos_token_ids)
+        # Rotated with the model's long RoPE factors (set by the scheduler from its
+        # length; see SchedulerConfig.rope_switch_tokens).
+        self.rope_long = False
 
     @property
     def num_tokens(self) -> int:
@@ -149,6 +153,7 @@ class Request:
             child.max_tokens = self.max_tokens
             child.stop_ids = self.stop_ids
             child.extra_keys = self.extra_keys
+            child.rope_long = self.rope_long
             child.seed = None if params.seed is None else params.seed * _SEED_MIX + i
             child.num_cached_tokens = self.num_cached_tokens
             child.num_computed_tokens = self.num_computed_tokens

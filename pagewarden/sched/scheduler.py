@@ -18,7 +18,6 @@ from collections import deque
 from collections.abc import Iterable
 
 from pagewarden.kv.kv_manager import KVCacheManager
-from pagewarden.kv.prefix_hash import encode_extra_keys
 from pagewarden.kv.swap_space import BlockSwap
 from pagewarden.sched import invariants, preemption, recovery
 from pagewarden.sched.admission import AdmissionLimits, RequestRejected, check_request
@@ -146,7 +145,7 @@ class Scheduler:
         """The limits ``check_request`` applies to a request for this scheduler now."""
         c = self.config
         limits = (c.max_model_len, c.block_size, self.usable_blocks(), c.max_num_seqs)
-        return AdmissionLimits(*limits, vocab_size, c.min_prompt_tokens)
+        return AdmissionLimits(*limits, vocab_size)
 
     def add_request(self, request: Request) -> None:
         """Queue ``request``; raises ``RequestRejected`` if it can never be served."""
@@ -159,7 +158,7 @@ class Scheduler:
             request.prompt_token_ids, params, self.admission_limits()
         )
         request.stop_ids = stop_token_set(params, request.eos_token_ids)
-        request.extra_keys = encode_extra_keys(self.config.model_id, request.cache_salt)
+        preemption.set_rope(self.config, request)
         request.seed = params.seed
         request.status = _WAITING
         if self.journal is not None:
@@ -279,6 +278,7 @@ class Scheduler:
         """Schedule running requests in order, preempting from the back when the pool
         runs dry."""
         max_seqs = self.max_num_seqs
+        preemption.restart_past_rope_switch(self)
         # Preemption pops from the back of ``running``; the iterator stops short of it.
         for req in self.running:
             if plan.budget <= 0 or len(plan.requests) >= max_seqs:
@@ -323,6 +323,7 @@ class Scheduler:
             if tiers is not None and tiers.is_loading(req.req_id):
                 i += 1
                 continue
+            preemption.set_rope(self.config, req)  # it may have grown past the switch
             target = req.num_computable_tokens
             # A request that still has prompt logprobs to report computes its whole
             # prompt: a cached prefix would skip the positions it must score.

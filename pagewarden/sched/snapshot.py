@@ -104,6 +104,7 @@ def _capture_request(r: Request) -> dict[str, Any]:
         "max_tokens": r.max_tokens,
         "seed": r.seed,
         "extra_keys": r.extra_keys.hex(),
+        "rope_long": r.rope_long,
         "num_preemptions": r.num_preemptions,
         "stop_ids": sorted(r.stop_ids),
     }
@@ -123,6 +124,7 @@ def _restore_request(d: dict[str, Any]) -> Request:
     req.max_tokens = d["max_tokens"]
     req.seed = d["seed"]
     req.extra_keys = bytes.fromhex(d["extra_keys"])
+    req.rope_long = d.get("rope_long", False)
     req.num_preemptions = d["num_preemptions"]
     req.stop_ids = frozenset(d["stop_ids"])
     return req

@@ -177,6 +177,7 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.long, device=self.device),  # (T,)
             self.kv_store.caches,
             meta,
+            **self._rope_kwargs(out),
         )  # (T, hidden)
         faulted: set[str] = set()
         if guard.tags_on:
@@ -193,6 +194,14 @@ class ModelRunner:
             self.model, hidden, [(r, s) for r, s in scored if r.req_id not in faulted], self.vocab
         )
         return self._sample(hidden, sample_rows, sampled, faults, prompt)
+
+    def _rope_kwargs(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """``rope_long`` (T,) bool for a step with tokens on the long RoPE factors (only
+        models with longrope get them; the others are never asked)."""
+        if not any(r.rope_long for r in out.requests):
+            return {}
+        flags = [r.rope_long for r in out.requests for _ in r.token_ids]
+        return {"rope_long": torch.tensor(flags, dtype=torch.bool, device=self.device)}
 
     def _move_blocks(self, out: SchedulerOutput) -> list[KVFault]:
         """The step's swaps and copy-on-write copies, with their integrity state; then

@@ -1,17 +1,17 @@
-"""Phi-3 longrope past the original context: one factor set for every position, chosen
-from max_model_len (as vLLM). Short set up to the original context (test_archs covers it:
-the default context), long set beyond it, token-exact against transformers for prompts
-longer than the original context, and shorter prompts refused at admission."""
+"""Phi-3 longrope past the original context (OLD): as transformers, a request is rotated
+with the short factors while it is at most OLD tokens long and with the long ones past
+it (recomputed from position 0 when it grows past OLD), under one max_model_len:
+token-exact against transformers for short, crossing and long prompts, and KV computed
+with one set never served to a request using the other."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagewarden import LLM, SamplingParams
+from pagewarden import LLM
 from pagewarden.models.config import UnsupportedModelError
 from pagewarden.models.loader import load_model
-from pagewarden.sched.admission import RequestRejected
 from tests.engine.test_llm_vs_hf import hf_greedy, random_prompts, run_engine
 from tests.models.tiny_models import _configs, make_tiny, write_gguf
 
@@ -51,7 +51,7 @@ def _engine(model, backend: str, max_model_len: int | None = 64) -> LLM:
 def test_long_factors_match_transformers(phi3_long, backend):
     path, prompts, want = phi3_long
     llm = _engine(path, backend)
-    assert llm.engine.loaded.model.ropes[0].long
+    assert llm.engine.rope_switch_tokens == OLD
     assert run_engine(llm, prompts, MAX_TOKENS) == want
     stats = llm.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
@@ -63,22 +63,60 @@ def test_long_factors_from_gguf(phi3_long, tmp_path):
     assert run_engine(llm, prompts, MAX_TOKENS) == want
 
 
-def test_short_prompt_is_refused_in_long_context(phi3_long):
-    """transformers rotates a prompt of <= OLD tokens with the short factors."""
+@pytest.fixture(scope="module")
+def phi3_mixed(phi3_long):
+    """Prompts of every kind under one max_model_len: short throughout, crossing OLD
+    while generating (transformers then recomputes the sequence with the long set), and
+    longer than OLD; with transformers' greedy tokens for them."""
+    path, _, _ = phi3_long
+    prompts = random_prompts(2, 512, 4, OLD - MAX_TOKENS, seed=3)  # short throughout
+    prompts += random_prompts(3, 512, OLD - 4, OLD, seed=5)  # crossing OLD
+    prompts += random_prompts(2, 512, OLD + 1, OLD + 9, seed=9)  # long
+    prompts.append(list(prompts[2]))  # a prefix-cache hit (short blocks)
+    return path, prompts, hf_greedy(path, prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_short_and_long_requests_under_one_context(phi3_mixed, backend):
+    """Each request uses the factor set transformers uses for its length, switching
+    (and recomputing) when it grows past OLD; chunked prefill and preemption on."""
+    path, prompts, want = phi3_mixed
+    llm = _engine(path, backend)
+    assert llm.engine.rope_switch_tokens == OLD
+    assert run_engine(llm, prompts, MAX_TOKENS) == want
+
+
+def test_hf_greedy_is_transformers_generate(phi3_mixed):
+    """The reference loop (full recompute per token) is what transformers' generate
+    gives with its KV cache, which it drops when a sequence grows past OLD."""
+    from transformers import AutoModelForCausalLM
+
+    path, prompts, want = phi3_mixed
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for prompt, tokens in list(zip(prompts, want))[2:5]:  # the crossing ones
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            min_new_tokens=MAX_TOKENS,
+        )
+        assert out[0, len(prompt) :].tolist() == tokens
+
+
+def test_long_request_reuses_no_short_block(phi3_long):
+    """A long prompt that opens with a short one's blocks computes them again (with the
+    long set); the same long prompt again hits; greedy tokens equal transformers'."""
     path, _, _ = phi3_long
     llm = _engine(path, "torch")
-    params = SamplingParams(temperature=0.0, max_tokens=4)
-    with pytest.raises(RequestRejected, match=f"fewer than {OLD + 1} tokens"):
-        llm.generate([{"prompt_token_ids": list(range(3, 3 + OLD))}], params, use_tqdm=False)
-
-
-def test_default_context_is_original_with_short_factors(phi3_long):
-    """Without max_model_len the context is OLD and every prompt is exact (short set)."""
-    path, _, _ = phi3_long
-    llm = _engine(path, "torch", max_model_len=None)
-    assert llm.engine.max_model_len == OLD and not llm.engine.loaded.model.ropes[0].long
-    prompts = random_prompts(2, 512, 4, OLD - MAX_TOKENS, seed=3)
-    assert run_engine(llm, prompts, MAX_TOKENS) == hf_greedy(path, prompts, MAX_TOKENS)
+    short = random_prompts(1, 512, 10, 10, seed=21)[0]  # at most 15 tokens: short set
+    long = short + random_prompts(1, 512, 10, 10, seed=22)[0]
+    want = hf_greedy(path, [short, long], MAX_TOKENS)
+    assert run_engine(llm, [short], MAX_TOKENS) == want[:1]
+    hits = llm.stats().prefix_cache_hits
+    assert run_engine(llm, [long], MAX_TOKENS) == want[1:]
+    assert llm.stats().prefix_cache_hits == hits  # no short-set block served
+    assert run_engine(llm, [long], MAX_TOKENS) == want[1:]
+    assert llm.stats().prefix_cache_hits > hits
 
 
 def test_past_extended_context_is_refused(phi3_long):
@@ -89,5 +127,5 @@ def test_past_extended_context_is_refused(phi3_long):
     rope = lm.model.ropes[0]
     with pytest.raises(UnsupportedModelError, match="past the context"):
         rope.lookup(torch.tensor([OLD]), OLD, torch.float32, torch.device("cpu"))
-    assert lm.model.select_context(OLD) == 1 and not rope.long
-    assert lm.model.select_context(OLD + 1) == OLD + 1 and rope.long
+    assert lm.model.select_context(OLD) is None
+    assert lm.model.select_context(OLD + 1) == OLD
