@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
 from pagewarden.models.gguf_tokenizer import GGUFVocab, TokenizerLoadError, build_gguf_tokenizer
@@ -154,10 +155,12 @@ def sentencepiece_tokenizer(
     model_file: Path, tokenizer_config: dict[str, Any], model_type: str
 ) -> HFTokenizer:
     """The tokenizer of ``model_file`` for a checkpoint of ``model_type`` (config.json):
-    Gemma's pieces and splitting for ``gemma*``; otherwise the SentencePiece library's own
-    encoding of every stretch of text between special tokens, each with its prefix space
-    (transformers' slow ``LlamaTokenizer`` with ``legacy``, its default; ``legacy: false``
-    is refused)."""
+    Gemma's pieces and splitting for ``gemma*``; otherwise, with ``legacy`` (the default),
+    the SentencePiece library's own encoding of every stretch of text between special
+    tokens, each with its prefix space (transformers' slow ``LlamaTokenizer``); with
+    ``legacy: false`` a prefix space before the text's first piece only, as
+    transformers' ``LlamaConverter`` (``Metaspace``, prepend "first", no split): the GGUF
+    ``llama`` style."""
     if model_file.stat().st_size > MAX_MODEL_BYTES:
         raise TokenizerLoadError(f"{model_file}: larger than {MAX_MODEL_BYTES} bytes")
     spm = SentencePieceModel.parse(model_file.read_bytes())
@@ -167,10 +170,7 @@ def sentencepiece_tokenizer(
     elif tokenizer_config.get("legacy", True):
         style = "phi3"  # a prefix space on every stretch between special tokens
     else:
-        raise TokenizerLoadError(
-            f"{model_file}: legacy=false in tokenizer_config.json is unsupported without a "
-            "tokenizer.json; write one with transformers"
-        )
+        style = "llama"  # a prefix space before the first piece of the text only
     n = len(spm.pieces)
     fields: dict[str, Any] = {
         "general.architecture": style,
@@ -198,4 +198,10 @@ def sentencepiece_tokenizer(
                 "tokenizer.model; write a tokenizer.json with transformers"
             )
     tok, _, _ = build_gguf_tokenizer(GGUFVocab.from_fields(fields))
+    # transformers matches the named special tokens (<unk> too) whole in text.
+    named = (tokenizer_config.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token"))
+    contents = [t.get("content") if isinstance(t, dict) else t for t in named]
+    tok.add_special_tokens(
+        [AddedToken(c, special=True, normalized=False) for c in contents if c in spm.pieces]
+    )
     return tok

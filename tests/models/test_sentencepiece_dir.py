@@ -115,10 +115,30 @@ def test_tokenizer_model_dir_matches_references(tmp_path, legacy):
     assert ours.bos_token_id == 1 and ours.eos_token_id == 2
 
 
-def test_non_legacy_is_refused(tmp_path):
-    d, _ = _hf_dir(tmp_path, False)
-    with pytest.raises(TokenizerLoadError, match="legacy=false"):
-        load_tokenizer(d)
+SPECIAL_TEXTS = ["a <s> b", "<s>x", "hi</s> there", "x</s>", " <s> y", "<unk>z"]
+
+
+def test_non_legacy_matches_transformers(tmp_path):
+    """legacy: false (transformers' LlamaConverter: Metaspace, prepend "first"): equal to
+    transformers' tokenizer for the directory on every text, text that starts with
+    whitespace and text after special tokens included, and decoding alike."""
+    d, model = _hf_dir(tmp_path, False)
+    ours = load_tokenizer(d)
+    ref = transformers.AutoTokenizer.from_pretrained(d)
+    for text in CORPUS + SPECIAL_TEXTS:
+        ids = ours.encode(text)
+        assert ids == ref.encode(text), text
+        assert ours.encode(text, add_special_tokens=False) == ref.encode(
+            text, add_special_tokens=False
+        ), text
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(
+                ids, skip_special_tokens=skip
+            ), text
+    # Where legacy differs: no prefix space on the stretch after a special token.
+    (tmp_path / "legacy").mkdir()
+    legacy = load_tokenizer(_hf_dir(tmp_path / "legacy", True)[0])
+    assert ours.encode("a <s> b") != legacy.encode("a <s> b")
 
 
 @pytest.mark.parametrize(
