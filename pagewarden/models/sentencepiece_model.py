@@ -32,7 +32,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from pagewarden.models.gguf_tokenizer import GGUFVocab, TokenizerLoadError, build_gguf_tokenizer
 
-BPE = 2
+UNIGRAM, BPE = 1, 2
 NORMAL, USER_DEFINED = 1, 4  # piece types (GGUF's token types too)
 MAX_MODEL_BYTES = 64 << 20  # real tokenizer.model files are under 5 MiB
 
@@ -133,7 +133,15 @@ class SentencePieceModel:
     def check(self) -> None:
         """Raise ``TokenizerLoadError`` for what the BPE rebuild would compute otherwise."""
         problems = []
-        if self.model_type != BPE:
+        if self.model_type == UNIGRAM:
+            # transformers 5 loads it through LlamaTokenizer as a BPE extracted from the
+            # pieces, which splits text differently from the unigram model itself: there
+            # is no one reference to be exact against.
+            problems.append(
+                "a unigram model (model_type 1; transformers reads it as BPE merges that "
+                "split text differently from SentencePiece, so only BPE, 2, is supported)"
+            )
+        elif self.model_type != BPE:
             problems.append(f"model_type {self.model_type} (only BPE, 2, is supported)")
         if not self.byte_fallback:
             problems.append("byte_fallback=false")

@@ -141,10 +141,20 @@ def test_non_legacy_matches_transformers(tmp_path):
     assert ours.encode("a <s> b") != legacy.encode("a <s> b")
 
 
+def test_unigram_differs_between_library_and_transformers(tmp_path):
+    """Why a unigram tokenizer.model is refused: transformers 5 loads it as BPE merges,
+    and those split text differently from the SentencePiece model itself."""
+    d, model = _hf_dir(tmp_path, None, model_type="unigram")
+    ref = transformers.AutoTokenizer.from_pretrained(d)
+    sp = spm.SentencePieceProcessor(model_file=model)
+    differ = [t for t in CORPUS if [sp.bos_id(), *sp.encode(t)] != ref.encode(t)]
+    assert "don't can't won't y'all" in differ
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(model_type="unigram"), "model_type 1"),
+        (dict(model_type="unigram"), "a unigram model"),
         (dict(byte_fallback=False), "byte_fallback"),
         (dict(normalization_rule_name="nmt_nfkc"), "text normalization"),
         (dict(remove_extra_whitespaces=True), "text normalization"),
