@@ -102,3 +102,32 @@ def test_no_switch_keeps_todays_keys() -> None:
     out = _step(s, FakeModelRunner(4, verify=True))
     assert [r.rope_long for r in out.requests] == [False]
     assert s.requests["a"].extra_keys == encode_extra_keys("", None)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_kv_of_a_request_never_mixes_the_sets(mode: str) -> None:
+    """Under preemption (recompute or swap) and chunked prefill, every chunk continues KV
+    computed with its own set, or starts from position 0; each chunk's set is the one
+    its request's length asks for."""
+    s = _sched(num_blocks=12, max_num_batched_tokens=16, preemption_mode=mode, num_host_blocks=16)
+    runner = FakeModelRunner(4, verify=True)
+    lengths = {"a": 10, "b": 14, "c": 15, "d": 18, "e": 12}
+    for rid, n in lengths.items():
+        s.add_request(_req(rid, list(range(100 * len(rid) + n, 100 * len(rid) + 2 * n)), 6))
+    held: dict[str, bool] = {}  # the set of the KV each request holds
+    for _ in range(500):
+        if not s.has_unfinished_requests():
+            break
+        out = s.schedule()
+        for r in out.requests:
+            req = s.requests[r.req_id]
+            assert r.rope_long == (req.num_tokens > SWITCH), r.req_id
+            if r.positions.start == 0:
+                held[r.req_id] = r.rope_long
+            assert held[r.req_id] == r.rope_long, r.req_id
+        s.update(out, runner.execute(out))
+        assert s.check_invariants() == []
+    assert not s.has_unfinished_requests()
+    assert held == {"a": False, "b": True, "c": True, "d": True, "e": True}
+    assert s.stats().num_preemptions > 0
+    assert (s.stats().swapped_out_blocks > 0) == (mode == "swap")
