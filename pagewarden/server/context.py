@@ -128,7 +128,7 @@ class ServerContext:
         parsed one at a time, each parse followed by a pause as long as it took, large
         bodies take at most half the event loop however many arrive."""
         if len(body) < LARGE_BODY_BYTES:
-            await self.json_budget.check(body)  # one piece: no turn of the loop
+            await self.json_budget.check(body)  # at most 4 pieces
             return parse_body(model, body)
         async with self._large_body:
             await self.json_budget.check(body)
