@@ -9,7 +9,9 @@ the repository; needs npm and the npm registry once).
 What it does, all on loopback and bounded in time:
 
 1. starts ``pagewarden serve`` with default flags (plus ``--model`` if given);
-2. measures a few patient probe requests alone (the baseline);
+2. measures a few patient probe requests alone (the baseline), then as many with
+   ``--burn-cores`` busy-loop processes beside the idle server: the probe's time under
+   the CPU contention that autocannon and the 429 path bring, without their traffic;
 3. offers ``--rate`` small ``/v1/completions`` POSTs per second for ``--duration`` s from
    ``--connections`` connections, while probe clients (which honour Retry-After) measure
    the requests they get accepted and a pinger reads ``/health`` every 100 ms;
@@ -20,7 +22,8 @@ least 99% of them are 429s under the spike, the share is printed), probe latency
 the spike against the baseline, ``/health`` misses (non-200 or slower than 1 s), RSS of
 both processes before and after, the KV pool after the drain, and the front door's CPU
 time per 429 (the HTTP process's CPU time over the spike divided by the 429s; it also
-pays for the accepted requests, so it is an upper bound), each against its target.
+pays for the accepted requests, so it is an upper bound), each against its target. The probe's ratio splits in two: burnt/alone is what the
+shared cores cost, spike/burnt what the spike's admitted load and front door add.
 
 Latency: autocannon runs with ``-C`` (no coordinated-omission correction), so each
 response counts once, from the moment its request was sent. Its correction back-fills
@@ -181,6 +184,26 @@ class HealthPinger(threading.Thread):
                 self.misses += (not ok) or dt > 1.0
 
 
+class Burners:
+    """``n`` processes that each keep one core busy (a Python busy loop), as autocannon and
+    the 429 path do during the spike, without any HTTP traffic."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> Burners:
+        code = "while True: pass"
+        self.procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(self.n)]
+        time.sleep(0.5)  # let the scheduler see them
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
 def run_autocannon(
     tool: str, url: str, body: dict, rate: int, duration: int, connections: int, workers: int
 ) -> dict:
@@ -227,6 +250,10 @@ def spike(args: argparse.Namespace, url: str, server: psutil.Process) -> dict:
     load_body = {"model": name, "prompt": "hi", "max_tokens": 16}
     base = Probe(url, probe_body, threading.Event(), count=args.baseline_probes)
     base.run()
+    burnt = Probe(url, probe_body, threading.Event(), count=args.baseline_probes)
+    if args.burn_cores:
+        with Burners(args.burn_cores):
+            burnt.run()
     rss_before = rss_mib(server)
     stop = threading.Event()
     probes = [Probe(url, probe_body, stop) for _ in range(args.probes)]
@@ -249,6 +276,8 @@ def spike(args: argparse.Namespace, url: str, server: psutil.Process) -> dict:
         "wall": wall,
         "cpu_s": (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system),
         "base": base.latencies,
+        "burnt": burnt.latencies,
+        "burn_cores": args.burn_cores,
         "spike": [x for p in probes for x in p.latencies],
         "base_ttft": base.ttfts,
         "spike_ttft": [x for p in probes for x in p.ttfts],
@@ -280,7 +309,18 @@ def report(r: dict, used_after: float, rss_after: tuple[float, float]) -> None:
         ("front-door CPU per 429 (us)", f"{cpu_429_us:.0f}", "target <= 100"),
         ("probe median alone (s)", f"{base_med:.3f} (n={len(r['base'])})", ""),
         ("probe median in spike (s)", f"{spike_med:.3f} (n={len(r['spike'])})", "<= 3x alone"),
+        ("probe in spike min / quartiles / max", _quartiles(r["spike"]), ""),
         ("probe ratio spike/alone", f"{spike_med / base_med:.2f}", "target <= 3"),
+        (
+            f"probe median, {r['burn_cores']} core(s) burnt (s)",
+            f"{_median(r['burnt']):.3f} (n={len(r['burnt'])})",
+            "no HTTP load: CPU contention alone",
+        ),
+        (
+            "probe ratio burnt/alone, spike/burnt",
+            f"{_median(r['burnt']) / base_med:.2f} / {spike_med / _median(r['burnt']):.2f}",
+            "the cores' share / the spike's own",
+        ),
         (
             "probe first token alone / in spike (s)",
             f"{_median(r['base_ttft']):.3f} / {_median(r['spike_ttft']):.3f}",
@@ -304,6 +344,13 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def _quartiles(xs: list[float]) -> str:
+    if len(xs) < 2:
+        return "-"
+    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return f"{min(xs):.2f} / {q1:.2f} {q2:.2f} {q3:.2f} / {max(xs):.2f}"
+
+
 def _spread(xs: list[float]) -> str:
     if not xs:
         return "-"
@@ -318,8 +365,21 @@ def main() -> None:
     ap.add_argument(
         "--workers", type=int, default=0, help="autocannon worker threads (-w); 0: its main thread"
     )
-    ap.add_argument("--probes", type=int, default=3, help="patient probe clients")
+    ap.add_argument(
+        "--probes",
+        type=int,
+        default=12,
+        help="patient probe clients (3 were admitted 3 times in all in a 15 s spike: a median "
+        "of that is one sample; their retries, about 20/s each, add about 2%% to the load)",
+    )
     ap.add_argument("--baseline-probes", type=int, default=5)
+    ap.add_argument(
+        "--burn-cores",
+        type=int,
+        default=1,
+        help="busy-loop processes beside the idle server for a second baseline (the probe's "
+        "time under CPU contention without HTTP load; 0: skip)",
+    )
     ap.add_argument("--model", default=None, help="passed to pagewarden serve")
     ap.add_argument("--serve-args", default="", help="more flags for pagewarden serve, one string")
     args = ap.parse_args()

@@ -29,6 +29,7 @@ from pagewarden.engine.core import RequestRejected
 from pagewarden.sampling_params import SamplingParams
 from pagewarden.server.admission import AdmissionController
 from pagewarden.server.errors import APIError, validation_error
+from pagewarden.server.json_budget import JsonBudget
 from pagewarden.server.prompt_size import prompt_size_limit
 from pagewarden.server.protocol import unsupported_field
 from pagewarden.server.request_id import client_request_id, request_id
@@ -79,6 +80,10 @@ class ServerContext:
         self.tokenizer = engine.tokenizer
         # What a prompt may be before it is tokenized (prompt_size.py).
         self.prompt_limit = prompt_size_limit(self.tokenizer, engine.max_model_len)
+        # What a body may hold before it is parsed (json_budget.py).
+        self.json_budget = JsonBudget.for_server(
+            engine.max_model_len, limits.max_prompts_per_request
+        )
         # Request-sized prompt work runs here, never on the event loop, on a fixed number
         # of threads: a flood queues behind them instead of taking every core.
         self._prompt_pool = ThreadPoolExecutor(PROMPT_WORKERS, "pagewarden-prompt")
@@ -114,15 +119,19 @@ class ServerContext:
         return salt, req
 
     async def parse(self, model: type[BaseModel], body: bytes) -> BaseModel:
-        """``parse_body``; a large body waits its turn and leaves the loop free after.
+        """``parse_body`` once the body's JSON values fit ``json_budget`` (413 otherwise,
+        before any is parsed); a large body waits its turn and leaves the loop free after.
 
-        JSON parsing holds the GIL (a worker thread would not free the loop), and a 9 MB
-        body takes milliseconds: eight arriving together would hold ``/health`` for all
-        of theirs. Parsed one at a time, each followed by a pause as long as its parse,
-        large bodies take at most half the event loop however many arrive."""
+        JSON parsing holds the GIL (a worker thread would not free the loop), and the
+        largest body the budget lets through takes tens of milliseconds: eight arriving
+        together would hold ``/health`` for all of theirs. Scanned a piece at a time, then
+        parsed one at a time, each parse followed by a pause as long as it took, large
+        bodies take at most half the event loop however many arrive."""
         if len(body) < LARGE_BODY_BYTES:
+            await self.json_budget.check(body)  # at most 4 pieces
             return parse_body(model, body)
         async with self._large_body:
+            await self.json_budget.check(body)
             start = time.perf_counter()
             try:
                 return parse_body(model, body)

@@ -13,9 +13,11 @@ The same protocol gives request headers a deadline, which uvicorn does not: a co
 that has not finished sending a request's line and headers ``header_timeout_s`` after it
 opened (or after that request's first byte) is closed. Without it, connections that send
 half a header and stop stay open for ever, each holding a socket and a file descriptor.
+That deadline, and the keep-alive deadline after a fast 429, are checked by one sweep
+per server (``_Deadlines``), not by a timer per request.
 
 It relies on uvicorn's ``HttpToolsProtocol`` internals (``on_headers_complete``,
-``cycle.response_complete``, ``on_response_complete``); ``available()`` is False when
+``cycle.response_complete``, what ``on_response_complete`` does, ``pipeline``); ``available()`` is False when
 they are not there (no httptools, another uvicorn), and the server then uses uvicorn's
 own protocol with the ASGI gate alone.
 """
@@ -55,7 +57,13 @@ def available() -> bool:
         return False
     return all(
         hasattr(HttpToolsProtocol, name)
-        for name in ("on_headers_complete", "on_response_complete", "on_body")
+        for name in (
+            "on_headers_complete",
+            "on_response_complete",
+            "on_body",
+            "_unset_keepalive_if_required",
+            "_start_asgi_task",
+        )
     )
 
 
@@ -70,6 +78,35 @@ def _response(retry_after: float, body: bytes) -> bytes:
     return head.encode() + body
 
 
+class _Deadlines:
+    """One periodic sweep for every connection of a server, in place of a timer armed
+    and cancelled per request (each ``call_later`` and ``cancel`` pair costs a few
+    microseconds, twice per 429: the header deadline and uvicorn's keep-alive timer).
+    A connection holds the loop times by which its headers (``header_due``) and, idle
+    after a fast 429, its next request (``idle_due``) must arrive; the sweep closes it
+    past either, at most ``tick_s`` late."""
+
+    def __init__(self, tick_s: float) -> None:
+        self.tick_s = tick_s
+        self.live: set = set()
+        self._timer = None
+
+    def add(self, conn) -> None:
+        self.live.add(conn)
+        if self._timer is None:
+            self._timer = conn.loop.call_later(self.tick_s, self._sweep, conn.loop)
+
+    def _sweep(self, loop) -> None:
+        now = loop.time()
+        for conn in list(self.live):
+            header, idle = conn.header_due, conn.idle_due
+            if (header is not None and now >= header) or (idle is not None and now >= idle):
+                conn.header_due = conn.idle_due = None
+                if not conn.transport.is_closing():
+                    conn.transport.close()
+        self._timer = loop.call_later(self.tick_s, self._sweep, loop) if self.live else None
+
+
 def reject_fast_protocol(
     controller: AdmissionController,
     gate: AdmissionGate,
@@ -80,41 +117,33 @@ def reject_fast_protocol(
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     body = gate.body
+    deadlines = _Deadlines(tick_s=min(1.0, header_timeout_s / 4))
 
     class RejectFastProtocol(HttpToolsProtocol):
-        _header_timer = None
+        header_due: float | None = None
+        idle_due: float | None = None
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            self._arm_header_timer()
+            self.header_due = self.loop.time() + header_timeout_s
+            deadlines.add(self)
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._cancel_header_timer()
+            deadlines.live.discard(self)
             super().connection_lost(exc)
 
-        def _arm_header_timer(self) -> None:
-            self._cancel_header_timer()
-            self._header_timer = self.loop.call_later(header_timeout_s, self._headers_late)
-
-        def _cancel_header_timer(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _headers_late(self) -> None:
-            self._header_timer = None
-            if not self.transport.is_closing():
-                self.transport.close()
+        def _unset_keepalive_if_required(self) -> None:
+            self.idle_due = None  # data arrived
+            super()._unset_keepalive_if_required()
 
         def on_message_begin(self) -> None:
-            # A request pipelined behind a fast 429 must not inherit the keep-alive
-            # timer that answering armed.
+            # A request pipelined behind a fast 429 must not inherit its idle deadline.
             self._unset_keepalive_if_required()
-            self._arm_header_timer()
+            self.header_due = self.loop.time() + header_timeout_s
             super().on_message_begin()
 
         def on_headers_complete(self) -> None:
-            self._cancel_header_timer()
+            self.header_due = None
             if (
                 controller.enabled
                 and controller.in_flight >= controller.limit
@@ -128,8 +157,22 @@ def reject_fast_protocol(
                 controller.note_rejected()
                 self.transport.write(_response(controller.retry_after_s(), body))
                 self.cycle = _ANSWERED  # type: ignore[assignment]
-                self.on_response_complete()
+                self._fast_response_complete()
                 return
             super().on_headers_complete()
+
+        def _fast_response_complete(self) -> None:
+            """uvicorn's ``on_response_complete`` with the keep-alive deadline swept
+            (``_Deadlines``) instead of a timer per response."""
+            self.server_state.total_requests += 1
+            if self.transport.is_closing():
+                return
+            self._unset_keepalive_if_required()
+            self.flow.resume_reading()
+            if self.pipeline:
+                cycle, app = self.pipeline.pop()
+                self._start_asgi_task(cycle, app)
+            else:
+                self.idle_due = self.loop.time() + self.timeout_keep_alive
 
     return RejectFastProtocol

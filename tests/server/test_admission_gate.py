@@ -401,3 +401,66 @@ def test_half_sent_headers_are_closed_at_the_deadline():
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_fast_429s_arm_no_timer_and_idle_connections_still_close():
+    """The header and keep-alive deadlines are swept once per tick for every connection,
+    not armed per request (two ``call_later`` per 429 before): 200 pipelined 429s arm
+    no timer; an idle connection is still closed after uvicorn's keep-alive time."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from pagewarden.server.fast_reject import reject_fast_protocol
+
+    timers: list[float] = []
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        loop = asyncio.get_running_loop()
+        if not hasattr(loop, "_counted"):  # count every timer armed on the loop from now on
+            plain = loop.call_later
+
+            def counted(delay, *args, **kw):
+                timers.append(delay)
+                return plain(delay, *args, **kw)
+
+            loop.call_later, loop._counted = counted, True
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    ctl = AdmissionController(4, fixed_limit=1)
+    gate = AdmissionGate(app, ctl)
+    proto = reject_fast_protocol(ctl, gate, header_timeout_s=8.0)  # sweeps once a second
+    config = uvicorn.Config(
+        gate, http=proto, port=0, log_level="warning", loop="asyncio", timeout_keep_alive=1
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    request = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(1024).startswith(b"HTTP/1.1 200")
+            ctl.in_flight = 1  # at the limit from now on
+            time.sleep(0.05)
+            timers.clear()
+            s.sendall(request * 200)
+            data = b""
+            while data.count(b"HTTP/1.1 429") < 200:
+                data += s.recv(65536)
+            armed_during_429s = [d for d in timers if d != 1.0]  # the sweep's own tick
+            assert armed_during_429s == [], armed_during_429s
+            s.settimeout(4)
+            assert s.recv(1024) == b""  # idle after its last 429: closed in 1-2 s
+        assert ctl.rejected == 200
+    finally:
+        server.should_exit = True
+        thread.join(10)
