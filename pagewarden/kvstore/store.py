@@ -1,7 +1,8 @@
 """The tiers of one engine: verified loads, an off-critical-path writer, counters.
 
-Loads run on the loader thread (``loader.py``) when a request is first looked at for
-scheduling (one ``get`` per block, tiers in order: disk, then Redis); every entry is verified by ``format.decode_entry`` against
+Loads run on the loader's threads (``loader.py``: requests side by side, several blocks
+of a chain in flight) when a request is first looked at for scheduling (one ``get`` per
+block, tiers in order: disk, then Redis); every entry is verified by ``format.decode_entry`` against
 the requesting chain before it is used, and the worker recomputes its checksum once more
 over the bytes that landed in the pool (``LandedBlock``). Stores go through a bounded
 queue to one writer thread; a full queue drops the block (counted), never the step.
@@ -87,6 +88,7 @@ class TierStore:
             self.counters.stores[t.name] = 0
             self.counters.errors[t.name] = 0
         self.log_interval_s = log_interval_s
+        self._count_lock = threading.Lock()
         self._last_log: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
         self._down_until: dict[str, float] = {}
@@ -98,7 +100,7 @@ class TierStore:
         self._events_lock = threading.Lock()
         # Asynchronous loads (``loader.py``); one that makes no progress for
         # ``load_timeout_s`` gives up: the request computes the rest of its blocks.
-        self.loader = TierLoader(self.load_one, load_timeout_s)
+        self.loader = TierLoader(self._load_one, load_timeout_s, account=self._account)
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
 
@@ -118,12 +120,17 @@ class TierStore:
         hit (with its latency) or a miss; None on a miss."""
         start = time.perf_counter()
         found = self._load_one(ident)
-        if found is None:
-            self.counters.misses += 1
-            return None
-        self._observe(time.perf_counter() - start)
-        self.counters.hits[found.tier] += 1
+        self._account(found, time.perf_counter() - start)
         return found
+
+    def _account(self, found: LoadedBlock | None, seconds: float) -> None:
+        """Count a block a load took: a hit (with its latency) or the miss ending it."""
+        with self._count_lock:  # several loader threads
+            if found is None:
+                self.counters.misses += 1
+                return
+            self._observe(seconds)
+            self.counters.hits[found.tier] += 1
 
     def _load_one(self, ident: BlockIdentity) -> LoadedBlock | None:
         key = block_key(self.ns, ident.block_hash)
@@ -156,7 +163,8 @@ class TierStore:
     ) -> None:
         """Count and log a rejected entry and delete it from its tier."""
         label = (tier_name, reason.value)
-        self.counters.rejected[label] = self.counters.rejected.get(label, 0) + 1
+        with self._count_lock:  # loader fetch threads and the engine thread
+            self.counters.rejected[label] = self.counters.rejected.get(label, 0) + 1
         self._log(
             f"reject/{tier_name}/{reason.value}",
             "KV tier %s: entry %s… rejected (%s: %s); treated as a miss, deleted",
@@ -286,6 +294,7 @@ class TierStore:
             misses=c.misses,
             offload_dropped=c.offload_dropped,
             offload_unverified=c.offload_unverified,
+            load_timeouts=self.loader.timeouts,
             load_latency=HistogramSnapshot(
                 LOAD_BUCKETS, tuple(c.load_buckets), c.load_seconds_sum, c.load_count
             ),
@@ -297,10 +306,12 @@ class TierStore:
         return until is not None and time.monotonic() < until
 
     def _tier_failed(self, tier: KVTier, error: TierError) -> None:
-        self.counters.errors[tier.name] += 1
-        backoff = min(self._backoff.get(tier.name, 0.5) * 2, 30.0)
-        self._backoff[tier.name] = backoff
-        self._down_until[tier.name] = time.monotonic() + backoff
+        with self._count_lock:  # loader fetch threads, the writer and the engine thread
+            self.counters.errors[tier.name] += 1
+            backoff = self._backoff.get(tier.name, 0.5)
+            if not self._is_down(tier):  # calls that were in flight together count once
+                backoff = self._backoff[tier.name] = min(backoff * 2, 30.0)
+                self._down_until[tier.name] = time.monotonic() + backoff
         self._log(
             f"error/{tier.name}",
             "KV tier %s failed (%s); misses for the next %.0f s",
@@ -311,17 +322,19 @@ class TierStore:
 
     def _tier_ok(self, tier: KVTier) -> None:
         if tier.name in self._backoff:
-            del self._backoff[tier.name]
-            self._down_until.pop(tier.name, None)
+            with self._count_lock:
+                self._backoff.pop(tier.name, None)
+                self._down_until.pop(tier.name, None)
 
     def _log(self, kind: str, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        last = self._last_log.get(kind)
-        if last is not None and now - last < self.log_interval_s:
-            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
-            return
-        self._last_log[kind] = now
-        skipped = self._suppressed.pop(kind, 0)
+        with self._count_lock:
+            now = time.monotonic()
+            last = self._last_log.get(kind)
+            if last is not None and now - last < self.log_interval_s:
+                self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+                return
+            self._last_log[kind] = now
+            skipped = self._suppressed.pop(kind, 0)
         if skipped:
             msg += f" (+{skipped} like it not logged)"
         logger.warning(msg, *args)
