@@ -61,6 +61,7 @@ class LoadJob:
         self.cancelled = False
         self.timed_out = False
         self.issued = time.monotonic()
+        self.finished: float | None = None  # time.monotonic() when the loader was done
         self._loader = loader
 
     def ready(self) -> bool:
@@ -157,6 +158,7 @@ class TierLoader:
             except Exception:  # the loader must outlive any one bad job
                 logger.exception("KV tier loader: a load failed; treated as a miss")
             finally:
+                job.finished = time.monotonic()
                 job.done.set()
                 with self._wake:
                     self._wake.notify_all()
