@@ -181,6 +181,7 @@ def prefix_runs(args: argparse.Namespace, loaded: Any, tmp: Path) -> dict[str, d
         max_num_seqs=1,
         max_num_batched_tokens=2048,
         flight_recorder_steps=0,
+        adaptive_batch=False,
     )
     print(
         f"prefix workload: {args.num_prefixes} prefixes x {args.prefix_len} tokens, "
@@ -264,6 +265,7 @@ def write_cost(args: argparse.Namespace, loaded: Any, tmp: Path) -> dict[str, An
         num_kv_blocks=8 * per_req + 8,  # 8 running; each new block evicts a cached one
         max_num_seqs=8,
         flight_recorder_steps=0,
+        adaptive_batch=False,  # it would shrink the batch mid-run on a slow step
     )
     print(
         f"decode run: {args.decode_requests} requests x 64 prompt + {args.decode_len} out, "
