@@ -5,7 +5,8 @@ of a chain in flight) when a request is first looked at for scheduling (one ``ge
 block, tiers in order: disk, then Redis); every entry is verified by ``format.decode_entry`` against
 the requesting chain before it is used, and the worker recomputes its checksum once more
 over the bytes that landed in the pool (``LandedBlock``). Stores go through a bounded
-queue to one writer thread; a full queue drops the block (counted), never the step.
+queue to one writer thread, run nicer than the engine (``WRITER_NICENESS``); a full
+queue drops the block (counted), never the step.
 
 A tier that raises ``TierError`` is a miss for that call, counted, logged at most once
 per ``log_interval_s`` per reason, and skipped for a backoff that doubles from 1 s up to
@@ -15,6 +16,7 @@ per ``log_interval_s`` per reason, and skipped for a backoff that doubles from 1
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import struct
 import threading
@@ -39,6 +41,11 @@ from pagewarden.kvstore.tier import KVTier, TierError
 from pagewarden.metrics.stats import HistogramSnapshot, KVTierStats
 
 logger = logging.getLogger("pagewarden.kvstore")
+
+#: How much nicer than the engine the writer thread runs (Linux: a thread has its own
+#: nice value): stores are off the critical path, so on a saturated CPU they yield to the
+#: engine's compute threads rather than slow its steps.
+WRITER_NICENESS = 10
 
 #: Upper bounds (seconds) of the per-block load latency histogram.
 LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -210,6 +217,7 @@ class TierStore:
         return queued
 
     def _write_loop(self) -> None:
+        _lower_priority(WRITER_NICENESS)
         while True:
             item = self._queue.get()
             try:
@@ -338,3 +346,13 @@ class TierStore:
         if skipped:
             msg += f" (+{skipped} like it not logged)"
         logger.warning(msg, *args)
+
+
+def _lower_priority(niceness: int) -> None:
+    """Make the calling thread ``niceness`` nicer (Linux; elsewhere, or without the
+    right, it keeps its priority)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + niceness)
+    except (AttributeError, OSError):
+        pass
