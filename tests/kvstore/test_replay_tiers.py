@@ -41,3 +41,13 @@ def test_a_changed_tier_answer_is_a_divergence(tiny_llama_dir, tmp_path):
     steps = json.loads(json.dumps(record.steps))
     result = replay(FlightRecord(record.header, record.checkpoint, steps))
     assert result.divergence is not None
+
+
+def test_without_the_tier_answers_replay_diverges_where_blocks_were_loaded(
+    tiny_llama_dir, tmp_path
+):
+    record = _record(tiny_llama_dir, tmp_path)
+    steps = [dict(s, ops=[op for op in s["ops"] if op["op"] != "tier"]) for s in record.steps]
+    result = replay(FlightRecord(record.header, record.checkpoint, steps))
+    assert result.divergence is not None
+    assert "first position" in result.divergence.field  # recomputed, not loaded
