@@ -1,16 +1,20 @@
-"""Asynchronous tier loads: a loader thread reads a request's chain into host buffers.
+"""Asynchronous tier loads: loader threads read requests' chains into host buffers.
 
 The scheduler starts a ``LoadJob`` when it first looks at a waiting request; the request
-then waits (it is not scheduled) while the rest of the batch keeps stepping. The loader
-thread runs jobs in order, one block at a time through ``TierStore.load_one``, which
-verifies every entry against the requesting chain (model, layout, hashes, token ids,
-checksum) before it is appended to ``job.blocks``. A job ends at the first miss, when
-cancelled (the request was aborted) or when the loader made no progress for
+then waits (it is not scheduled) while the rest of the batch keeps stepping. ``threads``
+job threads run jobs side by side (one request's load does not queue behind another's);
+each keeps up to ``window`` blocks of its chain in flight on a shared pool of
+``fetchers`` threads (file reads, Redis round trips and the numpy checksum release the
+GIL), and takes the results in chain order. Each fetch goes through ``load_one``
+(``TierStore._load_one``), which verifies the entry against the requesting chain (model,
+layout, hashes, token ids, checksum); a verified block is appended to ``job.blocks`` in
+order. A job ends at the first miss (blocks fetched past it are dropped, uncounted),
+when cancelled (the request was aborted) or when the loader made no progress for
 ``stall_timeout_s`` (a hung tier): the blocks verified so far are used, the rest of the
 chain is computed. Nothing here touches the pool: the worker copies the blocks in and
 checks them there once more before a step reads them.
 
-Ownership: ``blocks`` is appended to by the loader thread only, and read by the engine
+Ownership: ``blocks`` is appended to by the job's thread only, and read by the engine
 thread only after ``done`` is set or the job timed out (then the job is cancelled first
 and the prefix read is a snapshot: a block appended later is ignored).
 """
@@ -21,7 +25,9 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pagewarden.kvstore.format import BlockIdentity
@@ -40,6 +46,9 @@ class LoadedBlock:
 
 
 LoadOne = Callable[[BlockIdentity], LoadedBlock | None]
+#: Counts a block the job took (a verified block, or the miss that ends the chain) with
+#: the seconds its fetch and verification took.
+Account = Callable[[LoadedBlock | None, float], None]
 
 
 class LoadJob:
@@ -52,6 +61,7 @@ class LoadJob:
         self.cancelled = False
         self.timed_out = False
         self.issued = time.monotonic()
+        self.finished: float | None = None  # time.monotonic() when the loader was done
         self._loader = loader
 
     def ready(self) -> bool:
@@ -76,17 +86,35 @@ class LoadJob:
 
 
 class TierLoader:
-    """One daemon thread that runs ``LoadJob`` s in order (see the module docstring)."""
+    """Job threads that run ``LoadJob`` s side by side, each fetching a window of its
+    chain in parallel (see the module docstring)."""
 
-    def __init__(self, load_one: LoadOne, stall_timeout_s: float) -> None:
+    def __init__(
+        self,
+        load_one: LoadOne,
+        stall_timeout_s: float,
+        account: Account | None = None,
+        threads: int = 2,
+        fetchers: int = 4,
+        window: int = 8,
+    ) -> None:
+        if threads < 1 or fetchers < 1 or window < 1:
+            raise ValueError("a tier loader needs at least one thread, fetcher and window slot")
         self.load_one = load_one
+        self.account = account
         self.stall_timeout_s = stall_timeout_s
+        self.window = window
         self.timeouts = 0  # jobs given up on: the loader made no progress in time
         self._jobs: queue.Queue[LoadJob | None] = queue.Queue()
         self._progress = time.monotonic()  # when the loader last finished a block or job
         self._wake = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="kv-tier-loader", daemon=True)
-        self._thread.start()
+        self._fetch = ThreadPoolExecutor(fetchers, thread_name_prefix="kv-tier-fetch")
+        self._threads = [
+            threading.Thread(target=self._run, name=f"kv-tier-loader-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for t in self._threads:
+            t.start()
 
     def start(self, chain: Sequence[BlockIdentity]) -> LoadJob:
         """Queue a load of ``chain``'s longest stored, verified prefix."""
@@ -114,8 +142,10 @@ class TierLoader:
                 self._wake.wait(timeout_s)
 
     def close(self) -> None:
-        """Stop the thread after the job it is on (queued jobs are dropped)."""
-        self._jobs.put(None)
+        """Stop the threads after the jobs they are on (queued jobs are dropped)."""
+        for _ in self._threads:
+            self._jobs.put(None)
+        self._fetch.shutdown(wait=False, cancel_futures=True)
 
     def _run(self) -> None:
         while True:
@@ -128,16 +158,37 @@ class TierLoader:
             except Exception:  # the loader must outlive any one bad job
                 logger.exception("KV tier loader: a load failed; treated as a miss")
             finally:
+                job.finished = time.monotonic()
                 job.done.set()
                 with self._wake:
                     self._wake.notify_all()
 
+    def _timed(self, ident: BlockIdentity) -> tuple[LoadedBlock | None, float]:
+        start = time.perf_counter()
+        block = self.load_one(ident)
+        return block, time.perf_counter() - start
+
     def _load(self, job: LoadJob) -> None:
-        for ident in job.chain:
-            if job.cancelled:
-                return
-            block = self.load_one(ident)
-            self._progress = time.monotonic()
-            if block is None or job.cancelled:
-                return
-            job.blocks.append(block)
+        """Keep up to ``window`` fetches of ``job``'s chain in flight; take them in order."""
+        chain = job.chain
+        inflight: deque[Future[tuple[LoadedBlock | None, float]]] = deque()
+        nxt = 0
+        try:
+            while not job.cancelled:
+                while nxt < len(chain) and len(inflight) < self.window:
+                    inflight.append(self._fetch.submit(self._timed, chain[nxt]))
+                    nxt += 1
+                if not inflight:
+                    return
+                block, seconds = inflight.popleft().result()
+                self._progress = time.monotonic()
+                if job.cancelled:
+                    return
+                if self.account is not None:
+                    self.account(block, seconds)
+                if block is None:
+                    return
+                job.blocks.append(block)
+        finally:
+            for fut in inflight:  # past the first miss, or the job went away
+                fut.cancel()

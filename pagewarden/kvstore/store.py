@@ -1,10 +1,12 @@
 """The tiers of one engine: verified loads, an off-critical-path writer, counters.
 
-Loads run on the loader thread (``loader.py``) when a request is first looked at for
-scheduling (one ``get`` per block, tiers in order: disk, then Redis); every entry is verified by ``format.decode_entry`` against
+Loads run on the loader's threads (``loader.py``: requests side by side, several blocks
+of a chain in flight) when a request is first looked at for scheduling (one ``get`` per
+block, tiers in order: disk, then Redis); every entry is verified by ``format.decode_entry`` against
 the requesting chain before it is used, and the worker recomputes its checksum once more
 over the bytes that landed in the pool (``LandedBlock``). Stores go through a bounded
-queue to one writer thread; a full queue drops the block (counted), never the step.
+queue to one writer thread, run nicer than the engine (``WRITER_NICENESS``); a full
+queue drops the block (counted), never the step.
 
 A tier that raises ``TierError`` is a miss for that call, counted, logged at most once
 per ``log_interval_s`` per reason, and skipped for a backoff that doubles from 1 s up to
@@ -14,6 +16,7 @@ per ``log_interval_s`` per reason, and skipped for a backoff that doubles from 1
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import struct
 import threading
@@ -38,6 +41,11 @@ from pagewarden.kvstore.tier import KVTier, TierError
 from pagewarden.metrics.stats import HistogramSnapshot, KVTierStats
 
 logger = logging.getLogger("pagewarden.kvstore")
+
+#: How much nicer than the engine the writer thread runs (Linux: a thread has its own
+#: nice value): stores are off the critical path, so on a saturated CPU they yield to the
+#: engine's compute threads rather than slow its steps.
+WRITER_NICENESS = 10
 
 #: Upper bounds (seconds) of the per-block load latency histogram.
 LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -87,6 +95,7 @@ class TierStore:
             self.counters.stores[t.name] = 0
             self.counters.errors[t.name] = 0
         self.log_interval_s = log_interval_s
+        self._count_lock = threading.Lock()
         self._last_log: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
         self._down_until: dict[str, float] = {}
@@ -98,7 +107,7 @@ class TierStore:
         self._events_lock = threading.Lock()
         # Asynchronous loads (``loader.py``); one that makes no progress for
         # ``load_timeout_s`` gives up: the request computes the rest of its blocks.
-        self.loader = TierLoader(self.load_one, load_timeout_s)
+        self.loader = TierLoader(self._load_one, load_timeout_s, account=self._account)
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
 
@@ -118,12 +127,17 @@ class TierStore:
         hit (with its latency) or a miss; None on a miss."""
         start = time.perf_counter()
         found = self._load_one(ident)
-        if found is None:
-            self.counters.misses += 1
-            return None
-        self._observe(time.perf_counter() - start)
-        self.counters.hits[found.tier] += 1
+        self._account(found, time.perf_counter() - start)
         return found
+
+    def _account(self, found: LoadedBlock | None, seconds: float) -> None:
+        """Count a block a load took: a hit (with its latency) or the miss ending it."""
+        with self._count_lock:  # several loader threads
+            if found is None:
+                self.counters.misses += 1
+                return
+            self._observe(seconds)
+            self.counters.hits[found.tier] += 1
 
     def _load_one(self, ident: BlockIdentity) -> LoadedBlock | None:
         key = block_key(self.ns, ident.block_hash)
@@ -156,7 +170,8 @@ class TierStore:
     ) -> None:
         """Count and log a rejected entry and delete it from its tier."""
         label = (tier_name, reason.value)
-        self.counters.rejected[label] = self.counters.rejected.get(label, 0) + 1
+        with self._count_lock:  # loader fetch threads and the engine thread
+            self.counters.rejected[label] = self.counters.rejected.get(label, 0) + 1
         self._log(
             f"reject/{tier_name}/{reason.value}",
             "KV tier %s: entry %s… rejected (%s: %s); treated as a miss, deleted",
@@ -202,6 +217,7 @@ class TierStore:
         return queued
 
     def _write_loop(self) -> None:
+        _lower_priority(WRITER_NICENESS)
         while True:
             item = self._queue.get()
             try:
@@ -286,6 +302,7 @@ class TierStore:
             misses=c.misses,
             offload_dropped=c.offload_dropped,
             offload_unverified=c.offload_unverified,
+            load_timeouts=self.loader.timeouts,
             load_latency=HistogramSnapshot(
                 LOAD_BUCKETS, tuple(c.load_buckets), c.load_seconds_sum, c.load_count
             ),
@@ -297,10 +314,12 @@ class TierStore:
         return until is not None and time.monotonic() < until
 
     def _tier_failed(self, tier: KVTier, error: TierError) -> None:
-        self.counters.errors[tier.name] += 1
-        backoff = min(self._backoff.get(tier.name, 0.5) * 2, 30.0)
-        self._backoff[tier.name] = backoff
-        self._down_until[tier.name] = time.monotonic() + backoff
+        with self._count_lock:  # loader fetch threads, the writer and the engine thread
+            self.counters.errors[tier.name] += 1
+            backoff = self._backoff.get(tier.name, 0.5)
+            if not self._is_down(tier):  # calls that were in flight together count once
+                backoff = self._backoff[tier.name] = min(backoff * 2, 30.0)
+                self._down_until[tier.name] = time.monotonic() + backoff
         self._log(
             f"error/{tier.name}",
             "KV tier %s failed (%s); misses for the next %.0f s",
@@ -311,17 +330,29 @@ class TierStore:
 
     def _tier_ok(self, tier: KVTier) -> None:
         if tier.name in self._backoff:
-            del self._backoff[tier.name]
-            self._down_until.pop(tier.name, None)
+            with self._count_lock:
+                self._backoff.pop(tier.name, None)
+                self._down_until.pop(tier.name, None)
 
     def _log(self, kind: str, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        last = self._last_log.get(kind)
-        if last is not None and now - last < self.log_interval_s:
-            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
-            return
-        self._last_log[kind] = now
-        skipped = self._suppressed.pop(kind, 0)
+        with self._count_lock:
+            now = time.monotonic()
+            last = self._last_log.get(kind)
+            if last is not None and now - last < self.log_interval_s:
+                self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+                return
+            self._last_log[kind] = now
+            skipped = self._suppressed.pop(kind, 0)
         if skipped:
             msg += f" (+{skipped} like it not logged)"
         logger.warning(msg, *args)
+
+
+def _lower_priority(niceness: int) -> None:
+    """Make the calling thread ``niceness`` nicer (Linux; elsewhere, or without the
+    right, it keeps its priority)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + niceness)
+    except (AttributeError, OSError):
+        pass

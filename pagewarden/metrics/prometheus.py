@@ -402,6 +402,13 @@ def _kv_tier_metrics(t: KVTierStats, m: str) -> Iterator[Metric]:
         t.offload_dropped,
         m,
     )
+    yield _counter(
+        "kv_tier_load_timeouts",
+        "KV tier loads given up because no block landed within the load timeout "
+        "(a hung tier); the request computes the blocks not loaded.",
+        t.load_timeouts,
+        m,
+    )
     yield _histogram(
         "kv_tier_load_seconds",
         "Time to fetch and verify one block from a KV tier.",

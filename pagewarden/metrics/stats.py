@@ -177,3 +177,4 @@ class KVTierStats:
     offload_dropped: int  # evicted blocks not offloaded: the writer's queue was full
     offload_unverified: int  # evicted blocks not offloaded: their bytes failed their seal
     load_latency: HistogramSnapshot  # seconds per verified block load
+    load_timeouts: int = 0  # request loads given up: no progress within the load timeout

@@ -19,6 +19,9 @@ one into the JSON object of a flight record (``docs/flight-recorder.md``)::
     ("drop_cached", count)                     drop_cached drop_cached_prefixes(); compare
     ("external", name, args)                   external   a metadata change made outside
                                                           the scheduler (fault injection)
+    ("tier", "loading", req_id, bool)          tier       the answers of the KV tiers'
+    ("tier", "extend", req_id, n | None)       tier       loads (``sched/tier_prefix.py``),
+    ("tier", "wait", bool)                     tier       fed back to the next schedule()
 
 A scheduled step records each request's table as (block_id, epoch) pairs at schedule
 time: the table the worker was told to read.
@@ -99,6 +102,8 @@ def encode(op: tuple) -> dict[str, Any]:
         return {"op": "drop_cached", "dropped": op[1]}
     if kind == "external":
         return {"op": "external", "name": op[1], "args": list(op[2])}
+    if kind == "tier":
+        return {"op": "tier", "call": op[1], "args": list(op[2:])}
     raise ValueError(f"unknown journal entry {kind!r}")
 
 

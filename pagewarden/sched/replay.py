@@ -14,7 +14,10 @@ recomputed by the scheduler and KV code under test, and compared with the record
     pool traffic             blocks allocated and freed, in order
     integrity outcomes       table faults found before scheduling, recovery reports
 
-The first difference is reported (step, field, expected, got). No model runs: the
+KV tier loads finish when the tiers answer; the record holds each answer the scheduler
+got (``tier`` entries) and replay gives it the same ones (``ReplayTierPrefix``), placing
+the loaded blocks as the recorded run did (no bytes: no model runs). The first
+difference is reported (step, field, expected, got). No model runs: the
 sampled tokens are the record's, so a replay takes milliseconds per step and needs no
 weights. Metadata changed behind the scheduler's back is replayed only when it was
 journaled (``external`` entries: fault injection); an unjournaled change (a real bug)
@@ -25,12 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pagewarden.kv.block_pool import BlockTrace
+from pagewarden.kv.kv_manager import KVCacheManager
 from pagewarden.sched import snapshot
 from pagewarden.sched.journal import (
     RECORD_FORMAT,
@@ -41,9 +46,10 @@ from pagewarden.sched.journal import (
     encode_report,
     schedule_entry,
 )
-from pagewarden.sched.output import ModelRunnerOutput, SchedulerOutput
-from pagewarden.sched.request import RequestStatus
+from pagewarden.sched.output import ModelRunnerOutput, SchedulerOutput, TierLoad
+from pagewarden.sched.request import Request, RequestStatus
 from pagewarden.sched.scheduler import Scheduler
+from pagewarden.sched.tier_prefix import TierPrefix
 
 #: An ``external`` journal entry's function: (scheduler, *args).
 ExternalOps = Mapping[str, Callable[..., None]]
@@ -156,6 +162,9 @@ def replay(record: FlightRecord, external: ExternalOps | None = None) -> ReplayR
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
         raise FlightRecordError(f"the checkpoint cannot be restored: {exc!r}") from None
     player = _Player(sched, external or {})
+    if any(op.get("op") == "tier" for entry in record.steps for op in entry["ops"]):
+        player.tiers = ReplayTierPrefix()
+        sched.enable_kv_tiers(player.tiers)
     divergence = None
     num_ops = 0
     for entry in record.steps:
@@ -176,6 +185,7 @@ class _Player:
         self.sched = sched
         self.external = external
         self.last_out: SchedulerOutput | None = None
+        self.tiers: ReplayTierPrefix | None = None  # a record of an engine with KV tiers
 
     def play_step(self, entry: dict[str, Any]) -> Divergence | None:
         step = entry["step"]
@@ -189,6 +199,9 @@ class _Player:
             if found is not None:
                 name, expected, got = found
                 return Divergence(step, f"ops[{i}] {op['op']}: {name}", expected, got)
+        if self.tiers is not None and self.tiers.answers:
+            left = [[c, *a] for c, a in self.tiers.answers]
+            return Divergence(step, "tier answers", left, "not asked for by the scheduler")
         for name, got in (("allocated", trace.allocated), ("freed", trace.freed)):
             if got != entry[name]:
                 return Divergence(step, f"{name} blocks", entry[name], got)
@@ -254,6 +267,11 @@ class _Player:
     def _drop_cached(self, op: dict[str, Any]) -> tuple[str, Any, Any] | None:
         return _compare("dropped", op["dropped"], self.sched.drop_cached_prefixes())
 
+    def _tier(self, op: dict[str, Any]) -> None:
+        if self.tiers is None:  # pragma: no cover - replay() installs it for any tier op
+            raise FlightRecordError("a tier entry in a record without KV tiers")
+        self.tiers.answers.append((op["call"], list(op["args"])))
+
     def _external(self, op: dict[str, Any]) -> None:
         fn = self.external.get(op["name"])
         if fn is None:
@@ -262,6 +280,55 @@ class _Player:
                 f"does not know how (known: {sorted(self.external)})"
             )
         fn(self.sched, *op["args"])
+
+
+class ReplayTierPrefix(TierPrefix):
+    """The KV tiers as a record saw them: each call the scheduler makes gets the answer
+    recorded for it (``tier`` entries, queued in ``answers`` before the step's schedule).
+    A call the record did not make raises ``FlightRecordError`` (a divergence). Loaded
+    blocks are placed in the pool metadata as in the recorded run, without bytes."""
+
+    def __init__(self) -> None:
+        super().__init__(self._no_start, lambda jobs, timeout_s: None)
+        self.answers: deque[tuple[str, list[Any]]] = deque()
+
+    @staticmethod
+    def _no_start(chain: Sequence[Any]) -> Any:
+        raise FlightRecordError("replay does not load from a tier")
+
+    def _answer(self, call: str, *key: Any) -> Any:
+        if not self.answers:
+            raise FlightRecordError(f"the scheduler asked the tiers {call}{key}; none recorded")
+        got, args = self.answers.popleft()
+        if got != call or args[: len(key)] != list(key):
+            raise FlightRecordError(
+                f"the scheduler asked the tiers {call}{key}; the record answers {got}{args}"
+            )
+        return args[len(key)]
+
+    def is_loading(self, req_id: str) -> bool:
+        return bool(self._answer("loading", req_id))
+
+    def wait(self, timeout_s: float) -> bool:
+        return bool(self._answer("wait"))
+
+    def forget(self, req_id: str) -> None:
+        pass
+
+    def extend(
+        self, kv: KVCacheManager, req: Request, cached: int, max_tokens: int
+    ) -> tuple[int, list[TierLoad]] | None:
+        n = self._answer("extend", req.req_id)
+        if n is None:
+            return None
+        bs = kv.block_size
+        if not n or kv.allocate_slots(req.req_id, cached, n * bs) is None:
+            return cached, []
+        ids, first = kv.tables[req.req_id].ids, cached // bs
+        loads = [
+            TierLoad(ids[first + j], b"", 0, req.req_id, first + j, "replay", "") for j in range(n)
+        ]
+        return cached + n * bs, loads
 
 
 def _json(value: Any) -> Any:

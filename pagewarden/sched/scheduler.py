@@ -94,6 +94,7 @@ class Scheduler:
         hits from the tiers (``SchedulerOutput.tier_loads``)."""
         self.kv.pool.check_owner()
         self.tier_prefix = tier_prefix
+        tier_prefix.journal_of = lambda: self.journal  # its answers, for replay
         self.kv.pool.evicted = []
 
     def set_preemption_mode(self, mode: str) -> None:

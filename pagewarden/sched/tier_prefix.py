@@ -14,6 +14,12 @@ Loaded blocks count as computed; the runner copies them into their pool blocks a
 checks them there once more before the forward pass of the step that admits the
 request. A waiting request holds no pool block (only the host copies of its load), so
 aborting it frees nothing but the load. Nothing here touches bytes.
+
+Loads finish when the tiers answer, so what ``is_loading``, ``extend`` and ``wait``
+return depends on timing: with the flight recorder on (``journal_of`` returns the
+scheduler's journal) each answer is journaled as a ``("tier", call, ...)`` entry, and
+``pagewarden replay`` feeds the recorded answers back (``ReplayTierPrefix`` in
+``sched/replay.py``) instead of asking a tier.
 """
 
 from __future__ import annotations
@@ -51,17 +57,27 @@ class TierPrefix:
         self.wait_for = wait
         self.max_blocks = max_blocks
         self.pending: dict[str, _Pending] = {}
+        # The scheduler's journal while the flight recorder runs (set by the scheduler).
+        self.journal_of: Callable[[], list[tuple] | None] = lambda: None
+
+    def _note(self, *op: object) -> None:
+        journal = self.journal_of()
+        if journal is not None:
+            journal.append(("tier", *op))
 
     def is_loading(self, req_id: str) -> bool:
         """True while ``req_id``'s tier load is in flight (it must not be scheduled)."""
         p = self.pending.get(req_id)
-        return p is not None and not p.job.ready()
+        loading = p is not None and not p.job.ready()
+        self._note("loading", req_id, loading)
+        return loading
 
     def wait(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for a load to finish; False when none is in flight."""
         jobs = [p.job for p in self.pending.values() if not p.job.done.is_set()]
         if jobs:
             self.wait_for(jobs, timeout_s)
+        self._note("wait", bool(self.pending))
         return bool(self.pending)
 
     def forget(self, req_id: str) -> None:
@@ -75,7 +91,16 @@ class TierPrefix:
     ) -> tuple[int, list[TierLoad]] | None:
         """``req`` (with a table holding ``cached`` pool-hit tokens) extended by tier
         blocks, up to ``max_tokens`` tokens: the new cached count and the loads; None
-        while its load is in flight (a first call starts it)."""
+        while its load is in flight (a first call starts it). Journaled as the number of
+        loaded blocks it tried to place (None: in flight)."""
+        found = self._extend(kv, req, cached, max_tokens)
+        self._note("extend", req.req_id, None if found is None else found[1])
+        return None if found is None else found[0]
+
+    def _extend(
+        self, kv: KVCacheManager, req: Request, cached: int, max_tokens: int
+    ) -> tuple[tuple[int, list[TierLoad]], int] | None:
+        """``extend``'s answer and the number of loaded blocks it tried to place."""
         bs = kv.block_size
         first = cached // bs
         last = min(max(0, max_tokens) // bs, first + self.max_blocks)
@@ -85,7 +110,7 @@ class TierPrefix:
             p = None
         if p is None:
             if first >= last:
-                return cached, []
+                return (cached, []), 0
             self.pending[req.req_id] = _Pending(
                 self.start(self._chain(kv, req, first, last)), first
             )
@@ -95,13 +120,14 @@ class TierPrefix:
         # The pool may hold more of the chain now than when the load was issued.
         loaded = p.job.result()[first - p.first : last - p.first]
         if not loaded or kv.allocate_slots(req.req_id, cached, len(loaded) * bs) is None:
-            return cached, []  # nothing to add, or no room: computed instead (or later)
+            # Nothing to add, or no room: computed instead (or later).
+            return (cached, []), len(loaded)
         ids = kv.tables[req.req_id].ids
         loads = [
             TierLoad(ids[first + j], b.payload, b.checksum, req.req_id, first + j, b.tier, b.key)
             for j, b in enumerate(loaded)
         ]
-        return cached + len(loaded) * bs, loads
+        return (cached + len(loaded) * bs, loads), len(loaded)
 
     @staticmethod
     def _chain(kv: KVCacheManager, req: Request, first: int, last: int) -> list[BlockIdentity]:

@@ -293,6 +293,7 @@ def _tiers(stats) -> dict | None:
         "misses": t.misses,
         "offload_dropped": t.offload_dropped,
         "offload_unverified": t.offload_unverified,
+        "load_timeouts": t.load_timeouts,
         "loads": t.load_latency.count,
         "load_seconds": t.load_latency.total,
     }

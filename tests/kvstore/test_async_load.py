@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from pagewarden import LLM, SamplingParams
+from pagewarden.metrics.prometheus import build_registry, render
+from pagewarden.metrics.stats import FrontendStatsRecorder
 from tests.kvstore.test_disk_engine import _llm as _disk_llm
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
@@ -149,6 +151,9 @@ def test_a_load_that_hangs_is_a_miss_and_the_request_computes(tiny_llama_dir, wa
     try:
         assert _tokens(llm, PROMPTS[0], PARAMS) == baseline["a"]
         assert llm.engine.kv_tiers.loader.timeouts == 1
+        assert llm.engine.kv_tiers.stats().load_timeouts == 1
+        text = render(build_registry(llm.engine.stats, FrontendStatsRecorder().snapshot, "m"))[0]
+        assert 'pagewarden:kv_tier_load_timeouts_total{model_name="m"} 1.0' in text.decode()
         assert llm.engine.kv_tiers.counters.hits["disk"] == 0
         assert llm.engine.scheduler.check_invariants() == []
     finally:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import numpy as np
 
@@ -16,7 +18,7 @@ from pagewarden.kvstore.format import (
     encode_entry,
 )
 from pagewarden.kvstore.keys import block_key
-from pagewarden.kvstore.store import Offload, TierStore
+from pagewarden.kvstore.store import WRITER_NICENESS, Offload, TierStore
 from pagewarden.kvstore.tier import TierError
 
 LAYOUT = KVLayout(block_size=4, num_layers=1, num_kv_heads=1, head_dim=4, dtype="float32")
@@ -171,3 +173,20 @@ def test_tier_stores_and_drops_are_kv_events_with_their_medium():
     assert wire[1] == ["BlockRemoved", [external_hash(idents[0].block_hash)], "DISK"]
     assert store.take_events() == []
     store.close()
+
+
+def test_the_writer_thread_runs_nicer_than_the_engine():
+    store = TierStore(NS, [MemTier("disk")])
+    try:
+        for _ in range(100):  # the thread sets its own priority when it starts
+            tid = store._writer.native_id
+            if tid is not None and os.getpriority(os.PRIO_PROCESS, tid) > os.getpriority(
+                os.PRIO_PROCESS, 0
+            ):
+                break
+            time.sleep(0.01)
+        engine_nice = os.getpriority(os.PRIO_PROCESS, 0)
+        want = min(engine_nice + WRITER_NICENESS, 19)
+        assert os.getpriority(os.PRIO_PROCESS, store._writer.native_id) == want
+    finally:
+        store.close()

@@ -4,7 +4,9 @@ loading leaves nothing behind. A fake tier stands in (no bytes, no torch)."""
 
 from __future__ import annotations
 
+import struct
 import threading
+import time
 
 from pagewarden.kvstore.format import BlockIdentity
 from pagewarden.kvstore.loader import LoadedBlock, TierLoader
@@ -15,19 +17,23 @@ from pagewarden.sched.tier_prefix import TierPrefix
 
 
 class FakeTier:
-    """Holds the first ``stored`` blocks of any chain; ``get`` waits on ``gate``."""
+    """Holds the first ``stored`` blocks of a prompt ``range(base, ...)`` in blocks of 4
+    (a block's index is read from its first token: fetches may run in any order);
+    ``get`` waits on ``gate``. A block's checksum is its index + 1."""
 
-    def __init__(self, stored: int) -> None:
+    def __init__(self, stored: int, base: int = 100) -> None:
         self.stored = stored
+        self.base = base
         self.gate = threading.Event()
         self.asked: list[BlockIdentity] = []
 
     def load_one(self, ident: BlockIdentity) -> LoadedBlock | None:
         self.gate.wait()
         self.asked.append(ident)
-        if len(self.asked) > self.stored:
+        index = (struct.unpack_from("<I", ident.token_bytes)[0] - self.base) // 4
+        if index >= self.stored:
             return None
-        return LoadedBlock(b"kv", len(self.asked), "disk", f"k{len(self.asked)}")
+        return LoadedBlock(b"kv", index + 1, "disk", f"k{index + 1}")
 
 
 def _setup(stored: int) -> tuple[Scheduler, FakeTier, TierLoader]:
@@ -89,7 +95,7 @@ def test_aborting_a_request_while_it_loads_leaves_nothing_behind():
     assert s.kv.pool.num_free_blocks == free and not s.kv.tables
     tier.gate.set()
     assert job.done.wait(10)
-    assert len(tier.asked) == 1  # the loader stopped after the block it was on
+    assert job.blocks == []  # nothing taken after the cancel
     assert not s.has_unfinished_requests() and s.check_invariants() == []
 
 
@@ -113,3 +119,79 @@ def test_a_stalled_load_gives_up_and_the_request_computes():
     assert out.requests[0].positions.start == 0 and not out.tier_loads
     assert loader.timeouts == 1
     tier.gate.set()
+
+
+class BarrierTier(FakeTier):
+    """Every fetch waits until ``parties`` fetches wait together: a loader that fetches one
+    block at a time breaks the barrier (and the load fails)."""
+
+    def __init__(self, stored: int, parties: int, base: int = 100) -> None:
+        super().__init__(stored, base)
+        self.gate.set()
+        self.barrier = threading.Barrier(parties, timeout=10)
+
+    def load_one(self, ident: BlockIdentity) -> LoadedBlock | None:
+        self.barrier.wait()
+        return super().load_one(ident)
+
+
+def test_a_chain_s_blocks_are_fetched_in_parallel_and_taken_in_order():
+    tier = BarrierTier(stored=8, parties=4)
+    loader = TierLoader(tier.load_one, stall_timeout_s=600.0, fetchers=4, window=4)
+    prompt = list(range(100, 132))  # 8 blocks of 4
+    s = Scheduler(
+        SchedulerConfig(
+            num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64
+        )
+    )
+    s.kv.pool.evicted = []
+    s.tier_prefix = TierPrefix(loader.start, loader.wait)
+    s.add_request(_req("a", prompt + [7], 3))
+    out = s.schedule()
+    for _ in range(500):
+        if out.requests:
+            break
+        out = s.schedule()
+    assert [t.checksum for t in out.tier_loads] == list(range(1, 9))  # chain order
+    assert out.requests[0].positions.start == 32
+    assert not tier.barrier.broken
+
+
+def test_two_requests_load_side_by_side():
+    gated = FakeTier(stored=3)  # request a's tier hangs until the gate opens
+    free = FakeTier(stored=3, base=200)
+    free.gate.set()
+    route = {100: gated, 200: free}
+
+    def load_one(ident: BlockIdentity) -> LoadedBlock | None:
+        first = struct.unpack_from("<I", ident.token_bytes)[0]
+        return route[first // 100 * 100].load_one(ident)
+
+    loader = TierLoader(load_one, stall_timeout_s=600.0, threads=2)
+    a = loader.start([_ident(100)])
+    b = loader.start([_ident(200)])
+    assert b.done.wait(10) and len(b.result()) == 1  # not queued behind a's hung load
+    assert not a.done.is_set()
+    gated.gate.set()
+    assert a.done.wait(10) and len(a.result()) == 1
+
+
+def _ident(first_token: int) -> BlockIdentity:
+    tokens = struct.pack("<4I", *range(first_token, first_token + 4))
+    return BlockIdentity(bytes(32), None, tokens)
+
+
+def test_a_loader_takes_nothing_past_the_first_miss():
+    tier = FakeTier(stored=2)
+    tier.gate.set()
+    accounted: list[int | None] = []
+    loader = TierLoader(
+        tier.load_one,
+        stall_timeout_s=600.0,
+        account=lambda b, _s: accounted.append(None if b is None else b.checksum),
+    )
+    job = loader.start([_ident(100 + 4 * i) for i in range(6)])
+    assert job.done.wait(10)
+    assert [b.checksum for b in job.result()] == [1, 2]
+    time.sleep(0.05)  # fetches past the miss may finish: they are not counted
+    assert accounted == [1, 2, None]

@@ -258,7 +258,7 @@ function renderTiers(t) {
   const perLoad = t.loads ? ` · ${((t.load_seconds / t.loads) * 1000).toFixed(2)} ms per load` : "";
   $("tiers-summary").textContent =
     `${t.misses} misses · ${t.offload_dropped} not offloaded (queue full) · ` +
-    `${t.offload_unverified} failed their seal${perLoad}`;
+    `${t.offload_unverified} failed their seal · ${t.load_timeouts ?? 0} loads timed out${perLoad}`;
 }
 
 function notice(text) {
