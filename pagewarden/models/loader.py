@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 from collections.abc import Iterator
@@ -112,6 +113,22 @@ def _config(where: Path, parse: Any, source: Any) -> ModelConfig:
     return config
 
 
+@contextlib.contextmanager
+def _no_init() -> Iterator[None]:
+    """Layers built without their random init: the loader overwrites every parameter, and
+    on the meta device ``normal_`` / ``uniform_`` go through torch's reference
+    decompositions, which import torch._dynamo and with it Triton (~70 MiB resident)."""
+    names = [n for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(torch.nn.init, n, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(torch.nn.init, n, fn)
+
+
 def _build(
     arch: Architecture,
     config: ModelConfig,
@@ -119,7 +136,7 @@ def _build(
     dtype: torch.dtype,
     where: Path,
 ) -> DecoderForCausalLM:
-    with torch.device("meta"):
+    with torch.device("meta"), _no_init():
         model = arch.model_cls(config)
     model = model.to_empty(device="cpu").to(dtype)
     if config.tie_word_embeddings:

@@ -19,18 +19,17 @@ torch version of the same split).
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from collections import OrderedDict
 
 import numpy as np
 import torch
 
-try:  # numba is a declared dependency; without it the torch kernels run (slower).
-    import numba
-    from numba.typed import List as _TypedList
-except ImportError:  # pragma: no cover - exercised only where numba is missing
-    numba = None
-
-AVAILABLE = numba is not None
+# numba is a declared dependency; without it the torch kernels run (slower). It is
+# imported at the first checksum (``_kernels``), not with this module: its LLVM (~70 MiB
+# resident) stays out of an engine that never checksums on the CPU (integrity off, GPU).
+AVAILABLE = importlib.util.find_spec("numba") is not None
 # Tests turn this off to run the torch kernels on CPU and compare.
 enabled = AVAILABLE
 
@@ -49,7 +48,12 @@ def _checked_indices(index: torch.Tensor, limit: int, what: str) -> np.ndarray:
     return flat
 
 
-if AVAILABLE:
+@functools.cache
+def _kernels():
+    """(block sums, slot sums, numba's typed List): numba imported and the loops defined
+    on first use."""
+    import numba
+    from numba.typed import List
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
     def _block_sums_kernel(layers, block_ids, limb_keys, offset_keys, out):  # pragma: no cover
@@ -95,6 +99,8 @@ if AVAILABLE:
                         acc += keys[i] * np.int64(row[i])
             out[j] = acc
 
+    return _block_sums_kernel, _slot_sums_kernel, List
+
 
 # The numpy views of a cache list, kept for the few lists in use (an engine has one).
 _VIEWS: OrderedDict[tuple, object] = OrderedDict()
@@ -107,7 +113,7 @@ def _layer_views(caches: list[torch.Tensor]):
     key = tuple((c.data_ptr(), tuple(c.shape), c.dtype) for c in caches)
     views = _VIEWS.get(key)
     if views is None:
-        views = _TypedList()
+        views = _kernels()[2]()
         for cache in caches:
             two, num_blocks, block_size = cache.shape[:3]
             views.append(cache.view(torch.int32).reshape(two, num_blocks, block_size, -1).numpy())
@@ -129,7 +135,7 @@ def block_sums(
     ids = _checked_indices(block_ids, caches[0].shape[1], "block id")
     out = np.empty(ids.shape[0], dtype=np.int64)
     if ids.shape[0]:
-        _block_sums_kernel(_layer_views(caches), ids, limb_keys.numpy(), offset_keys.numpy(), out)
+        _kernels()[0](_layer_views(caches), ids, limb_keys.numpy(), offset_keys.numpy(), out)
     return torch.from_numpy(out)
 
 
@@ -140,5 +146,5 @@ def slot_sums(
     flat = _checked_indices(slots, caches[0].shape[1] * caches[0].shape[2], "slot")
     out = np.empty(flat.shape[0], dtype=np.int64)
     if flat.shape[0]:
-        _slot_sums_kernel(_layer_views(caches), flat, limb_keys.numpy(), out)
+        _kernels()[1](_layer_views(caches), flat, limb_keys.numpy(), out)
     return torch.from_numpy(out)

@@ -1,3 +1,6 @@
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -101,3 +104,19 @@ def test_open_gguf_equals_gguf_reader(tmp_path):
     (tmp_path / "cut.gguf").write_bytes(data[:40])
     with pytest.raises(ValueError):
         open_gguf(tmp_path / "cut.gguf")
+
+
+def test_loading_a_gguf_imports_neither_triton_nor_numba():
+    # A fresh interpreter: other tests import both. Building the model on the meta device
+    # with nn.init's random fills once pulled in torch._dynamo and with it Triton (~67 MiB
+    # resident); numba (~71 MiB) belongs to the first CPU checksum, not to loading.
+    code = (
+        "import sys, torch\n"
+        "from pagewarden.models.loader import load_model\n"
+        "load_model(None, torch.bfloat16, 'gguf')\n"
+        "print(sorted(m for m in ('triton', 'numba', 'llvmlite') if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600
+    )
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stderr[-2000:]
