@@ -153,6 +153,7 @@ def test_streamed_function_call_arrives_in_pieces(client, srv, choice):
             input="Weather in Paris?",
             tools=[tool],
             tool_choice=choice,
+            parallel_tool_calls=False,  # one call, then the stop token
             max_output_tokens=100,
             temperature=1.0,
             stream=True,
@@ -170,6 +171,7 @@ def test_stream_helper_assembles_the_call(client, srv):
         input="Weather in Paris?",
         tools=[tool],
         tool_choice="required",
+        parallel_tool_calls=False,
         max_output_tokens=100,
         temperature=1.0,
     ) as stream:
