@@ -5,11 +5,9 @@ logits); ``bits`` (S, W) int32 with ``W * 32 >= V``, packed little-endian: token
 row ``r`` is allowed when bit ``t % 32`` of ``bits[r, t // 32]`` is set. Only the rows
 listed in ``rows`` are read and written; the others may hold anything.
 
-On the CPU a row whose allowed tokens sit in few words (JSON punctuation, keys, enums:
-most rows of a JSON-schema batch) is set to -inf whole and its allowed logits put back,
-which reads only its nonzero words; the other rows go through xgrammar's C++ kernel
-(one pass over each row, no temporaries). Elsewhere it is the plain-torch version below,
-which is also the reference the tests compare both with.
+On the CPU the work is xgrammar's C++ kernel (one pass over each listed row, no
+temporaries); elsewhere it is the plain-torch version below, which is also the
+reference the tests compare the kernel with.
 """
 
 from __future__ import annotations
@@ -18,8 +16,6 @@ import torch
 from torch import Tensor
 
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)  # (32,)
-#: A row with at most this share of nonzero words takes the sparse path.
-SPARSE_WORDS = 1 / 16
 
 
 def apply_token_bitmask_(logits: Tensor, bits: Tensor, rows: list[int]) -> None:
@@ -30,34 +26,13 @@ def apply_token_bitmask_(logits: Tensor, bits: Tensor, rows: list[int]) -> None:
     if not rows:
         return
     if logits.device.type == "cpu" and bits.device.type == "cpu":
-        index = torch.tensor(rows, dtype=torch.int64)  # (C,)
-        words = bits[index]  # (C, W)
-        sparse = (words != 0).sum(dim=1) <= words.shape[1] * SPARSE_WORDS  # (C,)
-        if bool(sparse.any()):
-            _apply_sparse_(logits, words[sparse], index[sparse])
-        dense = [r for r, s in zip(rows, sparse.tolist()) if not s]
-        if dense:
-            import xgrammar as xgr
+        import xgrammar as xgr
 
-            xgr.apply_token_bitmask_inplace(
-                logits, bits, vocab_size=vocab_size, indices=dense, backend="cpu"
-            )
+        xgr.apply_token_bitmask_inplace(
+            logits, bits, vocab_size=vocab_size, indices=rows, backend="cpu"
+        )
     else:
         apply_token_bitmask_reference_(logits, bits.to(logits.device), rows)
-
-
-def _apply_sparse_(logits: Tensor, words: Tensor, index: Tensor) -> None:
-    """Rows ``index`` (R,) of ``logits`` to -inf but for the tokens set in ``words`` (R, W)."""
-    vocab_size = logits.shape[1]
-    row, col = words.nonzero(as_tuple=True)  # (K,) each: the nonzero words
-    set_ = ((words[row, col].unsqueeze(1) >> _BIT_SHIFTS) & 1).bool()  # (K, 32)
-    tokens = (col.unsqueeze(1) * 32 + _BIT_SHIFTS)[set_]  # (N,) allowed token ids
-    rows = index[row].unsqueeze(1).expand(-1, 32)[set_]  # (N,) their logits rows
-    real = tokens < vocab_size  # padding bits never allow a token
-    tokens, rows = tokens[real], rows[real]
-    kept = logits[rows, tokens]  # (N,)
-    logits.index_fill_(0, index, float("-inf"))
-    logits[rows, tokens] = kept
 
 
 def apply_token_bitmask_reference_(logits: Tensor, bits: Tensor, rows: list[int]) -> None:
