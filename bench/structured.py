@@ -14,7 +14,13 @@ First token: one request on an idle engine, time from ``add_request`` to its fir
 token, with a schema compiled before (cached) against no schema, medians of
 ``--ttft-reps``; and the first request of a schema never seen (compiled on arrival).
 
-Prints both, their ratio and the targets (at most 10% of output tok/s; at most 50 ms of
+Grammar work per step: the engine's ``GrammarTable.bitmask`` (matchers brought to their
+tokens, the batch's bitmask filled) timed on every step of the constrained rounds, and the
+mask applied to (batch, vocab) logits with each step's bitmask, by the kernel the sampler
+uses and by the plain-torch reference (what the sampler used before), medians in ms.
+Less sensitive to a loaded machine than the throughput ratio.
+
+Prints all of it, the ratio and the targets (at most 10% of output tok/s; at most 50 ms of
 first-token delay for a cached schema). Note ``uptime`` beside the figures.
 """
 
@@ -25,8 +31,11 @@ import json
 import statistics
 import time
 
+import torch
+
 from pagewarden.engine.config import EngineConfig
 from pagewarden.engine.core import EngineCore
+from pagewarden.kernels.token_bitmask import apply_token_bitmask_, apply_token_bitmask_reference_
 from pagewarden.sampling_params import SamplingParams
 from pagewarden.structured_outputs import StructuredOutputsParams
 
@@ -47,6 +56,36 @@ ROWS = {
     },
 }
 PROMPT = "List the users of the system as JSON records with id, name, tags and ok:"
+
+
+class _TimedGrammar:
+    """The runner's grammar table, with the time of each step's bitmask and the masks."""
+
+    def __init__(self, table) -> None:
+        self.table, self.fill_s, self.masks = table, [], []
+
+    def bitmask(self, requests):
+        t0 = time.perf_counter()
+        mask = self.table.bitmask(requests)
+        if mask is not None:
+            self.fill_s.append(time.perf_counter() - t0)
+            self.masks.append(mask)
+        return mask
+
+    def forget(self, req_ids) -> None:
+        self.table.forget(req_ids)
+
+
+def _apply_ms(masks: list, vocab_size: int, apply) -> float:
+    """Median ms of ``apply(logits, bits, rows)`` over the recorded masks."""
+    logits = torch.randn(masks[0].bits.shape[0], vocab_size)
+    times = []
+    for mask in masks:
+        x = logits[: mask.bits.shape[0]].clone()
+        t0 = time.perf_counter()
+        apply(x, mask.bits, mask.rows)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
 
 
 def _run_batch(core: EngineCore, prompt_ids: list[int], params: SamplingParams, n: int) -> float:
@@ -96,9 +135,17 @@ def main() -> None:
     _run_batch(core, ids, plain, 4)  # warm-up: kernels, the grammar back end, the schema
     _run_batch(core, ids, constrained, 4)
     free_tps, json_tps = [], []
+    timed = _TimedGrammar(core.runner.grammar)
     for _ in range(args.rounds):
         free_tps.append(_run_batch(core, ids, plain, args.batch))
+        core.runner.grammar = timed
         json_tps.append(_run_batch(core, ids, constrained, args.batch))
+        core.runner.grammar = timed.table
+    full = [m for m in timed.masks if len(m.rows) == args.batch] or timed.masks
+    vocab = core.runner.sampler.vocab_size
+    fill_ms = statistics.median(timed.fill_s) * 1e3
+    kernel_ms = _apply_ms(full, vocab, apply_token_bitmask_)
+    torch_ms = _apply_ms(full, vocab, apply_token_bitmask_reference_)
 
     short = SamplingParams(temperature=0.0, max_tokens=1)
     cached = SamplingParams(temperature=0.0, max_tokens=1, structured_outputs=spec)
@@ -125,6 +172,9 @@ def main() -> None:
         ("  per round", f"{[round(x) for x in free_tps]} / {[round(x) for x in json_tps]}", ""),
         ("ratio constrained / unconstrained", f"{constr / free:.3f}", ""),
         ("throughput cost", f"{cost * 100:.1f}%", "target <= 10%"),
+        (f"grammar ms/step, bitmask fill (batch {args.batch})", f"{fill_ms:.2f}", ""),
+        ("grammar ms/step, mask applied (kernel)", f"{kernel_ms:.2f}", ""),
+        ("grammar ms/step, mask applied (torch unpack)", f"{torch_ms:.2f}", "the old way"),
         ("first token, no schema (ms)", f"{ttft_free * 1e3:.1f}", ""),
         ("first token, cached schema (ms)", f"{ttft_json * 1e3:.1f}", ""),
         ("first-token delay of a cached schema (ms)", f"{delay_ms:.1f}", "target <= 50"),

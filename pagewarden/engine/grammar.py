@@ -4,7 +4,7 @@ A request's ``SamplingParams.structured_outputs`` (``structured_outputs.py``) is
 once per spec by a grammar back end (a table, ``GRAMMAR_BACKENDS``; xgrammar is the one
 entry, as in vLLM and SGLang) and each constrained request gets a matcher. Before every
 sampling step ``GrammarTable.bitmask`` fills one token bitmask for the batch's constrained
-rows, which the sampler applies (``worker/sampler.py``, ``apply_token_bitmask``).
+rows (one xgrammar call for them all, on its own threads), which the sampler applies (``worker/sampler.py``, ``apply_token_bitmask``).
 
 Where the work runs:
 
@@ -86,7 +86,9 @@ class GrammarBackend(Protocol):
 
     def compile(self, spec: StructuredOutputsParams) -> Any: ...
     def matcher(self, compiled: Any, stop_token_ids: list[int]) -> Matcher: ...
-    def fill(self, matchers: list[Matcher], bitmask: torch.Tensor) -> None: ...
+    def fill(self, matchers: list[Matcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Fill row ``rows[i]`` of ``bitmask`` (S, W) with ``matchers[i]``'s next tokens."""
+        ...
 
 
 def _engine_message(exc: BaseException) -> str:
@@ -182,8 +184,8 @@ class XGrammarBackend:
     def matcher(self, compiled: Any, stop_token_ids: list[int]) -> Matcher:
         return self._xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
 
-    def fill(self, matchers: list[Matcher], bitmask: torch.Tensor) -> None:
-        self.batch.batch_fill_next_token_bitmask(matchers, bitmask)
+    def fill(self, matchers: list[Matcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        self.batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
 
 
 #: Grammar back ends by name: (constructor, spec check without a tokenizer).
@@ -275,18 +277,14 @@ class GrammarTable:
             return None
         matchers = [self._sync(requests[i]) for i in rows]
         width = (self.vocab_size + 31) // 32
-        bits = torch.full((len(rows), width), -1, dtype=torch.int32)  # (C, W)
+        # (S, W): the rows of unconstrained requests are never read, so never written.
+        bits = torch.empty((len(requests), width), dtype=torch.int32)
         live = [j for j, m in enumerate(matchers) if not m.is_terminated()]
-        if len(live) == len(matchers):
-            self.backend().fill(matchers, bits)
-        else:
-            if live:
-                sub = torch.empty((len(live), width), dtype=torch.int32)
-                self.backend().fill([matchers[j] for j in live], sub)
-                bits[live] = sub
-            for j, m in enumerate(matchers):
-                if m.is_terminated():  # only a stop token may follow an accepted stop token
-                    bits[j] = _only(self._stop_ids(requests[rows[j]]), width)
+        if live:
+            self.backend().fill([matchers[j] for j in live], bits, [rows[j] for j in live])
+        for j, m in enumerate(matchers):
+            if m.is_terminated():  # only a stop token may follow an accepted stop token
+                bits[rows[j]] = _only(self._stop_ids(requests[rows[j]]), width)
         return TokenBitmask(rows=rows, bits=bits)
 
     def _stop_ids(self, request) -> list[int]:

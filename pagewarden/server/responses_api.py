@@ -5,7 +5,8 @@ A Responses body becomes a chat completion request (``instructions`` the system 
 tool calls and the tool results, ``text.format`` the ``response_format``, function
 ``tools`` the chat tools), so structured outputs and tool calls are served as on chat.
 Nothing is stored: ``previous_response_id`` and ``background`` are refused.
-(``responses.py`` holds the building blocks of chat and completion responses.)
+(``responses.py`` holds the building blocks of chat and completion responses;
+``responses_stream.py`` the streamed events.)
 """
 
 from __future__ import annotations
@@ -26,9 +27,15 @@ from pagewarden.server.context import ServerContext
 from pagewarden.server.errors import APIError, error_body, validation_error
 from pagewarden.server.protocol import ChatCompletionRequest, ResponsesRequest
 from pagewarden.server.responses import sampling_params
+from pagewarden.server.responses_stream import (
+    EventWriter,
+    OutputStream,
+    function_call_item,
+    message_item,
+)
 from pagewarden.server.streams import final_outputs, merge
 from pagewarden.server.structured import check, requested_spec
-from pagewarden.server.tools import ToolPlan, output_calls, plan_tools
+from pagewarden.server.tools import StreamShaper, ToolPlan, output_calls, plan_tools
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -172,31 +179,8 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
 
 def _output_items(plan: ToolPlan, text: str) -> list[dict]:
     content, calls = output_calls(plan, text)
-    items: list[dict] = []
-    if content:
-        items.append(_message_item(content))
-    for c in calls:
-        items.append(
-            {
-                "type": "function_call",
-                "id": f"fc_{uuid.uuid4().hex}",
-                "call_id": f"call_{uuid.uuid4().hex[:24]}",
-                "name": c.name,
-                "arguments": c.arguments,
-                "status": "completed",
-            }
-        )
-    return items
-
-
-def _message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
-    return {
-        "type": "message",
-        "id": item_id or f"msg_{uuid.uuid4().hex}",
-        "status": status,
-        "role": "assistant",
-        "content": [{"type": "output_text", "text": text, "annotations": []}],
-    }
+    items = [message_item(content)] if content else []
+    return items + [function_call_item(c.name, c.arguments) for c in calls]
 
 
 class _Response:
@@ -271,81 +255,25 @@ async def create_response(ctx: ServerContext, request: Request) -> Response:
     return StreamingResponse(_events(resp, plan, streams), media_type="text/event-stream")
 
 
-class _Events:
-    def __init__(self) -> None:
-        self.seq = 0
-
-    def __call__(self, kind: str, **fields: Any) -> str:
-        body = {"type": kind, "sequence_number": self.seq, **fields}
-        self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-
 async def _events(resp: _Response, plan: ToolPlan, streams) -> AsyncIterator[str]:
-    ev = _Events()
+    ev = EventWriter()
     yield ev("response.created", response=resp.body)
     yield ev("response.in_progress", response=resp.body)
-    plain = plan.mode == "none"  # tool calls go out whole, once the text is parsed
-    item_id, sent = f"msg_{uuid.uuid4().hex}", 0
+    shaper, output = StreamShaper(plan), OutputStream(ev)
     try:
-        if plain:
-            item = _message_item("", "in_progress", item_id)
-            item["content"] = []
-            yield ev("response.output_item.added", output_index=0, item=item)
-            part = {"type": "output_text", "text": "", "annotations": []}
-            yield ev(
-                "response.content_part.added",
-                item_id=item_id,
-                output_index=0,
-                content_index=0,
-                part=part,
-            )
+        if plan.mode == "none":  # plain text: the message opens at once, even if empty
+            for event in output.start_message():
+                yield event
         final = None
         async for _, out in merge(streams):
             final = out.outputs[0]
-            if plain and len(final.text) > sent:
-                yield ev(
-                    "response.output_text.delta",
-                    item_id=item_id,
-                    output_index=0,
-                    content_index=0,
-                    delta=final.text[sent:],
-                    logprobs=[],
-                )
-                sent = len(final.text)
+            deltas, _ = shaper.deltas(final.text, final.finish_reason)
+            for event in output.feed(deltas):
+                yield event
         assert final is not None
-        if plain:
-            done = _message_item(final.text, "completed", item_id)
-            yield ev(
-                "response.output_text.done",
-                item_id=item_id,
-                output_index=0,
-                content_index=0,
-                text=final.text,
-                logprobs=[],
-            )
-            yield ev(
-                "response.content_part.done",
-                item_id=item_id,
-                output_index=0,
-                content_index=0,
-                part=done["content"][0],
-            )
-            yield ev("response.output_item.done", output_index=0, item=done)
-            items = [done]
-        else:
-            items = _output_items(plan, final.text)
-            for i, item in enumerate(items):
-                yield ev("response.output_item.added", output_index=i, item=item)
-                if item["type"] == "function_call":
-                    yield ev(
-                        "response.function_call_arguments.done",
-                        item_id=item["id"],
-                        output_index=i,
-                        arguments=item["arguments"],
-                    )
-                yield ev("response.output_item.done", output_index=i, item=item)
-        body = resp.finish(items, final.finish_reason, len(final.token_ids))
+        for event in output.close():
+            yield event
+        body = resp.finish(output.items, final.finish_reason, len(final.token_ids))
         kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
         yield ev(kind, response=body)
     except EngineDeadError as exc:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pagewarden.kernels.token_bitmask import apply_token_bitmask_
 from pagewarden.sampling_params import SamplingParams
 from pagewarden.sched.output import TokenLogprobs
 
@@ -71,32 +72,22 @@ class SamplerOutput:
 class TokenBitmask:
     """Which tokens the constrained rows of a batch may sample (``engine/grammar.py``).
 
-    ``rows`` (C,) are row indices into the batch; ``bits`` is (C, ceil(V / 32)) int32,
-    packed little-endian: token ``t`` is allowed in ``rows[i]`` when bit ``t % 32`` of
-    ``bits[i, t // 32]`` is set. Token ids past the vocabulary (padding) are never
-    allowed, whatever their bits say.
+    ``bits`` is (S, ceil(V / 32)) int32, one row per batch row, packed little-endian:
+    token ``t`` is allowed in row ``r`` when bit ``t % 32`` of ``bits[r, t // 32]`` is
+    set. Only the rows listed in ``rows`` (the constrained ones) are meaningful; the
+    others are never read. Token ids past the vocabulary (padding) are never allowed,
+    whatever their bits say.
     """
 
     rows: list[int]
     bits: Tensor
 
 
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)  # (32,)
-
-
 def apply_token_bitmask(logits: Tensor, mask: TokenBitmask) -> Tensor:
-    """``logits`` (S, V) with every token a constrained row may not sample at -inf
-    (a new tensor; rows not in ``mask.rows`` unchanged)."""
-    num_rows, vocab_size = logits.shape
-    bits = mask.bits.to(logits.device)  # (C, W)
-    assert bits.shape[1] * 32 >= vocab_size, "bitmask narrower than the vocabulary"
-    shifts = _BIT_SHIFTS.to(logits.device)
-    unpacked = (bits.unsqueeze(-1) >> shifts) & 1  # (C, W, 32)
-    allowed = unpacked.reshape(len(mask.rows), -1)[:, :vocab_size].bool()  # (C, V)
-    rows = torch.tensor(mask.rows, dtype=torch.int64, device=logits.device)  # (C,)
-    out = logits.clone()
-    out[rows] = logits[rows].masked_fill(~allowed, _MASK)
-    return out
+    """``logits`` (S, V) with every token a constrained row may not sample at -inf, in
+    place (rows not in ``mask.rows`` unchanged); returns ``logits``."""
+    apply_token_bitmask_(logits, mask.bits, mask.rows)
+    return logits
 
 
 def mix_seed(seed: int, sample_index: int) -> int:
@@ -311,8 +302,8 @@ class Sampler:
     ) -> SamplerOutput:
         """Sample a token for each row of ``logits`` (S, V >= vocab_size), any float dtype
         (widened to float32 except on the all-greedy fast path). ``bitmask``: the
-        grammar's allowed tokens for constrained rows, applied first (so logprobs, as
-        vLLM's, are those of the constrained distribution)."""
+        grammar's allowed tokens for constrained rows, applied first, in place on
+        ``logits`` (so logprobs, as vLLM's, are those of the constrained distribution)."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (
             f"logits {tuple(logits.shape)} does not match {len(rows)} rows"
         )

@@ -113,6 +113,77 @@ def test_function_tools_and_tool_results(client, srv):
     assert follow.output_text
 
 
+def _streamed_call(events: list) -> tuple:
+    """The one function call streamed in ``events``: its added event, argument deltas,
+    done event and done item; the events around it in Responses order."""
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"
+    start = kinds.index("response.output_item.added")
+    added = events[start]
+    assert added.item.type == "function_call" and added.item.arguments == ""
+    assert added.item.call_id.startswith("call_") and added.item.name == "get_weather"
+    deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    done = events[kinds.index("response.function_call_arguments.done")]
+    item_done = events[kinds.index("response.output_item.done")]
+    # the arguments stream between the item's added and done events, then it closes
+    assert kinds[start + 1 : start + 1 + len(deltas)] == [d.type for d in deltas]
+    assert kinds[start + 1 + len(deltas) :] == [
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert all(e.item_id == added.item.id and e.output_index == 0 for e in deltas + [done])
+    assert "".join(d.delta for d in deltas) == done.arguments == item_done.item.arguments
+    assert item_done.item.call_id == added.item.call_id and item_done.item.status == "completed"
+    final = events[-1].response.output
+    assert len(final) == 1 and final[0].arguments == done.arguments
+    assert final[0].call_id == added.item.call_id
+    return added, deltas, done
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "name": "get_weather"}], ids=["required", "named"]
+)
+def test_streamed_function_call_arrives_in_pieces(client, srv, choice):
+    tool = {"type": "function", **WEATHER_TOOL["function"]}
+    events = list(
+        client.responses.create(
+            model=srv.model,
+            input="Weather in Paris?",
+            tools=[tool],
+            tool_choice=choice,
+            parallel_tool_calls=False,  # one call, then the stop token
+            max_output_tokens=100,
+            temperature=1.0,
+            stream=True,
+        )
+    )
+    added, deltas, done = _streamed_call(events)
+    assert len(deltas) > 1  # generated over several steps, not sent whole
+    jsonschema.validate(json.loads(done.arguments), WEATHER_TOOL["function"]["parameters"])
+
+
+def test_stream_helper_assembles_the_call(client, srv):
+    tool = {"type": "function", **WEATHER_TOOL["function"]}
+    with client.responses.stream(
+        model=srv.model,
+        input="Weather in Paris?",
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=100,
+        temperature=1.0,
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    added, _, done = _streamed_call(events)
+    (call,) = final.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert call.call_id == added.item.call_id and call.arguments == done.arguments
+    jsonschema.validate(json.loads(call.arguments), WEATHER_TOOL["function"]["parameters"])
+
+
 def test_unsupported_is_400(srv):
     base = {"model": srv.model, "input": "hi"}
     for extra, needle in [

@@ -21,13 +21,14 @@ def _pack(allowed: torch.Tensor) -> torch.Tensor:
 def test_apply_matches_a_reference_and_leaves_other_rows():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 100, generator=g)
-    allowed = torch.rand(2, 100, generator=g) < 0.2
+    allowed = torch.rand(4, 100, generator=g) < 0.2
     allowed[:, 99] = True  # bit 3 of the last word, and bit 31 of some words below
     allowed[:, 31] = True
-    out = apply_token_bitmask(logits, TokenBitmask(rows=[1, 3], bits=_pack(allowed)))
+    allowed[[0, 2]] = False  # rows not listed: their bits are never read
     ref = logits.clone()
-    ref[1] = logits[1].masked_fill(~allowed[0], float("-inf"))
-    ref[3] = logits[3].masked_fill(~allowed[1], float("-inf"))
+    ref[1] = logits[1].masked_fill(~allowed[1], float("-inf"))
+    ref[3] = logits[3].masked_fill(~allowed[3], float("-inf"))
+    out = apply_token_bitmask(logits.clone(), TokenBitmask(rows=[1, 3], bits=_pack(allowed)))
     assert torch.equal(out, ref)
     assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
 
