@@ -54,6 +54,49 @@ def test_rms_norm_is_bitwise_the_torch_path(ext, dtype, t, h):
     assert_bitwise(ext.rms_norm(x, w, 1e-6), cpu_fused.rms_norm_reference(x, w, 1e-6))
 
 
+@pytest.mark.parametrize("t,h", [(1, 640), (64, 640), (3, 7), (4, 256)])
+def test_rms_norm_of_bf16_rows_by_a_float32_weight_is_bitwise_the_torch_path(ext, t, h):
+    """Gemma's (1 + w) stays float32; the bf16 rows are normalised in float32 against it."""
+    gen = torch.Generator().manual_seed(t + h)
+    w = torch.rand(h, generator=gen) + 0.5  # float32
+    for x in (torch.randn(t, h, generator=gen).bfloat16(), strided_rows(t, h, torch.bfloat16, gen)):
+        want = cpu_fused.rms_norm_reference(x, w, 1e-6)
+        assert_bitwise(ext.rms_norm(x, w, 1e-6), want)
+        assert_bitwise(cpu_fused.rms_norm(x, w, 1e-6), want)
+
+
+@pytest.mark.parametrize(
+    "dtype,wdtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+    ],
+)
+@pytest.mark.parametrize(
+    "t,n_q,n_kv,d", [(1, 4, 1, 256), (64, 4, 1, 256), (3, 6, 2, 8), (2, 2, 2, 80)]
+)
+def test_rms_norm_heads_normalises_q_and_k_in_place_bitwise(ext, dtype, wdtype, t, n_q, n_kv, d):
+    gen = torch.Generator().manual_seed(t * n_q * d)
+    qkv = (torch.randn(t, (n_q + 2 * n_kv) * d, generator=gen) * 3).to(dtype)  # [q k | v]
+    qk = qkv[:, : (n_q + n_kv) * d].view(t, n_q + n_kv, d)
+    w_q = (torch.rand(d, generator=gen) + 0.5).to(wdtype)
+    w_k = (torch.rand(d, generator=gen) + 0.5).to(wdtype)
+    want = torch.cat(
+        (
+            cpu_fused.rms_norm_reference(qk[:, :n_q].reshape(-1, d), w_q, 1e-6).view(t, n_q, d),
+            cpu_fused.rms_norm_reference(qk[:, n_q:].reshape(-1, d), w_k, 1e-6).view(t, n_kv, d),
+        ),
+        dim=1,
+    )
+    assert_bitwise(cpu_fused.rms_norm_heads_reference(qk.clone(), w_q, w_k, n_q, 1e-6), want)
+    before = qkv.clone()
+    out = cpu_fused.rms_norm_heads(qk, w_q, w_k, n_q, 1e-6)
+    assert out.data_ptr() == qk.data_ptr()  # in place
+    assert_bitwise(qk, want)
+    assert torch.equal(qkv[:, (n_q + n_kv) * d :], before[:, (n_q + n_kv) * d :])  # v untouched
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t,heads,d", [(1, 12, 64), (64, 12, 64), (3, 5, 80), (2, 3, 8), (5, 2, 6)])
 def test_rope_rotates_in_place_as_the_reference_does(ext, dtype, t, heads, d):

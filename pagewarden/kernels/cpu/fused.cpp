@@ -10,7 +10,12 @@ runs four to nine small ops (each its own OpenMP region). Layouts and loop order
       order torch's sum kernel adds a contiguous row (`cascade_sum_sq`), mean = sum / H,
       r = 1 / sqrt(mean + float(eps)), out = (x * r) * weight, each step rounded to
       float32 as torch's separate ops round it, then once to the output dtype: bitwise
-      the torch path (x.float(), F.rms_norm, .to(dtype)).
+      the torch path (x.float(), F.rms_norm, .to(dtype)). A bfloat16 x may take a
+      float32 weight (Gemma's 1 + w, kept in float32 as its norm computes it).
+  rms_norm_heads_(qk (T, NH, D), w_q (D,), w_k (D,), n_q, eps) -> qk, in place
+      the same per-row math over each head's D values (q/k norms): heads h < n_q scaled
+      by w_q, the others by w_k; qk's (NH, D) rows dense as for rope_, the weights
+      float32 or of qk's dtype. Bitwise rms_norm of the heads as (T * NH, D) rows.
   rope_(qk (T, NH, D), cos (T, D), sin_signed (T, D)) -> qk, in place
       qk inner (NH, D) dense (stride(2) == 1, stride(1) == D), any row stride: a view of
       the fused qkv GEMM output; cos and sin_signed contiguous, of qk's dtype. Per row t
@@ -44,6 +49,7 @@ the Python wrappers only call here when the layouts hold.
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "pool.h"
 
@@ -162,39 +168,83 @@ float cascade_sum_sq(const T* x, int64_t n) {
   return total;
 }
 
-template <typename T>
-void rms_norm_rows(const T* x, int64_t x_stride, const T* w, T* out, int64_t T_, int64_t H, float eps) {
+// One row: yr = (xr * r) * w with r = 1 / sqrt(mean(xr^2) + eps); yr may be xr.
+template <typename T, typename WT>
+inline void rms_norm_row(const T* xr, const WT* w, T* yr, int64_t H, float eps) {
+  float var = cascade_sum_sq(xr, H) / float(H);
+  const float r = 1.f / std::sqrt(var + eps);
+  const fVec rv(r);
+  int64_t j = 0;
+  for (; j + V <= H; j += V) store_f(yr + j, (load_f(xr + j) * rv) * load_f(w + j));
+  if (j < H) store_f(yr + j, (load_f(xr + j, H - j) * rv) * load_f(w + j, H - j), H - j);
+}
+
+template <typename T, typename WT>
+void rms_norm_rows(const T* x, int64_t x_stride, const WT* w, T* out, int64_t T_, int64_t H, float eps) {
   pw::parallel_ranges(0, T_, grain_rows(H, kNsRmsNorm), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const T* xr = x + t * x_stride;
-      T* yr = out + t * H;
-      float var = cascade_sum_sq(xr, H) / float(H);
-      const float r = 1.f / std::sqrt(var + eps);
-      const fVec rv(r);
-      int64_t j = 0;
-      for (; j + V <= H; j += V) store_f(yr + j, (load_f(xr + j) * rv) * load_f(w + j));
-      if (j < H) store_f(yr + j, (load_f(xr + j, H - j) * rv) * load_f(w + j, H - j), H - j);
-    }
+    for (int64_t t = begin; t < end; ++t) rms_norm_row(x + t * x_stride, w, out + t * H, H, eps);
   });
+}
+
+template <typename T, typename WT>
+void rms_norm_heads_rows(T* qk, int64_t row_stride, const WT* wq, const WT* wk, int64_t T_,
+                         int64_t NH, int64_t n_q, int64_t D, float eps) {
+  pw::parallel_ranges(0, T_, grain_rows(NH * D, kNsRmsNorm), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < NH; ++h) {
+        T* x = qk + t * row_stride + h * D;
+        rms_norm_row(x, h < n_q ? wq : wk, x, D, eps);
+      }
+  });
+}
+
+// f(T*, WT*) with x's and the weight's element types: (float, float), (bf16, bf16) or
+// (bf16, float).
+template <typename F>
+void dispatch_norm(const at::Tensor& x, const at::Tensor& w, const char* op, F f) {
+  const auto xt = x.scalar_type(), wt = w.scalar_type();
+  if (xt == at::kFloat && wt == at::kFloat) {
+    f(x.data_ptr<float>(), w.data_ptr<float>());
+  } else if (xt == at::kBFloat16 && wt == at::kBFloat16) {
+    f(x.data_ptr<BFloat16>(), w.data_ptr<BFloat16>());
+  } else if (xt == at::kBFloat16 && wt == at::kFloat) {
+    f(x.data_ptr<BFloat16>(), w.data_ptr<float>());
+  } else {
+    TORCH_CHECK(false, op, ": x float32 or bfloat16, weight of x's dtype or float32");
+  }
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be (T, H) with contiguous rows");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
               "rms_norm: weight must be contiguous (H,)");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight and x differ in dtype");
   auto out = at::empty({x.size(0), x.size(1)}, x.options());
   const int64_t T_ = x.size(0), H = x.size(1);
   // eps rounded to float as torch's add_(eps) on a float tensor rounds it
   const float eps_f = static_cast<float>(eps);
-  if (x.scalar_type() == at::kFloat) {
-    rms_norm_rows(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(), out.data_ptr<float>(), T_, H, eps_f);
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "rms_norm: float32 or bfloat16 only");
-    rms_norm_rows(x.data_ptr<BFloat16>(), x.stride(0), weight.data_ptr<BFloat16>(),
-                  out.data_ptr<BFloat16>(), T_, H, eps_f);
-  }
+  dispatch_norm(x, weight, "rms_norm", [&](auto* xp, auto* wp) {
+    using T = std::remove_pointer_t<decltype(xp)>;
+    rms_norm_rows(static_cast<const T*>(xp), x.stride(0), wp, out.data_ptr<T>(), T_, H, eps_f);
+  });
   return out;
+}
+
+at::Tensor rms_norm_heads_(at::Tensor qk, const at::Tensor& w_q, const at::Tensor& w_k,
+                           int64_t n_q, double eps) {
+  TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2),
+              "rms_norm_heads_: qk must be (T, NH, D) with dense (NH, D) rows");
+  const int64_t T_ = qk.size(0), NH = qk.size(1), D = qk.size(2);
+  TORCH_CHECK(n_q >= 0 && n_q <= NH, "rms_norm_heads_: n_q must be in [0, NH]");
+  for (const auto* w : {&w_q, &w_k})
+    TORCH_CHECK(w->dim() == 1 && w->size(0) == D && w->is_contiguous(),
+                "rms_norm_heads_: weights must be contiguous (D,)");
+  TORCH_CHECK(w_q.scalar_type() == w_k.scalar_type(), "rms_norm_heads_: weights differ in dtype");
+  dispatch_norm(qk, w_q, "rms_norm_heads_", [&](auto* xp, auto* wq) {
+    using WT = std::remove_const_t<std::remove_pointer_t<decltype(wq)>>;
+    rms_norm_heads_rows(xp, qk.stride(0), wq, w_k.data_ptr<WT>(), T_, NH, n_q, D,
+                        static_cast<float>(eps));
+  });
+  return qk;
 }
 
 template <typename T>
@@ -291,6 +341,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_pool", &pw::set_pool, "hand work items to the pool behind a cpu_pool capsule");
   m.def("rms_norm", &rms_norm, "RMSNorm of x (T, H) by weight (H,), bitwise the torch path");
+  m.def("rms_norm_heads_", &rms_norm_heads_, "RMSNorm of each head of qk (T, NH, D) in place");
   m.def("rope_", &rope_, "rotate-half RoPE of qk (T, NH, D) in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of gate_up (T, 2I) -> (T, I)");
   m.def("serial_us", [] { return serial_us; }, "calls estimated under this many us stay serial");
