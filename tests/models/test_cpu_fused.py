@@ -240,3 +240,53 @@ def test_model_layers_run_the_fused_ops(ext, monkeypatch, dtype):
         assert_bitwise(fused, plain)
     else:  # RoPE and SiLU*mul round once: close, not equal
         torch.testing.assert_close(fused, plain, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("s,v", [(1, 262144), (64, 1000), (3, 7), (5, 17)])
+def test_argmax_is_the_first_maximum_as_torch_max(ext, dtype, s, v):
+    gen = torch.Generator().manual_seed(s * v)
+    x = (torch.randn(s, v + 5, generator=gen) * 4).to(dtype)[:, 2 : v + 2]  # strided rows
+    x[0, v // 2] = x[0, v - 1] = x[0].max() + 1  # a tie: the first one wins
+    if s > 2:
+        x[1, 3 % v] = float("nan")  # a NaN is the maximum, as torch's max has it
+        x[2] = 0.0  # all equal
+    want = x.max(dim=-1).indices
+    assert torch.equal(ext.argmax_rows(x), want)
+    assert torch.equal(cpu_fused.argmax(x), want)
+
+
+def test_gemma_layers_run_the_fused_norms(ext, monkeypatch):
+    """Gemma's (1 + w) norms (float32 factors under bf16 rows) and q/k norms run in the
+    extension: 4 norms a layer plus the final one, and one rms_norm_heads_ a layer;
+    bitwise the torch path in float32, close to it in bfloat16 (RoPE rounds once)."""
+    from pagewarden.kernels.attention import AttentionMetadata
+    from pagewarden.models.gemma import GemmaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, hidden_act="gelu_tanh",
+        norm_offset=1.0, qk_norm=True, embed_scale=True, query_pre_attn_scalar=16,
+    )  # fmt: skip
+    ids = torch.tensor([3, 9, 27, 1, 5])
+    meta = AttentionMetadata.build([5], [0], [[1, 2]], list(range(4, 9)), 4, "cpu")
+    for dtype in DTYPES:
+        torch.manual_seed(0)
+        model = GemmaForCausalLM(config)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.3)
+        model.storage_dtype = torch.float32
+        model.use_compute_dtype(dtype)
+        caches = [torch.zeros(2, 3, 4, 1, 16, dtype=dtype) for _ in range(2)]
+        counting = CountingExt(ext)
+        counting.calls["rms_norm_heads_"] = 0
+        monkeypatch.setattr(cpu_fused, "_ext", counting)
+        fused = model(ids, torch.arange(5), caches, meta)
+        assert counting.calls["rms_norm"] == 9 and counting.calls["rms_norm_heads_"] == 2
+        monkeypatch.setattr(cpu_fused, "_ext", None)  # the torch path
+        plain = model(ids, torch.arange(5), [c.clone().zero_() for c in caches], meta)
+        if dtype == torch.float32:
+            assert_bitwise(fused, plain)
+        else:
+            torch.testing.assert_close(fused, plain, atol=0.1, rtol=0.05)

@@ -30,6 +30,13 @@ runs four to nine small ops (each its own OpenMP region). Layouts and loop order
       rounded once. exp is torch's vectorised one (Sleef, 1 ulp) on whole 2-vector chunks
       of a row and std::exp on the rest, as torch's silu kernel does on a strided row.
 
+  argmax_rows(x (S, V)) -> ids (S,) int64
+      x rows contiguous (any row stride), float32 or bfloat16. Per row, the index of its
+      first maximum, as x.max(dim=-1).indices (a NaN counts as the maximum: the first
+      NaN's index): one pass for the maximum (V lanes of float32, a NaN noted), one for
+      the first index holding it. Greedy sampling over a 262k vocabulary without torch's
+      bf16 reduction.
+
 All loops run over rows (tokens) outermost; runs of rows are the work items of the
 kernels' pool (pool.h), and a call whose estimated serial time is under serial_us
 stays on the calling thread: handing items to a sleeping thread (a futex wake, about 50
@@ -49,6 +56,7 @@ the Python wrappers only call here when the layouts hold.
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 #include "pool.h"
@@ -336,6 +344,52 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  fVec best(-std::numeric_limits<float>::infinity());
+  bool nan = false;
+  int64_t j = 0;
+  for (; j + V <= n; j += V) {
+    const fVec v = load_f(x + j);
+    nan |= v.isnan().zero_mask() != (1 << V) - 1;  // zero_mask: a bit per lane that is not NaN
+    best = at::vec::maximum(best, v);
+  }
+  alignas(64) float lanes[V];
+  best.store(lanes);
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < V; ++i) m = std::max(m, lanes[i]);
+  for (; j < n; ++j) {
+    const float v = float(x[j]);
+    nan |= std::isnan(v);
+    m = std::max(m, v);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = float(x[i]);
+    if (nan ? std::isnan(v) : v == m) return i;
+  }
+  return 0;  // an empty row (V == 0 is refused by the caller)
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0,
+              "argmax_rows: x must be (S, V) with contiguous rows, V > 0");
+  const int64_t S = x.size(0), n = x.size(1), stride = x.stride(0);
+  auto ids = at::empty({S}, x.options().dtype(at::kLong));
+  int64_t* out = ids.data_ptr<int64_t>();
+  auto run = [&](const auto* p) {
+    pw::parallel_ranges(0, S, grain_rows(n, kNsRmsNorm), [&](int64_t begin, int64_t end) {
+      for (int64_t s = begin; s < end; ++s) out[s] = argmax_row(p + s * stride, n);
+    });
+  };
+  if (x.scalar_type() == at::kFloat) {
+    run(x.data_ptr<float>());
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "argmax_rows: float32 or bfloat16 only");
+    run(x.data_ptr<BFloat16>());
+  }
+  return ids;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -343,6 +397,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of x (T, H) by weight (H,), bitwise the torch path");
   m.def("rms_norm_heads_", &rms_norm_heads_, "RMSNorm of each head of qk (T, NH, D) in place");
   m.def("rope_", &rope_, "rotate-half RoPE of qk (T, NH, D) in place");
+  m.def("argmax_rows", &argmax_rows, "index of each row's first maximum, as max(dim=-1)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of gate_up (T, 2I) -> (T, I)");
   m.def("serial_us", [] { return serial_us; }, "calls estimated under this many us stay serial");
   m.def("set_serial_us", [](double us) { serial_us = us; }, "for benchmarks");

@@ -171,6 +171,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return silu_mul_reference(gate_up)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """The index of each row's first maximum of x (S, V), int64 (S,): ``x.max(dim=-1)
+    .indices`` (a NaN is the maximum), one pass per row where the fused op runs."""
+    ext = _usable(x)
+    if ext is not None and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0:
+        return ext.argmax_rows(x)
+    return x.max(dim=-1).indices
+
+
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The torch path: float32 math (one fused call when everything is float32)."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
