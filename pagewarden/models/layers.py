@@ -2,8 +2,9 @@
 tables (default, linear, llama3, longrope, GGUF frequency factors), the gated MLP (SiLU
 or GELU-tanh), the attention layer that calls ``AttentionOps`` (q/k norms, biases,
 per-layer sliding window, soft-capping, ``query_pre_attn_scalar``) and the pre-norm
-decoder layer. They compute through ``kernels/cpu`` (packed GEMMs, fused RMSNorm, RoPE
-and SiLU*mul) where the math matches those kernels exactly, plain torch elsewhere.
+decoder layer. They compute through ``kernels/cpu`` (packed GEMMs, fused RMSNorm incl.
+q/k norms in place, RoPE, and SiLU*mul or GELU-tanh*mul, in bf16 inside the gate_up GEMM)
+where those kernels apply, plain torch elsewhere.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_fused.rms_norm(x, self.factor(), self.eps)  # one C++ pass on the CPU
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + self(x), the norm rounded before the add (fused on the CPU)."""
+        return cpu_fused.rms_norm_add(x, self.factor(), residual, self.eps)
 
 
 def _f64(values) -> torch.Tensor:

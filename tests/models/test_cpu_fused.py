@@ -257,8 +257,8 @@ def test_argmax_is_the_first_maximum_as_torch_max(ext, dtype, s, v):
 
 
 def test_gemma_layers_run_the_fused_norms(ext, monkeypatch):
-    """Gemma's (1 + w) norms (float32 factors under bf16 rows) and q/k norms run in the
-    extension: 4 norms a layer plus the final one, and one rms_norm_heads_ a layer;
+    """Gemma's (1 + w) norms (float32 factors under bf16 rows), post-norms with their
+    residual add and q/k norms run in the extension;
     bitwise the torch path in float32, close to it in bfloat16 (RoPE rounds once)."""
     from pagewarden.kernels.attention import AttentionMetadata
     from pagewarden.models.gemma import GemmaForCausalLM
@@ -280,13 +280,35 @@ def test_gemma_layers_run_the_fused_norms(ext, monkeypatch):
         model.use_compute_dtype(dtype)
         caches = [torch.zeros(2, 3, 4, 1, 16, dtype=dtype) for _ in range(2)]
         counting = CountingExt(ext)
-        counting.calls["rms_norm_heads_"] = 0
+        counting.calls.update(rms_norm_heads_=0, rms_norm_add=0)
         monkeypatch.setattr(cpu_fused, "_ext", counting)
         fused = model(ids, torch.arange(5), caches, meta)
-        assert counting.calls["rms_norm"] == 9 and counting.calls["rms_norm_heads_"] == 2
+        # a layer: 2 pre-norms, 2 post-norms with their residual add, 1 q/k norm call
+        calls = counting.calls
+        assert (calls["rms_norm"], calls["rms_norm_add"], calls["rms_norm_heads_"]) == (5, 4, 2)
         monkeypatch.setattr(cpu_fused, "_ext", None)  # the torch path
         plain = model(ids, torch.arange(5), [c.clone().zero_() for c in caches], meta)
         if dtype == torch.float32:
             assert_bitwise(fused, plain)
         else:
             torch.testing.assert_close(fused, plain, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize(
+    "dtype,wdtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+    ],
+)
+@pytest.mark.parametrize("t,h", [(1, 640), (64, 640), (3, 7), (5, 17)])
+def test_rms_norm_add_is_bitwise_the_norm_then_the_add(ext, dtype, wdtype, t, h):
+    """Gemma's post-norms: residual + norm(x), the norm rounded first, as torch rounds it."""
+    gen = torch.Generator().manual_seed(t * h + 1)
+    w = (torch.rand(h, generator=gen) + 0.5).to(wdtype)
+    res = strided_rows(t, h, dtype, gen)
+    for x in (torch.randn(t, h, generator=gen).to(dtype), strided_rows(t, h, dtype, gen)):
+        want = res + cpu_fused.rms_norm_reference(x, w, 1e-6)
+        assert_bitwise(ext.rms_norm_add(x, w, res, 1e-6), want)
+        assert_bitwise(cpu_fused.rms_norm_add(x, w, res, 1e-6), want)

@@ -12,6 +12,11 @@ runs four to nine small ops (each its own OpenMP region). Layouts and loop order
       float32 as torch's separate ops round it, then once to the output dtype: bitwise
       the torch path (x.float(), F.rms_norm, .to(dtype)). A bfloat16 x may take a
       float32 weight (Gemma's 1 + w, kept in float32 as its norm computes it).
+  rms_norm_add(x (T, H), weight (H,), residual (T, H), eps) -> out (T, H)
+      residual + rms_norm(x): the norm rounded to x's dtype, then added to the residual
+      in float32 and rounded again, as the torch path's separate add does (Gemma's
+      post-norms: x + post_norm(o_proj(...))); bitwise that path. residual's rows
+      contiguous (any row stride), of x's dtype.
   rms_norm_heads_(qk (T, NH, D), w_q (D,), w_k (D,), n_q, eps) -> qk, in place
       the same per-row math over each head's D values (q/k norms): heads h < n_q scaled
       by w_q, the others by w_k; qk's (NH, D) rows dense as for rope_, the weights
@@ -176,21 +181,32 @@ float cascade_sum_sq(const T* x, int64_t n) {
   return total;
 }
 
-// One row: yr = (xr * r) * w with r = 1 / sqrt(mean(xr^2) + eps); yr may be xr.
+// One row: yr = (xr * r) * w with r = 1 / sqrt(mean(xr^2) + eps), rounded to T, then
+// (res given) yr = res + yr, rounded again; yr may be xr.
 template <typename T, typename WT>
-inline void rms_norm_row(const T* xr, const WT* w, T* yr, int64_t H, float eps) {
+inline void rms_norm_row(const T* xr, const WT* w, T* yr, int64_t H, float eps,
+                         const T* res = nullptr) {
   float var = cascade_sum_sq(xr, H) / float(H);
   const float r = 1.f / std::sqrt(var + eps);
   const fVec rv(r);
   int64_t j = 0;
-  for (; j + V <= H; j += V) store_f(yr + j, (load_f(xr + j) * rv) * load_f(w + j));
-  if (j < H) store_f(yr + j, (load_f(xr + j, H - j) * rv) * load_f(w + j, H - j), H - j);
+  for (; j + V <= H; j += V) {
+    store_f(yr + j, (load_f(xr + j) * rv) * load_f(w + j));
+    if (res) store_f(yr + j, load_f(res + j) + load_f(yr + j));
+  }
+  if (j < H) {
+    const int64_t n = H - j;
+    store_f(yr + j, (load_f(xr + j, n) * rv) * load_f(w + j, n), n);
+    if (res) store_f(yr + j, load_f(res + j, n) + load_f(yr + j, n), n);
+  }
 }
 
 template <typename T, typename WT>
-void rms_norm_rows(const T* x, int64_t x_stride, const WT* w, T* out, int64_t T_, int64_t H, float eps) {
+void rms_norm_rows(const T* x, int64_t x_stride, const WT* w, T* out, int64_t T_, int64_t H,
+                   float eps, const T* res = nullptr, int64_t res_stride = 0) {
   pw::parallel_ranges(0, T_, grain_rows(H, kNsRmsNorm), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) rms_norm_row(x + t * x_stride, w, out + t * H, H, eps);
+    for (int64_t t = begin; t < end; ++t)
+      rms_norm_row(x + t * x_stride, w, out + t * H, H, eps, res ? res + t * res_stride : nullptr);
   });
 }
 
@@ -233,6 +249,24 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   dispatch_norm(x, weight, "rms_norm", [&](auto* xp, auto* wp) {
     using T = std::remove_pointer_t<decltype(xp)>;
     rms_norm_rows(static_cast<const T*>(xp), x.stride(0), wp, out.data_ptr<T>(), T_, H, eps_f);
+  });
+  return out;
+}
+
+at::Tensor rms_norm_add(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& residual,
+                        double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm_add: x must be (T, H) with contiguous rows");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
+              "rms_norm_add: weight must be contiguous (H,)");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.stride(1) == 1 &&
+                  residual.scalar_type() == x.scalar_type(),
+              "rms_norm_add: residual must be (T, H) rows of x's dtype");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  const int64_t T_ = x.size(0), H = x.size(1);
+  dispatch_norm(x, weight, "rms_norm_add", [&](auto* xp, auto* wp) {
+    using T = std::remove_pointer_t<decltype(xp)>;
+    rms_norm_rows(static_cast<const T*>(xp), x.stride(0), wp, out.data_ptr<T>(), T_, H,
+                  static_cast<float>(eps), residual.data_ptr<T>(), residual.stride(0));
   });
   return out;
 }
@@ -395,6 +429,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_pool", &pw::set_pool, "hand work items to the pool behind a cpu_pool capsule");
   m.def("rms_norm", &rms_norm, "RMSNorm of x (T, H) by weight (H,), bitwise the torch path");
+  m.def("rms_norm_add", &rms_norm_add, "residual + rms_norm(x), bitwise the torch path");
   m.def("rms_norm_heads_", &rms_norm_heads_, "RMSNorm of each head of qk (T, NH, D) in place");
   m.def("rope_", &rope_, "rotate-half RoPE of qk (T, NH, D) in place");
   m.def("argmax_rows", &argmax_rows, "index of each row's first maximum, as max(dim=-1)");

@@ -123,6 +123,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_reference(x, weight, eps)
 
 
+def rms_norm_add(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """residual + rms_norm(x, weight) (T, H): the norm rounded to x's dtype, then the
+    add, as two torch ops round them; one pass where the fused op runs."""
+    ext = _usable_norm(x, weight)
+    if (
+        ext is not None
+        and x.dim() == 2
+        and x.stride(1) == 1
+        and weight.is_contiguous()
+        and residual.shape == x.shape
+        and residual.dtype == x.dtype
+        and residual.device == x.device
+        and residual.stride(1) == 1
+        and not (torch.is_grad_enabled() and residual.requires_grad)
+    ):
+        return ext.rms_norm_add(x, weight, residual, eps)
+    return residual + rms_norm_reference(x, weight, eps)
+
+
 def rms_norm_heads(
     qk: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, n_q: int, eps: float
 ) -> torch.Tensor:
