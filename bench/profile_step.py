@@ -94,7 +94,7 @@ def instrument(engine: EngineCore, clock: PhaseClock) -> None:
     gemm = clock.wrap("GEMMs", layers.linear)
     layers.linear = gemma.linear = gemm
     layers.linear_add = clock.wrap("GEMMs", layers.linear_add)
-    layers.linear_silu_mul = clock.wrap("GEMMs", layers.linear_silu_mul)
+    layers.linear_gated = clock.wrap("GEMMs", layers.linear_gated)
     # The attention backend's ops (torch or triton), wrapped once per distinct object.
     ops = {id(m.ops): m.ops for m in model.modules() if isinstance(m, layers.Attention)}
     for op in ops.values():
@@ -141,12 +141,15 @@ def report(title: str, steps: list[tuple[float, dict[str, float]]]) -> None:
         print(f"  {phase:<12} {ms:8.2f} ms  {ms / (total * 1e3):6.1%}")
 
 
-def count_ops(engine: EngineCore) -> int:
-    """Aten ops dispatched by one engine step (top-level and nested)."""
+def count_ops(engine: EngineCore, top: int = 0) -> int:
+    """Aten ops dispatched by one engine step (top-level and nested); ``top`` > 0 also
+    prints the ops (and C++ extension calls) that took the most self CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         engine.step()
+    if top:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
     return sum(1 for e in prof.events() if e.name.startswith("aten::"))
 
 
@@ -159,6 +162,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--decode-steps", type=int, default=20)
     ap.add_argument("--ops", action="store_true", help="count aten ops of one decode step")
+    ap.add_argument("--top-ops", type=int, default=0, help="with --ops: print the N costliest")
     args = ap.parse_args()
 
     engine = make_engine(args)
@@ -190,7 +194,7 @@ def main() -> None:
     report(f"prefill step ({args.num_prompts} x {args.input_len} fresh tokens)", prefill)
     report(f"decode step (batch {args.num_prompts})", decode)
     if args.ops:
-        print(f"aten ops in one decode step: {count_ops(engine)}")
+        print(f"aten ops in one decode step: {count_ops(engine, args.top_ops)}")
 
 
 def _running(engine: EngineCore) -> list:

@@ -126,14 +126,8 @@ class DecoderForCausalLM(nn.Module):
                 p.data = p.data.to(dtype)
             # Weights packed once for the GEMM library (see kernels/cpu/linear.py).
             packing = cpu_linear.pick_packing(dtype, device)
-            gate_up = {
-                id(m.gate_up_proj)
-                for m in self.modules()
-                if isinstance(m, GatedMLP) and m.fused_silu
-            }
-            wide = {id(self.lm_head)} | {
-                id(m.gate_up_proj) for m in self.modules() if isinstance(m, GatedMLP)
-            }
+            gate_up = {id(m.gate_up_proj) for m in self.modules() if isinstance(m, GatedMLP)}
+            wide = {id(self.lm_head)} | gate_up
             for module in self.modules():
                 if isinstance(module, nn.Linear):
                     cpu_linear.pack(

@@ -47,9 +47,9 @@ class SandwichDecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, cache, meta) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)  # (T, q_size)
-        x = x + self.post_attention_layernorm(linear(self.self_attn.o_proj, attn))  # (T, hidden)
-        mlp = self.mlp(self.pre_feedforward_layernorm(x))
-        return x + self.post_feedforward_layernorm(mlp)
+        x = self.post_attention_layernorm.add_to(x, linear(self.self_attn.o_proj, attn))
+        mlp = self.mlp(self.pre_feedforward_layernorm(x))  # (T, hidden)
+        return self.post_feedforward_layernorm.add_to(x, mlp)
 
 
 class GemmaForCausalLM(DecoderForCausalLM):

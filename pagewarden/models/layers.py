@@ -2,8 +2,9 @@
 tables (default, linear, llama3, longrope, GGUF frequency factors), the gated MLP (SiLU
 or GELU-tanh), the attention layer that calls ``AttentionOps`` (q/k norms, biases,
 per-layer sliding window, soft-capping, ``query_pre_attn_scalar``) and the pre-norm
-decoder layer. They compute through ``kernels/cpu`` (packed GEMMs, fused RMSNorm, RoPE
-and SiLU*mul) where the math matches those kernels exactly, plain torch elsewhere.
+decoder layer. They compute through ``kernels/cpu`` (packed GEMMs, fused RMSNorm incl.
+q/k norms in place, RoPE, and SiLU*mul or GELU-tanh*mul, in bf16 inside the gate_up GEMM)
+where those kernels apply, plain torch elsewhere.
 """
 
 from __future__ import annotations
@@ -11,12 +12,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagewarden.kernels.attention import AttentionMetadata, AttentionOps, TorchAttention
 from pagewarden.kernels.cpu import fused as cpu_fused
-from pagewarden.kernels.cpu.linear import linear, linear_add, linear_silu_mul
+from pagewarden.kernels.cpu.linear import linear, linear_add, linear_gated
 from pagewarden.models.config import ModelConfig, Scaling, UnsupportedModelError, rope_type
 
 
@@ -36,15 +36,21 @@ class RMSNorm(nn.Module):
         if self.offset:
             self.scale = self.offset + self.weight.detach().float()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def factor(self) -> torch.Tensor:
+        """What x's normalised rows are multiplied by: weight, or offset + weight in float32."""
         if not self.offset:
-            return cpu_fused.rms_norm(x, self.weight, self.eps)  # one C++ pass on the CPU
+            return self.weight
         if self.scale is None:
             self.prepare()
         assert self.scale is not None
-        if x.dtype == torch.float32:
-            return cpu_fused.rms_norm(x, self.scale, self.eps)
-        return cpu_fused.rms_norm_reference(x, self.scale, self.eps)
+        return self.scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_fused.rms_norm(x, self.factor(), self.eps)  # one C++ pass on the CPU
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + self(x), the norm rounded before the add (fused on the CPU)."""
+        return cpu_fused.rms_norm_add(x, self.factor(), residual, self.eps)
 
 
 def _f64(values) -> torch.Tensor:
@@ -246,10 +252,10 @@ class Attention(nn.Module):
         qkv = linear(self.qkv_proj, x)  # (T, q_size + 2 * kv_size)
         # q and k are adjacent columns: one RoPE call rotates both.
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.n_heads + self.n_kv, d)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(qk[:, : self.n_heads].reshape(-1, d))  # (T * n_heads, D)
-            k = self.k_norm(qk[:, self.n_heads :].reshape(-1, d))  # (T * n_kv, D)
-            qk = torch.cat((q.view(t, self.n_heads, d), k.view(t, self.n_kv, d)), dim=1)
+        if self.q_norm is not None and self.k_norm is not None:  # per head, in place where fused
+            qk = cpu_fused.rms_norm_heads(
+                qk, self.q_norm.factor(), self.k_norm.factor(), self.n_heads, self.q_norm.eps
+            )
         q, k = apply_rope(qk, cos, sin).split([self.n_heads, self.n_kv], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.n_kv, d)  # (T, n_kv, D)
         self.ops.write_kv(cache, k, v, meta)
@@ -269,16 +275,12 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-        self.intermediate_size = c.intermediate_size
-        self.fused_silu = c.hidden_act == "silu"  # gate_up packed for linear_silu_mul
+        self.activation = c.hidden_act  # "silu" | "gelu_tanh"
 
     def act(self, x: torch.Tensor) -> torch.Tensor:
-        """act(gate) * up (T, intermediate), before down_proj: SiLU fused into the GEMM
-        where kernels/cpu/linear can, GELU-tanh (as torch's approximate="tanh") in torch."""
-        if self.fused_silu:
-            return linear_silu_mul(self.gate_up_proj, x)
-        gate, up = linear(self.gate_up_proj, x).split(self.intermediate_size, dim=-1)
-        return F.gelu(gate, approximate="tanh").mul_(up)
+        """act(gate) * up (T, intermediate), before down_proj: fused into the gate_up GEMM
+        where kernels/cpu/linear can (GELU-tanh as torch's approximate="tanh")."""
+        return linear_gated(self.gate_up_proj, x, self.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(self.down_proj, self.act(x))

@@ -6,7 +6,8 @@ Order of operations for each row (as vLLM v1 does it)::
       -> logit_bias (OpenAI's: added to the named tokens' logits)
       -> repetition / presence / frequency penalties
       -> logprobs (log_softmax of the penalized, untempered logits), when asked
-      -> greedy rows: max(dim=-1).indices (the first maximum, as argmax; faster on CPU)
+      -> greedy rows: the first maximum (kernels/cpu/fused.argmax: max(dim=-1).indices
+                      in one pass per row on the CPU)
       -> other rows: / temperature -> top_k -> top_p -> min_p (a truncated row keeps
                      only its candidates, at most a few hundred tokens) -> softmax
                      -> inverse CDF: the first token whose cumulative probability
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pagewarden.kernels.cpu import fused as cpu_fused
 from pagewarden.kernels.token_bitmask import apply_token_bitmask_
 from pagewarden.sampling_params import SamplingParams
 from pagewarden.sched.output import TokenLogprobs
@@ -321,7 +323,7 @@ class Sampler:
             for p in params
         ):
             # On the logits' own dtype: widening is exact, so the first maximum is the same.
-            greedy_ids = logits.max(dim=-1).indices.tolist()  # (S,)
+            greedy_ids = cpu_fused.argmax(logits).tolist()  # (S,) first maximum, as max()
             return SamplerOutput(token_ids=greedy_ids, logprobs=[None] * len(rows))
         logits = logits.float()
 
@@ -344,7 +346,7 @@ class Sampler:
 
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(random_rows) < len(rows):
-            token_ids = logits.max(dim=-1).indices  # (S,) correct for greedy rows
+            token_ids = cpu_fused.argmax(logits)  # (S,) correct for greedy rows
         else:
             token_ids = torch.empty(len(rows), dtype=torch.int64, device=device)
         if random_rows:

@@ -38,7 +38,8 @@ def _ulp(x: torch.Tensor) -> torch.Tensor:
 def _check(got: torch.Tensor, q, cache, meta, scale: float) -> None:
     """float32: equal to the torch path within 1e-5. bfloat16:
     - decode rows: within one ulp of the exact result (float32 attention over the same
-      bf16 K/V, rounded once), and no further from the torch path than that path is from
+      bf16 K/V, rounded once; plus 2^-20 of the largest output for float32 sums that
+      cancel to near zero), and no further from the torch path than that path is from
       the exact result plus one ulp (torch's bf16 SDPA rounds its probabilities to bf16
       before the V product; the decode kernel does not);
     - fresh rows (the kernel's fresh_attention where the CPU has AVX512-BF16, which also
@@ -58,8 +59,10 @@ def _check(got: torch.Tensor, q, cache, meta, scale: float) -> None:
     exact = paged_attention(q.to(cache.dtype).float(), cache.float(), meta, scale)
     kernel = decode | fresh
     g, r, e = got[kernel].float(), ref[kernel].float(), exact[kernel]
-    assert ((g - e).abs() <= _ulp(e)).all()
-    assert ((g - r).abs() <= (r - e).abs() + _ulp(e)).all()
+    # Plus float32's own summation error, for outputs that cancel down to near zero.
+    bound = _ulp(e) + 2**-20 * e.abs().amax()
+    assert ((g - e).abs() <= bound).all()
+    assert ((g - r).abs() <= (r - e).abs() + bound).all()
 
 
 def _context_lens(meta) -> list[int]:
@@ -68,7 +71,9 @@ def _context_lens(meta) -> list[int]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 4])
-@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim"), [(3, 3, 64), (2, 1, 16), (1, 4, 8)])
+@pytest.mark.parametrize(
+    ("num_kv_heads", "group", "head_dim"), [(3, 3, 64), (2, 1, 16), (1, 4, 8), (1, 4, 256)]
+)
 def test_attention_equals_the_torch_path(dtype, block_size, num_kv_heads, group, head_dim):
     step = make_step(
         QUERY_LENS,
@@ -83,7 +88,9 @@ def test_attention_equals_the_torch_path(dtype, block_size, num_kv_heads, group,
     _check(got, step.q, step.caches[0], step.meta, 0.3)
 
 
-@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim"), [(3, 3, 64), (2, 2, 128)])
+@pytest.mark.parametrize(
+    ("num_kv_heads", "group", "head_dim"), [(3, 3, 64), (2, 2, 128), (1, 4, 256), (2, 2, 256)]
+)
 def test_fresh_prompts_in_bf16(num_kv_heads, group, head_dim):
     """Fresh prompts across query tiles (1, 16, 17 and 37 tokens; two of 37 in one batch,
     so its tokens are picked through an index) beside decodes and a chunk."""

@@ -47,7 +47,7 @@ def test_float32_equals_the_reference(seed, block_size, num_kv_heads, group, hea
 
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize(
-    ("num_kv_heads", "group", "head_dim"), [(3, 3, 64), (2, 2, 128), (2, 1, 16)]
+    ("num_kv_heads", "group", "head_dim"), [(3, 3, 64), (2, 2, 128), (2, 1, 16), (1, 4, 256)]
 )
 def test_bfloat16_equals_the_reference(seed, num_kv_heads, group, head_dim):
     step, window, softcap = random_step(

@@ -54,6 +54,49 @@ def test_rms_norm_is_bitwise_the_torch_path(ext, dtype, t, h):
     assert_bitwise(ext.rms_norm(x, w, 1e-6), cpu_fused.rms_norm_reference(x, w, 1e-6))
 
 
+@pytest.mark.parametrize("t,h", [(1, 640), (64, 640), (3, 7), (4, 256)])
+def test_rms_norm_of_bf16_rows_by_a_float32_weight_is_bitwise_the_torch_path(ext, t, h):
+    """Gemma's (1 + w) stays float32; the bf16 rows are normalised in float32 against it."""
+    gen = torch.Generator().manual_seed(t + h)
+    w = torch.rand(h, generator=gen) + 0.5  # float32
+    for x in (torch.randn(t, h, generator=gen).bfloat16(), strided_rows(t, h, torch.bfloat16, gen)):
+        want = cpu_fused.rms_norm_reference(x, w, 1e-6)
+        assert_bitwise(ext.rms_norm(x, w, 1e-6), want)
+        assert_bitwise(cpu_fused.rms_norm(x, w, 1e-6), want)
+
+
+@pytest.mark.parametrize(
+    "dtype,wdtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+    ],
+)
+@pytest.mark.parametrize(
+    "t,n_q,n_kv,d", [(1, 4, 1, 256), (64, 4, 1, 256), (3, 6, 2, 8), (2, 2, 2, 80)]
+)
+def test_rms_norm_heads_normalises_q_and_k_in_place_bitwise(ext, dtype, wdtype, t, n_q, n_kv, d):
+    gen = torch.Generator().manual_seed(t * n_q * d)
+    qkv = (torch.randn(t, (n_q + 2 * n_kv) * d, generator=gen) * 3).to(dtype)  # [q k | v]
+    qk = qkv[:, : (n_q + n_kv) * d].view(t, n_q + n_kv, d)
+    w_q = (torch.rand(d, generator=gen) + 0.5).to(wdtype)
+    w_k = (torch.rand(d, generator=gen) + 0.5).to(wdtype)
+    want = torch.cat(
+        (
+            cpu_fused.rms_norm_reference(qk[:, :n_q].reshape(-1, d), w_q, 1e-6).view(t, n_q, d),
+            cpu_fused.rms_norm_reference(qk[:, n_q:].reshape(-1, d), w_k, 1e-6).view(t, n_kv, d),
+        ),
+        dim=1,
+    )
+    assert_bitwise(cpu_fused.rms_norm_heads_reference(qk.clone(), w_q, w_k, n_q, 1e-6), want)
+    before = qkv.clone()
+    out = cpu_fused.rms_norm_heads(qk, w_q, w_k, n_q, 1e-6)
+    assert out.data_ptr() == qk.data_ptr()  # in place
+    assert_bitwise(qk, want)
+    assert torch.equal(qkv[:, (n_q + n_kv) * d :], before[:, (n_q + n_kv) * d :])  # v untouched
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t,heads,d", [(1, 12, 64), (64, 12, 64), (3, 5, 80), (2, 3, 8), (5, 2, 6)])
 def test_rope_rotates_in_place_as_the_reference_does(ext, dtype, t, heads, d):
@@ -197,3 +240,75 @@ def test_model_layers_run_the_fused_ops(ext, monkeypatch, dtype):
         assert_bitwise(fused, plain)
     else:  # RoPE and SiLU*mul round once: close, not equal
         torch.testing.assert_close(fused, plain, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("s,v", [(1, 262144), (64, 1000), (3, 7), (5, 17)])
+def test_argmax_is_the_first_maximum_as_torch_max(ext, dtype, s, v):
+    gen = torch.Generator().manual_seed(s * v)
+    x = (torch.randn(s, v + 5, generator=gen) * 4).to(dtype)[:, 2 : v + 2]  # strided rows
+    x[0, v // 2] = x[0, v - 1] = x[0].max() + 1  # a tie: the first one wins
+    if s > 2:
+        x[1, 3 % v] = float("nan")  # a NaN is the maximum, as torch's max has it
+        x[2] = 0.0  # all equal
+    want = x.max(dim=-1).indices
+    assert torch.equal(ext.argmax_rows(x), want)
+    assert torch.equal(cpu_fused.argmax(x), want)
+
+
+def test_gemma_layers_run_the_fused_norms(ext, monkeypatch):
+    """Gemma's (1 + w) norms (float32 factors under bf16 rows), post-norms with their
+    residual add and q/k norms run in the extension;
+    bitwise the torch path in float32, close to it in bfloat16 (RoPE rounds once)."""
+    from pagewarden.kernels.attention import AttentionMetadata
+    from pagewarden.models.gemma import GemmaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, hidden_act="gelu_tanh",
+        norm_offset=1.0, qk_norm=True, embed_scale=True, query_pre_attn_scalar=16,
+    )  # fmt: skip
+    ids = torch.tensor([3, 9, 27, 1, 5])
+    meta = AttentionMetadata.build([5], [0], [[1, 2]], list(range(4, 9)), 4, "cpu")
+    for dtype in DTYPES:
+        torch.manual_seed(0)
+        model = GemmaForCausalLM(config)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.3)
+        model.storage_dtype = torch.float32
+        model.use_compute_dtype(dtype)
+        caches = [torch.zeros(2, 3, 4, 1, 16, dtype=dtype) for _ in range(2)]
+        counting = CountingExt(ext)
+        counting.calls.update(rms_norm_heads_=0, rms_norm_add=0)
+        monkeypatch.setattr(cpu_fused, "_ext", counting)
+        fused = model(ids, torch.arange(5), caches, meta)
+        # a layer: 2 pre-norms, 2 post-norms with their residual add, 1 q/k norm call
+        calls = counting.calls
+        assert (calls["rms_norm"], calls["rms_norm_add"], calls["rms_norm_heads_"]) == (5, 4, 2)
+        monkeypatch.setattr(cpu_fused, "_ext", None)  # the torch path
+        plain = model(ids, torch.arange(5), [c.clone().zero_() for c in caches], meta)
+        if dtype == torch.float32:
+            assert_bitwise(fused, plain)
+        else:
+            torch.testing.assert_close(fused, plain, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize(
+    "dtype,wdtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+    ],
+)
+@pytest.mark.parametrize("t,h", [(1, 640), (64, 640), (3, 7), (5, 17)])
+def test_rms_norm_add_is_bitwise_the_norm_then_the_add(ext, dtype, wdtype, t, h):
+    """Gemma's post-norms: residual + norm(x), the norm rounded first, as torch rounds it."""
+    gen = torch.Generator().manual_seed(t * h + 1)
+    w = (torch.rand(h, generator=gen) + 0.5).to(wdtype)
+    res = strided_rows(t, h, dtype, gen)
+    for x in (torch.randn(t, h, generator=gen).to(dtype), strided_rows(t, h, dtype, gen)):
+        want = res + cpu_fused.rms_norm_reference(x, w, 1e-6)
+        assert_bitwise(ext.rms_norm_add(x, w, res, 1e-6), want)
+        assert_bitwise(cpu_fused.rms_norm_add(x, w, res, 1e-6), want)

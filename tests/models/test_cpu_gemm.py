@@ -57,9 +57,31 @@ def test_gate_up_silu_mul_within_one_ulp_of_exact(m, half, k):
     gate_up = x.double() @ w.double().T
     gate, up = gate_up[:, :half], gate_up[:, half:]
     exact = gate * torch.sigmoid(gate) * up
-    out = cpu_gemm.gemm(x, cpu_gemm.pack_tiles(w, gate_up=True), 2 * half, silu_mul=True)
+    out = cpu_gemm.gemm(x, cpu_gemm.pack_tiles(w, gate_up=True), 2 * half, act="silu")
     assert out.shape == (m, half)
     assert_within_one_ulp(out, exact)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m, half, k", [(1, 64, 64), (6, 2048, 640), (13, 32, 18)])
+def test_gate_up_gelu_tanh_mul_within_one_ulp_of_exact(m, half, k):
+    torch.manual_seed(m + half + k)
+    x, w = bf16(m, k), bf16(2 * half, k, scale=0.3)
+    gate_up = x.double() @ w.double().T
+    gate, up = gate_up[:, :half], gate_up[:, half:]
+    inner = (2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate**3)
+    exact = 0.5 * gate * (1 + torch.tanh(inner)) * up
+    out = cpu_gemm.gemm(x, cpu_gemm.pack_tiles(w, gate_up=True), 2 * half, act="gelu_tanh")
+    assert out.shape == (m, half)
+    assert_within_one_ulp(out, exact)
+    # Through linear_gated: the fused kernel where the layer is packed, else GEMM + torch.
+    layer = torch.nn.Linear(k, 2 * half, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+    torch_path = cpu_linear.linear_gated(layer, x, "gelu_tanh")  # not packed: torch's gelu
+    torch.testing.assert_close(torch_path.double(), exact, atol=0.02, rtol=0.02)
+    cpu_linear.pack(layer, "tiles", gate_up=True)
+    assert torch.equal(cpu_linear.linear_gated(layer, x, "gelu_tanh"), out)
 
 
 @needs_kernel

@@ -174,7 +174,7 @@ class CpuAttention:
 
     def _fresh_kernel_fits(self, q, k, v, cache) -> bool:
         """Fresh prompts go through the kernel's ``fresh_attention`` (bf16 on AVX512-BF16,
-        head dim 64 or 128) when the step's q, K, V and cache are all bf16 rows with dense
+        head dim 64, 128 or 256) when the step's q, K, V and cache are all bf16 rows with dense
         heads; elsewhere through torch's causal SDPA."""
         head_dim = q.shape[2]
         if cache.dtype != torch.bfloat16 or not self._ext.has_fresh_attention(head_dim):

@@ -166,24 +166,28 @@ inline __m512 widen16(const bf16_bits* p) {  // 16 bf16 -> float32 (the top halv
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
 }
 
-// acc[g] += sum_o p[g, o] * v[o] for G heads of D = 16 * NC columns: the G * NC
-// accumulators in registers, each V row widened once and used by every head.
-template <int G, int NC>
+// acc[g] += sum_o p[g, o] * v[o] for G heads of D = 16 * NC * CH columns, in CH column
+// chunks of 16 * NC: a chunk's G * NC accumulators in registers, each V row's chunk
+// widened once and used by every head.
+template <int G, int NC, int CH = 1>
 void accumulate_bf16(const float* p, const bf16_bits* v, int64_t vs, float* acc, int64_t bs,
                      int64_t cnt) {
-  __m512 a[G][NC];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NC; ++c) a[g][c] = _mm512_loadu_ps(acc + (g * NC + c) * 16);
-  for (int64_t o = 0; o < cnt; ++o) {
-    __m512 row[NC];
-    for (int c = 0; c < NC; ++c) row[c] = widen16(v + o * vs + c * 16);
-    for (int g = 0; g < G; ++g) {
-      const __m512 pg = _mm512_set1_ps(p[g * bs + o]);
-      for (int c = 0; c < NC; ++c) a[g][c] = _mm512_fmadd_ps(pg, row[c], a[g][c]);
+  constexpr int64_t D = 16 * NC * CH;
+  for (int64_t c0 = 0; c0 < D; c0 += 16 * NC) {
+    __m512 a[G][NC];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < NC; ++c) a[g][c] = _mm512_loadu_ps(acc + g * D + c0 + c * 16);
+    for (int64_t o = 0; o < cnt; ++o) {
+      __m512 row[NC];
+      for (int c = 0; c < NC; ++c) row[c] = widen16(v + o * vs + c0 + c * 16);
+      for (int g = 0; g < G; ++g) {
+        const __m512 pg = _mm512_set1_ps(p[g * bs + o]);
+        for (int c = 0; c < NC; ++c) a[g][c] = _mm512_fmadd_ps(pg, row[c], a[g][c]);
+      }
     }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + g * D + c0 + c * 16, a[g][c]);
   }
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + (g * NC + c) * 16, a[g][c]);
 }
 
 using AccumulateBf16 = void (*)(const float*, const bf16_bits*, int64_t, float*, int64_t, int64_t);
@@ -204,6 +208,15 @@ inline AccumulateBf16 pick_accumulate_bf16(int64_t G, int64_t D) {
       case 1: return accumulate_bf16<1, 8>;
       case 2: return accumulate_bf16<2, 8>;
       case 3: return accumulate_bf16<3, 8>;
+    }
+  } else if (D == 256) {  // Gemma: four chunks of 64 columns
+    switch (G) {
+      case 1: return accumulate_bf16<1, 8, 2>;
+      case 2: return accumulate_bf16<2, 4, 4>;
+      case 3: return accumulate_bf16<3, 4, 4>;
+      case 4: return accumulate_bf16<4, 4, 4>;
+      case 5: return accumulate_bf16<5, 4, 4>;
+      case 6: return accumulate_bf16<6, 4, 4>;
     }
   }
   return nullptr;

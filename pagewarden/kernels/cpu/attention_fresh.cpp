@@ -103,7 +103,7 @@ void fresh_item(const bf16_bits* q, int64_t qs, const bf16_bits* k, int64_t ks,
         }
         store16(l, load16(l) * load16(alpha) + load16(row_sum));
         // O[i] = alpha O[i] + P[i] V in float32, R rows at a time: R * NC = 16
-        // independent accumulators hide the FMA latency.
+        // independent accumulators hide the FMA latency (R = 1 for D = 256).
         constexpr int R = 16 / NC;
         const float* vt = vf + kt * 16 * D;
         for (int64_t i0 = 0; i0 < r; i0 += R) {
@@ -137,7 +137,7 @@ void fresh_item(const bf16_bits* q, int64_t qs, const bf16_bits* k, int64_t ks,
 
 bool has_fresh_attention(int64_t head_dim) {
 #ifdef PW_BF16_KERNEL
-  return head_dim == 64 || head_dim == 128;
+  return head_dim == 64 || head_dim == 128 || head_dim == 256;
 #else
   (void)head_dim;
   return false;
@@ -149,7 +149,7 @@ void fresh_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      int64_t query_len, double scale, c10::optional<int64_t> sliding_window,
                      c10::optional<double> softcap) {
   const int64_t D = q.size(2), n_kv = k.size(1);
-  TORCH_CHECK(has_fresh_attention(D), "fresh_attention needs AVX512-BF16 and head dim 64 or 128");
+  TORCH_CHECK(has_fresh_attention(D), "fresh_attention needs AVX512-BF16 and head dim 64, 128 or 256");
   for (const at::Tensor* x : std::initializer_list<const at::Tensor*>{&q, &k, &v, &out})
     TORCH_CHECK(x->dim() == 3 && x->scalar_type() == at::kBFloat16 && x->stride(2) == 1 &&
                     x->stride(1) == D && x->size(2) == D,
@@ -191,7 +191,7 @@ void fresh_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     }
     const int64_t s = it / n_kv, h = it % n_kv;
     const int64_t* r = rows.data() + s * query_len;
-    auto run = D == 64 ? fresh_item<4> : fresh_item<8>;
+    auto run = D == 64 ? fresh_item<4> : D == 128 ? fresh_item<8> : fresh_item<16>;
     run(qp, q.stride(0), kp, k.stride(0), vp, v.stride(0), op, out.stride(0), r, query_len, G,
         h, float(scale), window, cap, kbuf.data(), vbuf.data(), qbuf.data(), obuf.data());
   });

@@ -10,7 +10,17 @@ runs four to nine small ops (each its own OpenMP region). Layouts and loop order
       order torch's sum kernel adds a contiguous row (`cascade_sum_sq`), mean = sum / H,
       r = 1 / sqrt(mean + float(eps)), out = (x * r) * weight, each step rounded to
       float32 as torch's separate ops round it, then once to the output dtype: bitwise
-      the torch path (x.float(), F.rms_norm, .to(dtype)).
+      the torch path (x.float(), F.rms_norm, .to(dtype)). A bfloat16 x may take a
+      float32 weight (Gemma's 1 + w, kept in float32 as its norm computes it).
+  rms_norm_add(x (T, H), weight (H,), residual (T, H), eps) -> out (T, H)
+      residual + rms_norm(x): the norm rounded to x's dtype, then added to the residual
+      in float32 and rounded again, as the torch path's separate add does (Gemma's
+      post-norms: x + post_norm(o_proj(...))); bitwise that path. residual's rows
+      contiguous (any row stride), of x's dtype.
+  rms_norm_heads_(qk (T, NH, D), w_q (D,), w_k (D,), n_q, eps) -> qk, in place
+      the same per-row math over each head's D values (q/k norms): heads h < n_q scaled
+      by w_q, the others by w_k; qk's (NH, D) rows dense as for rope_, the weights
+      float32 or of qk's dtype. Bitwise rms_norm of the heads as (T * NH, D) rows.
   rope_(qk (T, NH, D), cos (T, D), sin_signed (T, D)) -> qk, in place
       qk inner (NH, D) dense (stride(2) == 1, stride(1) == D), any row stride: a view of
       the fused qkv GEMM output; cos and sin_signed contiguous, of qk's dtype. Per row t
@@ -24,6 +34,13 @@ runs four to nine small ops (each its own OpenMP region). Layouts and loop order
       out[j] = (g / (1 + exp(-g))) * u with g = gate_up[j], u = gate_up[I + j], in float32,
       rounded once. exp is torch's vectorised one (Sleef, 1 ulp) on whole 2-vector chunks
       of a row and std::exp on the rest, as torch's silu kernel does on a strided row.
+
+  argmax_rows(x (S, V)) -> ids (S,) int64
+      x rows contiguous (any row stride), float32 or bfloat16. Per row, the index of its
+      first maximum, as x.max(dim=-1).indices (a NaN counts as the maximum: the first
+      NaN's index): one pass for the maximum (V lanes of float32, a NaN noted), one for
+      the first index holding it. Greedy sampling over a 262k vocabulary without torch's
+      bf16 reduction.
 
 All loops run over rows (tokens) outermost; runs of rows are the work items of the
 kernels' pool (pool.h), and a call whose estimated serial time is under serial_us
@@ -44,6 +61,8 @@ the Python wrappers only call here when the layouts hold.
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <type_traits>
 
 #include "pool.h"
 
@@ -162,39 +181,112 @@ float cascade_sum_sq(const T* x, int64_t n) {
   return total;
 }
 
-template <typename T>
-void rms_norm_rows(const T* x, int64_t x_stride, const T* w, T* out, int64_t T_, int64_t H, float eps) {
+// One row: yr = (xr * r) * w with r = 1 / sqrt(mean(xr^2) + eps), rounded to T, then
+// (res given) yr = res + yr, rounded again; yr may be xr.
+template <typename T, typename WT>
+inline void rms_norm_row(const T* xr, const WT* w, T* yr, int64_t H, float eps,
+                         const T* res = nullptr) {
+  float var = cascade_sum_sq(xr, H) / float(H);
+  const float r = 1.f / std::sqrt(var + eps);
+  const fVec rv(r);
+  int64_t j = 0;
+  for (; j + V <= H; j += V) {
+    store_f(yr + j, (load_f(xr + j) * rv) * load_f(w + j));
+    if (res) store_f(yr + j, load_f(res + j) + load_f(yr + j));
+  }
+  if (j < H) {
+    const int64_t n = H - j;
+    store_f(yr + j, (load_f(xr + j, n) * rv) * load_f(w + j, n), n);
+    if (res) store_f(yr + j, load_f(res + j, n) + load_f(yr + j, n), n);
+  }
+}
+
+template <typename T, typename WT>
+void rms_norm_rows(const T* x, int64_t x_stride, const WT* w, T* out, int64_t T_, int64_t H,
+                   float eps, const T* res = nullptr, int64_t res_stride = 0) {
   pw::parallel_ranges(0, T_, grain_rows(H, kNsRmsNorm), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const T* xr = x + t * x_stride;
-      T* yr = out + t * H;
-      float var = cascade_sum_sq(xr, H) / float(H);
-      const float r = 1.f / std::sqrt(var + eps);
-      const fVec rv(r);
-      int64_t j = 0;
-      for (; j + V <= H; j += V) store_f(yr + j, (load_f(xr + j) * rv) * load_f(w + j));
-      if (j < H) store_f(yr + j, (load_f(xr + j, H - j) * rv) * load_f(w + j, H - j), H - j);
-    }
+    for (int64_t t = begin; t < end; ++t)
+      rms_norm_row(x + t * x_stride, w, out + t * H, H, eps, res ? res + t * res_stride : nullptr);
   });
+}
+
+template <typename T, typename WT>
+void rms_norm_heads_rows(T* qk, int64_t row_stride, const WT* wq, const WT* wk, int64_t T_,
+                         int64_t NH, int64_t n_q, int64_t D, float eps) {
+  pw::parallel_ranges(0, T_, grain_rows(NH * D, kNsRmsNorm), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < NH; ++h) {
+        T* x = qk + t * row_stride + h * D;
+        rms_norm_row(x, h < n_q ? wq : wk, x, D, eps);
+      }
+  });
+}
+
+// f(T*, WT*) with x's and the weight's element types: (float, float), (bf16, bf16) or
+// (bf16, float).
+template <typename F>
+void dispatch_norm(const at::Tensor& x, const at::Tensor& w, const char* op, F f) {
+  const auto xt = x.scalar_type(), wt = w.scalar_type();
+  if (xt == at::kFloat && wt == at::kFloat) {
+    f(x.data_ptr<float>(), w.data_ptr<float>());
+  } else if (xt == at::kBFloat16 && wt == at::kBFloat16) {
+    f(x.data_ptr<BFloat16>(), w.data_ptr<BFloat16>());
+  } else if (xt == at::kBFloat16 && wt == at::kFloat) {
+    f(x.data_ptr<BFloat16>(), w.data_ptr<float>());
+  } else {
+    TORCH_CHECK(false, op, ": x float32 or bfloat16, weight of x's dtype or float32");
+  }
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be (T, H) with contiguous rows");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
               "rms_norm: weight must be contiguous (H,)");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight and x differ in dtype");
   auto out = at::empty({x.size(0), x.size(1)}, x.options());
   const int64_t T_ = x.size(0), H = x.size(1);
   // eps rounded to float as torch's add_(eps) on a float tensor rounds it
   const float eps_f = static_cast<float>(eps);
-  if (x.scalar_type() == at::kFloat) {
-    rms_norm_rows(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(), out.data_ptr<float>(), T_, H, eps_f);
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "rms_norm: float32 or bfloat16 only");
-    rms_norm_rows(x.data_ptr<BFloat16>(), x.stride(0), weight.data_ptr<BFloat16>(),
-                  out.data_ptr<BFloat16>(), T_, H, eps_f);
-  }
+  dispatch_norm(x, weight, "rms_norm", [&](auto* xp, auto* wp) {
+    using T = std::remove_pointer_t<decltype(xp)>;
+    rms_norm_rows(static_cast<const T*>(xp), x.stride(0), wp, out.data_ptr<T>(), T_, H, eps_f);
+  });
   return out;
+}
+
+at::Tensor rms_norm_add(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& residual,
+                        double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm_add: x must be (T, H) with contiguous rows");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
+              "rms_norm_add: weight must be contiguous (H,)");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.stride(1) == 1 &&
+                  residual.scalar_type() == x.scalar_type(),
+              "rms_norm_add: residual must be (T, H) rows of x's dtype");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  const int64_t T_ = x.size(0), H = x.size(1);
+  dispatch_norm(x, weight, "rms_norm_add", [&](auto* xp, auto* wp) {
+    using T = std::remove_pointer_t<decltype(xp)>;
+    rms_norm_rows(static_cast<const T*>(xp), x.stride(0), wp, out.data_ptr<T>(), T_, H,
+                  static_cast<float>(eps), residual.data_ptr<T>(), residual.stride(0));
+  });
+  return out;
+}
+
+at::Tensor rms_norm_heads_(at::Tensor qk, const at::Tensor& w_q, const at::Tensor& w_k,
+                           int64_t n_q, double eps) {
+  TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2),
+              "rms_norm_heads_: qk must be (T, NH, D) with dense (NH, D) rows");
+  const int64_t T_ = qk.size(0), NH = qk.size(1), D = qk.size(2);
+  TORCH_CHECK(n_q >= 0 && n_q <= NH, "rms_norm_heads_: n_q must be in [0, NH]");
+  for (const auto* w : {&w_q, &w_k})
+    TORCH_CHECK(w->dim() == 1 && w->size(0) == D && w->is_contiguous(),
+                "rms_norm_heads_: weights must be contiguous (D,)");
+  TORCH_CHECK(w_q.scalar_type() == w_k.scalar_type(), "rms_norm_heads_: weights differ in dtype");
+  dispatch_norm(qk, w_q, "rms_norm_heads_", [&](auto* xp, auto* wq) {
+    using WT = std::remove_const_t<std::remove_pointer_t<decltype(wq)>>;
+    rms_norm_heads_rows(xp, qk.stride(0), wq, w_k.data_ptr<WT>(), T_, NH, n_q, D,
+                        static_cast<float>(eps));
+  });
+  return qk;
 }
 
 template <typename T>
@@ -286,12 +378,61 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  fVec best(-std::numeric_limits<float>::infinity());
+  bool nan = false;
+  int64_t j = 0;
+  for (; j + V <= n; j += V) {
+    const fVec v = load_f(x + j);
+    nan |= v.isnan().zero_mask() != (1 << V) - 1;  // zero_mask: a bit per lane that is not NaN
+    best = at::vec::maximum(best, v);
+  }
+  alignas(64) float lanes[V];
+  best.store(lanes);
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < V; ++i) m = std::max(m, lanes[i]);
+  for (; j < n; ++j) {
+    const float v = float(x[j]);
+    nan |= std::isnan(v);
+    m = std::max(m, v);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = float(x[i]);
+    if (nan ? std::isnan(v) : v == m) return i;
+  }
+  return 0;  // an empty row (V == 0 is refused by the caller)
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0,
+              "argmax_rows: x must be (S, V) with contiguous rows, V > 0");
+  const int64_t S = x.size(0), n = x.size(1), stride = x.stride(0);
+  auto ids = at::empty({S}, x.options().dtype(at::kLong));
+  int64_t* out = ids.data_ptr<int64_t>();
+  auto run = [&](const auto* p) {
+    pw::parallel_ranges(0, S, grain_rows(n, kNsRmsNorm), [&](int64_t begin, int64_t end) {
+      for (int64_t s = begin; s < end; ++s) out[s] = argmax_row(p + s * stride, n);
+    });
+  };
+  if (x.scalar_type() == at::kFloat) {
+    run(x.data_ptr<float>());
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "argmax_rows: float32 or bfloat16 only");
+    run(x.data_ptr<BFloat16>());
+  }
+  return ids;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_pool", &pw::set_pool, "hand work items to the pool behind a cpu_pool capsule");
   m.def("rms_norm", &rms_norm, "RMSNorm of x (T, H) by weight (H,), bitwise the torch path");
+  m.def("rms_norm_add", &rms_norm_add, "residual + rms_norm(x), bitwise the torch path");
+  m.def("rms_norm_heads_", &rms_norm_heads_, "RMSNorm of each head of qk (T, NH, D) in place");
   m.def("rope_", &rope_, "rotate-half RoPE of qk (T, NH, D) in place");
+  m.def("argmax_rows", &argmax_rows, "index of each row's first maximum, as max(dim=-1)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of gate_up (T, 2I) -> (T, I)");
   m.def("serial_us", [] { return serial_us; }, "calls estimated under this many us stay serial");
   m.def("set_serial_us", [](double us) { serial_us = us; }, "for benchmarks");

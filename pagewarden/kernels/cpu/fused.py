@@ -2,7 +2,8 @@
 extension (``cpu_fused.cpp``) compiled with ``torch.utils.cpp_extension`` at first use.
 
 Each op does in one pass, and at most one OpenMP region, what the torch path does in
-four to nine ops; with sleeping OpenMP threads (``OMP_WAIT_POLICY=PASSIVE``) every op
+three to nine ops (``rms_norm_heads`` normalises q and k heads in place, where the torch
+path normalises copies and concatenates them); with sleeping OpenMP threads (``OMP_WAIT_POLICY=PASSIVE``) every op
 saved is a thread wake-up saved. Results: RMSNorm bitwise the torch path's in both
 dtypes. In float32, RoPE and SiLU*mul are bitwise the torch path's too (SiLU*mul where
 torch does not split a row between threads: its exp differs on a row's last elements).
@@ -106,12 +107,61 @@ def _usable(*tensors: torch.Tensor) -> ModuleType | None:
     return load()
 
 
+def _usable_norm(x: torch.Tensor, *weights: torch.Tensor) -> ModuleType | None:
+    """``_usable`` for a norm: weights of x's dtype, or float32 under a bfloat16 x
+    (Gemma's 1 + w, kept in float32)."""
+    if x.dtype == torch.bfloat16 and all(w.dtype == torch.float32 for w in weights):
+        return _usable(x) and _usable(*weights)
+    return _usable(x, *weights)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x (T, H) by weight (H,) -> (T, H), fused where it can be."""
-    ext = _usable(x, weight)
+    ext = _usable_norm(x, weight)
     if ext is not None and x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous():
         return ext.rms_norm(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
+
+
+def rms_norm_add(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """residual + rms_norm(x, weight) (T, H): the norm rounded to x's dtype, then the
+    add, as two torch ops round them; one pass where the fused op runs."""
+    ext = _usable_norm(x, weight)
+    if (
+        ext is not None
+        and x.dim() == 2
+        and x.stride(1) == 1
+        and weight.is_contiguous()
+        and residual.shape == x.shape
+        and residual.dtype == x.dtype
+        and residual.device == x.device
+        and residual.stride(1) == 1
+        and not (torch.is_grad_enabled() and residual.requires_grad)
+    ):
+        return ext.rms_norm_add(x, weight, residual, eps)
+    return residual + rms_norm_reference(x, weight, eps)
+
+
+def rms_norm_heads(
+    qk: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, n_q: int, eps: float
+) -> torch.Tensor:
+    """RMSNorm of each head of qk (T, NH, D): heads h < n_q by w_q (D,), the rest by
+    w_k (q and k norms). Where the fused op runs, qk is normalised in place and returned
+    (its (NH, D) rows must be dense, as for ``rope``); otherwise a new tensor."""
+    ext = _usable_norm(qk, w_q, w_k)
+    if (
+        ext is not None
+        and qk.dim() == 3
+        and qk.stride(2) == 1
+        and qk.stride(1) == qk.shape[2]
+        and w_q.dtype == w_k.dtype
+        and w_q.is_contiguous()
+        and w_k.is_contiguous()
+    ):
+        return ext.rms_norm_heads_(qk, w_q, w_k, n_q, eps)
+    return rms_norm_heads_reference(qk, w_q, w_k, n_q, eps)
 
 
 def rope(qk: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -142,11 +192,30 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return silu_mul_reference(gate_up)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """The index of each row's first maximum of x (S, V), int64 (S,): ``x.max(dim=-1)
+    .indices`` (a NaN is the maximum), one pass per row where the fused op runs."""
+    ext = _usable(x)
+    if ext is not None and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0:
+        return ext.argmax_rows(x)
+    return x.max(dim=-1).indices
+
+
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The torch path: float32 math (one fused call when everything is float32)."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+
+
+def rms_norm_heads_reference(
+    qk: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, n_q: int, eps: float
+) -> torch.Tensor:
+    """The torch path: the q and k heads normalised as (rows, D) copies, concatenated."""
+    t, _, d = qk.shape
+    q = rms_norm_reference(qk[:, :n_q].reshape(-1, d), w_q, eps).view(t, n_q, d)
+    k = rms_norm_reference(qk[:, n_q:].reshape(-1, d), w_k, eps).view(t, -1, d)
+    return torch.cat((q, k), dim=1)
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:

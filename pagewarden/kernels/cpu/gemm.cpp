@@ -1,6 +1,6 @@
 // bfloat16 GEMM for CPUs with AVX512-BF16: out (M, N) = x (M, K) @ W^T, float32 sums,
 // with the decoder's epilogues fused: + residual (o_proj, down_proj) and
-// silu(gate) * up (gate_up_proj).
+// act(gate) * up (gate_up_proj), act SiLU or GELU-tanh.
 //
 // Why: at the batch sizes a decode step runs (M = 1..256 rows) and the narrow layers of a
 // small model (N = 576..3072, K = 576..1536), oneDNN's bf16 GEMM reaches 200-300 GFLOP/s
@@ -12,11 +12,11 @@
 //     packed        (N_tiles, K / 2, 16, 2) bf16: column tile t holds output columns
 //                   [16 t, 16 t + 16), as pairs of consecutive k (the operand layout of
 //                   vdpbf16ps: one 64-byte load is one k pair of 16 columns); N padded
-//                   with zero columns to a multiple of 16. For silu_mul the tiles
+//                   with zero columns to a multiple of 16. For a gated act the tiles
 //                   alternate gate, up, gate, up (see cpu_linear.py).
-//     out           (M, N) or (M, N / 2) for silu_mul, bf16, contiguous
+//     out           (M, N) or (M, N / 2) for a gated act, bf16, contiguous
 //
-// Loop order: threads take the column tiles in groups of NR = 6 (silu_mul: 3 gate/up
+// Loop order: threads take the column tiles in groups of NR = 6 (gated: 3 gate/up
 // pairs), work items of the kernels' pool (pool.h), and run each group over every
 // MR = 4 rows of x; the micro-kernel holds the MR x NR accumulators (24 registers) over all of K, one k pair a
 // step: NR 64-byte loads of W, MR broadcasts of a 32-bit x pair, MR x NR vdpbf16ps. A
@@ -61,11 +61,22 @@ inline __m512 exp_nonpos(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
-// silu(g) * u = g * u / (1 + exp(-g)), with exp taken of -|g| only (no overflow).
-inline __m512 silu_mul(__m512 g, __m512 u) {
-  const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-  const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-  const __m512 num = _mm512_mask_mul_ps(g, neg, g, e);  // g >= 0: g;  g < 0: g e^g
+// The gated epilogues: none, silu(gate) * up, gelu_tanh(gate) * up.
+enum Act : int64_t { kNone = 0, kSilu = 1, kGeluTanh = 2 };
+
+// g * sigmoid(s) * u = g * u / (1 + exp(-s)), with exp taken of -|s| only (no overflow).
+// SiLU: s = g. GELU-tanh: 0.5 g (1 + tanh(z)) = g sigmoid(2 z), z = sqrt(2/pi) (g + 0.044715 g^3).
+template <Act A>
+inline __m512 gated(__m512 g, __m512 u) {
+  __m512 s = g;
+  if constexpr (A == kGeluTanh) {
+    const __m512 g2 = _mm512_mul_ps(g, g);
+    const __m512 inner = _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), g2, _mm512_set1_ps(1.0f));
+    s = _mm512_mul_ps(_mm512_mul_ps(g, inner), _mm512_set1_ps(1.5957691216057308f));
+  }
+  const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(s)));
+  const __mmask16 neg = _mm512_cmp_ps_mask(s, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __m512 num = _mm512_mask_mul_ps(g, neg, g, e);  // s >= 0: g;  s < 0: g e^s
   return _mm512_mul_ps(_mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
 }
 
@@ -85,7 +96,7 @@ struct Args {
   bf16_bits* out;
   int64_t ldout;
   int64_t n_out;  // columns of out
-  bool silu;
+  Act act;
 };
 
 // Rows [m0, m0 + R) x tiles [t0, t0 + C) of the product; writes their outputs.
@@ -110,11 +121,13 @@ void micro(const Args& a, int64_t m0, int64_t t0) {
   }
   for (int i = 0; i < R; ++i) {
     bf16_bits* o = a.out + (m0 + i) * a.ldout;
-    if (a.silu) {  // tiles alternate gate, up: tile pair j/2 is output tile t0/2 + j/2
+    if (a.act != kNone) {  // tiles alternate gate, up: tile pair j/2 is output tile t0/2 + j/2
       for (int j = 0; j + 1 < C; j += 2) {
         const int64_t col = (t0 + j) / 2 * 16;
         const __mmask16 mask = a.n_out - col >= 16 ? 0xFFFF : (1u << (a.n_out - col)) - 1;
-        _mm256_mask_storeu_epi16(o + col, mask, round_bf16(silu_mul(acc[i][j], acc[i][j + 1])));
+        const __m512 v = a.act == kSilu ? gated<kSilu>(acc[i][j], acc[i][j + 1])
+                                        : gated<kGeluTanh>(acc[i][j], acc[i][j + 1]);
+        _mm256_mask_storeu_epi16(o + col, mask, round_bf16(v));
       }
       continue;
     }
@@ -159,9 +172,10 @@ constexpr bool kHasKernel = false;
 
 bool has_kernel() { return kHasKernel; }
 
-// out = x @ W^T (+ residual) or silu(gate) * up, W packed as in the header.
+// out = x @ W^T (+ residual) or act(gate) * up (act 1: SiLU, 2: GELU-tanh), W packed as
+// in the header.
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& residual,
-                bool silu_mul) {
+                int64_t act) {
   TORCH_CHECK(kHasKernel, "cpu_gemm: this build has no AVX512-BF16 kernel");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x: (M, K) bf16 rows");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
@@ -169,15 +183,17 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const 
               "packed: (N_tiles, K / 2, 16, 2) bf16 matching x's K");
   const int64_t m = x.size(0), tiles = packed.size(0);
   TORCH_CHECK(x.size(1) % 2 == 0, "K must be even");
-  TORCH_CHECK(!silu_mul || (tiles % 2 == 0 && !residual), "silu_mul: gate/up tile pairs, no residual");
-  const int64_t n_out = silu_mul ? n / 2 : n;
-  TORCH_CHECK(n > 0 && (silu_mul ? tiles * 8 : tiles * 16) >= n_out && (silu_mul ? tiles * 8 : tiles * 16) < n_out + 16,
+  TORCH_CHECK(act >= 0 && act <= 2, "act: 0 (none), 1 (silu) or 2 (gelu_tanh)");
+  const bool gated_out = act != 0;  // (M, N / 2): act(gate) * up
+  TORCH_CHECK(!gated_out || (tiles % 2 == 0 && !residual), "gated act: gate/up tile pairs, no residual");
+  const int64_t n_out = gated_out ? n / 2 : n;
+  TORCH_CHECK(n > 0 && (gated_out ? tiles * 8 : tiles * 16) >= n_out && (gated_out ? tiles * 8 : tiles * 16) < n_out + 16,
               "n does not match the packed tiles");
   at::Tensor out = at::empty({m, n_out}, x.options());
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   Args a{reinterpret_cast<const bf16_bits*>(x.data_ptr()), x.stride(0),
          reinterpret_cast<const bf16_bits*>(packed.data_ptr()), packed.size(1), nullptr, 0,
-         reinterpret_cast<bf16_bits*>(out.data_ptr()), n_out, n_out, silu_mul};
+         reinterpret_cast<bf16_bits*>(out.data_ptr()), n_out, n_out, static_cast<Act>(act)};
   at::Tensor res;
   if (residual) {
     res = *residual;

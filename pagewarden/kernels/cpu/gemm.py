@@ -3,8 +3,8 @@
 ``kernels/cpu/linear`` uses it for every bf16 linear layer without a bias where the CPU has
 AVX512-BF16 (``available()``): weights packed once into vdpbf16ps column tiles
 (``pack_tiles``), o_proj and down_proj with their residual add fused, gate_up_proj with
-silu(gate) * up fused (its tiles interleaved gate, up, gate, up: ``pack_tiles(...,
-gate_up=True)``), so the (T, 2I) gate_up output is never written. Measured on a 2-core
+act(gate) * up fused, act SiLU or GELU-tanh (its tiles interleaved gate, up, gate, up:
+``pack_tiles(..., gate_up=True)``), so the (T, 2I) gate_up output is never written. Measured on a 2-core
 Zen 4 with the engine's ``OMP_WAIT_POLICY=PASSIVE`` (``bench/linear_prepack.py --packings
 tiles onednn --gemm-only``): the decoder's GEMMs of one step (with SiLU*mul) take 9.0 ms
 at 1 row where oneDNN's prepacked bf16 GEMM takes 18.5, 39.9 against 45.8 at 64 rows,
@@ -86,18 +86,23 @@ def pack_tiles(weight: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
     return w.view(-1, TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+#: The gated epilogues of a gate_up packing (``gemm``'s ``act``) -> the kernel's code.
+GATED_ACTS = {"silu": 1, "gelu_tanh": 2}
+
+
 def gemm(
     x: torch.Tensor,
     tiles: torch.Tensor,
     n: int,
     residual: torch.Tensor | None = None,
-    silu_mul: bool = False,
+    act: str | None = None,
 ) -> torch.Tensor | None:
-    """x (M, K) @ W^T (M, n) [+ residual], or silu(gate) * up (M, n / 2) for a gate_up
-    packing; None where x does not fit the kernel (not bf16 rows): use the fallback."""
+    """x (M, K) @ W^T (M, n) [+ residual], or act(gate) * up (M, n / 2) for a gate_up
+    packing (``act`` a key of ``GATED_ACTS``; GELU-tanh as torch's approximate="tanh");
+    None where x does not fit the kernel (not bf16 rows): use the fallback."""
     ext = load()
     if ext is None or x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1:
         return None
     if residual is not None and (residual.dtype != torch.bfloat16 or residual.stride(1) != 1):
         return None
-    return ext.gemm(x, tiles, n, residual, silu_mul)
+    return ext.gemm(x, tiles, n, residual, 0 if act is None else GATED_ACTS[act])

@@ -7,8 +7,8 @@ decode step's GEMM time at small batches. Three packings, chosen by ``pick_packi
 
     tiles    our own bf16 GEMM (``cpu_gemm``; AVX512-BF16 without AMX, where oneDNN
              keeps its AMX kernels): bf16 layers without a bias, o_proj and down_proj
-             with the residual add fused, gate_up_proj with silu(gate) * up fused
-             (``linear_silu_mul``); faster than oneDNN from 1 to 2048 rows on the
+             with the residual add fused, gate_up_proj with act(gate) * up fused
+             (``linear_gated``, act SiLU or GELU-tanh); faster than oneDNN from 1 to 2048 rows on the
              machine measured (a 2-core Zen 4). Layers it cannot take (a bias, an odd
              K) get the oneDNN packing.
     onednn   ``torch.ops.mkldnn._linear_pointwise`` over ``_reorder_linear_weight``: every
@@ -80,7 +80,7 @@ def pack(
 ) -> None:
     """Give ``layer`` a packed copy of its weight for ``packing`` (``wide``: a layer
     worth packing for one-row calls under ``mkl``; ``gate_up``: a [gate; up] layer called
-    through ``linear_silu_mul``); None removes any packed copy."""
+    through ``linear_gated``); None removes any packed copy."""
     unpack(layer)
     if _QUANT in layer.__dict__:
         return  # computes from its quantized weight
@@ -168,15 +168,27 @@ def linear_add(layer: nn.Linear, x: torch.Tensor, residual: torch.Tensor) -> tor
     return torch.addmm(residual, x, layer.weight.t())
 
 
-def linear_silu_mul(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up (T, I) of ``layer`` = [gate; up] (2I, in) applied to x (T, in):
-    one fused call where the layer was packed with ``gate_up=True``."""
+def linear_gated(layer: nn.Linear, x: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up (T, I) of ``layer`` = [gate; up] (2I, in) applied to x (T, in),
+    ``act`` "silu" or "gelu_tanh" (torch's approximate="tanh"): one fused call where the
+    layer was packed with ``gate_up=True``; else the GEMM, then the activation (SiLU*mul
+    fused, GELU-tanh in torch: two ops, each rounded)."""
     q = layer.__dict__.get(_QUANT)
-    if q is not None and layer.bias is None:
+    if act == "silu" and q is not None and layer.bias is None:
         return cpu_quant.gemm(x, q, silu_mul=True)
     tiles = layer.__dict__.get(_GATE_UP)
     if tiles is not None:
-        out = cpu_gemm.gemm(x, tiles, layer.out_features, silu_mul=True)
+        out = cpu_gemm.gemm(x, tiles, layer.out_features, act=act)
         if out is not None:
             return out
-    return cpu_fused.silu_mul(linear(layer, x))
+    if act == "silu":
+        return cpu_fused.silu_mul(linear(layer, x))
+    if act != "gelu_tanh":
+        raise ValueError(f"gated activation {act!r}: silu or gelu_tanh")
+    gate, up = linear(layer, x).split(layer.out_features // 2, dim=-1)
+    return F.gelu(gate, approximate="tanh").mul_(up)
+
+
+def linear_silu_mul(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``linear_gated(layer, x, "silu")``."""
+    return linear_gated(layer, x, "silu")
