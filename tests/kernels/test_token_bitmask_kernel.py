@@ -1,4 +1,4 @@
-"""The token-bitmask kernel (xgrammar's C++ CPU kernel) against its plain-torch reference:
+"""The token-bitmask kernels (the fused C++ op and xgrammar's CPU kernel) against its plain-torch reference:
 listed rows masked exactly, other rows untouched, strided logits and padded words."""
 
 from __future__ import annotations
@@ -6,11 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagewarden.kernels.cpu import fused as cpu_fused
 from pagewarden.kernels.token_bitmask import apply_token_bitmask_, apply_token_bitmask_reference_
 
 
+@pytest.mark.parametrize("kernel", ["fused", "xgrammar"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_kernel_matches_the_reference(dtype):
+def test_kernel_matches_the_reference(dtype, kernel, monkeypatch):
+    if kernel == "fused":
+        assert cpu_fused.load() is not None, "the fused CPU ops must build here"
+    else:  # the fallback where the fused op is not built
+        monkeypatch.setattr(cpu_fused, "mask_rows_", lambda *a: False)
     g = torch.Generator().manual_seed(0)
     vocab, width = 1000, 40  # 40 words cover 1280 tokens: the last words are padding
     wide = torch.randn(6, vocab + 24, generator=g).to(dtype)

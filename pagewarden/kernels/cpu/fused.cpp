@@ -41,6 +41,11 @@ runs four to nine small ops (each its own OpenMP region). Layouts and loop order
       NaN's index): one pass for the maximum (V lanes of float32, a NaN noted), one for
       the first index holding it. Greedy sampling over a 262k vocabulary without torch's
       bf16 reduction.
+  mask_rows_(x (S, V), bits (S, W) int32, rows) -> x, in place
+      the grammar's token bitmask (kernels/token_bitmask.py): for each listed row r,
+      x[r, t] = -inf where bit t % 32 of bits[r, t / 32] is clear; W * 32 >= V, bits
+      contiguous, x rows contiguous (any row stride), float32 or bfloat16. Words of all
+      ones are skipped, words of zeros filled whole, the rest bit by bit.
 
 All loops run over rows (tokens) outermost; runs of rows are the work items of the
 kernels' pool (pool.h), and a call whose estimated serial time is under serial_us
@@ -77,7 +82,7 @@ constexpr int64_t kMaxHeadDim = 1024;
 // bench/fused_elementwise.py --serial-us measures other values.
 double serial_us = 100.0;
 // Serial cost per output element (ns), measured on one Zen 4 core for bf16 and float32.
-constexpr double kNsRmsNorm = 0.3, kNsRope = 0.5, kNsSiluMul = 0.6;
+constexpr double kNsRmsNorm = 0.3, kNsRope = 0.5, kNsSiluMul = 0.6, kNsMask = 0.05;
 
 // Rows per work item, so that a call under serial_us stays serial.
 int64_t grain_rows(int64_t row_elems, double ns_per_elem) {
@@ -424,6 +429,47 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return ids;
 }
 
+
+template <typename T>
+void mask_row(T* x, const uint32_t* words, int64_t n) {
+  const T neg_inf = T(-std::numeric_limits<float>::infinity());
+  for (int64_t w = 0; w * 32 < n; ++w) {
+    const uint32_t word = words[w];
+    if (word == 0xFFFFFFFFu) continue;
+    const int64_t j0 = w * 32, len = std::min<int64_t>(32, n - j0);
+    if (word == 0) {
+      std::fill_n(x + j0, len, neg_inf);
+      continue;
+    }
+    for (int64_t b = 0; b < len; ++b)
+      if (!((word >> b) & 1u)) x[j0 + b] = neg_inf;
+  }
+}
+
+at::Tensor mask_rows_(at::Tensor x, const at::Tensor& bits, const std::vector<int64_t>& rows) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "mask_rows_: x must be (S, V), rows contiguous");
+  TORCH_CHECK(bits.dim() == 2 && bits.is_contiguous() && bits.scalar_type() == at::kInt,
+              "mask_rows_: bits must be contiguous (S, W) int32");
+  const int64_t S = x.size(0), n = x.size(1), stride = x.stride(0), W = bits.size(1);
+  TORCH_CHECK(bits.size(0) >= S && W * 32 >= n, "mask_rows_: bits narrower than x");
+  for (int64_t r : rows) TORCH_CHECK(r >= 0 && r < S, "mask_rows_: row out of range");
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(bits.data_ptr<int32_t>());
+  const int64_t R = static_cast<int64_t>(rows.size());
+  auto run = [&](auto* p) {
+    pw::parallel_ranges(0, R, grain_rows(n, kNsMask), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        mask_row(p + rows[i] * stride, words + rows[i] * W, n);
+    });
+  };
+  if (x.scalar_type() == at::kFloat) {
+    run(x.data_ptr<float>());
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "mask_rows_: float32 or bfloat16 only");
+    run(x.data_ptr<BFloat16>());
+  }
+  return x;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -433,6 +479,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_heads_", &rms_norm_heads_, "RMSNorm of each head of qk (T, NH, D) in place");
   m.def("rope_", &rope_, "rotate-half RoPE of qk (T, NH, D) in place");
   m.def("argmax_rows", &argmax_rows, "index of each row's first maximum, as max(dim=-1)");
+  m.def("mask_rows_", &mask_rows_, "the grammar's token bitmask on the listed rows, in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of gate_up (T, 2I) -> (T, I)");
   m.def("serial_us", [] { return serial_us; }, "calls estimated under this many us stay serial");
   m.def("set_serial_us", [](double us) { serial_us = us; }, "for benchmarks");

@@ -201,6 +201,23 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.max(dim=-1).indices
 
 
+def mask_rows_(x: torch.Tensor, bits: torch.Tensor, rows: list[int]) -> bool:
+    """The grammar's token bitmask (``kernels/token_bitmask.py``) on the listed rows of x
+    (S, V), in place, where the fused op runs: True when it ran, False to use another path."""
+    ext = _usable(x)
+    if (
+        ext is None
+        or x.dim() != 2
+        or x.stride(1) != 1
+        or bits.device.type != "cpu"
+        or bits.dtype != torch.int32
+        or not bits.is_contiguous()
+    ):
+        return False
+    ext.mask_rows_(x, bits, rows)
+    return True
+
+
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The torch path: float32 math (one fused call when everything is float32)."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
