@@ -106,7 +106,7 @@ def gemm_only(model, use, names: dict[bool, str], args: argparse.Namespace) -> N
     """Median ms of one pass over every decoder linear layer, per batch and packing."""
     import torch
 
-    from pagewarden.kernels.cpu.linear import linear, linear_add, linear_silu_mul
+    from pagewarden.kernels.cpu.linear import linear, linear_add, linear_gated
 
     cfg = model.config
     dtype = next(model.parameters()).dtype
@@ -117,7 +117,7 @@ def gemm_only(model, use, names: dict[bool, str], args: argparse.Namespace) -> N
             attn, mlp = layer.self_attn, layer.mlp
             linear(attn.qkv_proj, x)
             h = linear_add(attn.o_proj, x[:, : attn.q_size].contiguous(), x)
-            linear_add(mlp.down_proj, linear_silu_mul(mlp.gate_up_proj, h), x)
+            linear_add(mlp.down_proj, linear_gated(mlp.gate_up_proj, h, "silu"), x)
 
     with torch.inference_mode():
         for batch in args.batch:

@@ -4,7 +4,8 @@ A request's ``SamplingParams.structured_outputs`` (``structured_outputs.py``) is
 once per spec by a grammar back end (a table, ``GRAMMAR_BACKENDS``; xgrammar is the one
 entry, as in vLLM and SGLang) and each constrained request gets a matcher. Before every
 sampling step ``GrammarTable.bitmask`` fills one token bitmask for the batch's constrained
-rows (one xgrammar call for them all, on its own threads), which the sampler applies (``worker/sampler.py``, ``apply_token_bitmask``).
+rows (one xgrammar call for them all, on its own threads), which the sampler applies
+(``worker/sampler.py``, ``apply_token_bitmask``).
 
 Where the work runs:
 

@@ -135,7 +135,7 @@ def test_packed_linear_routes_and_matches_f_linear():
             atol=0.03, rtol=0.02,
         )  # fmt: skip
     torch.testing.assert_close(
-        cpu_linear.linear_silu_mul(gate_up, x).float(), silu_ref, atol=0.02, rtol=0.02
+        cpu_linear.linear_gated(gate_up, x, "silu").float(), silu_ref, atol=0.02, rtol=0.02
     )
     # Called plainly, an interleaved gate_up layer still computes [gate | up] in order.
     torch.testing.assert_close(cpu_linear.linear(gate_up, x).float(), gu, atol=0.02, rtol=0.02)

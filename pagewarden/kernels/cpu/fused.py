@@ -3,8 +3,8 @@ extension (``cpu_fused.cpp``) compiled with ``torch.utils.cpp_extension`` at fir
 
 Each op does in one pass, and at most one OpenMP region, what the torch path does in
 three to nine ops (``rms_norm_heads`` normalises q and k heads in place, where the torch
-path normalises copies and concatenates them); with sleeping OpenMP threads (``OMP_WAIT_POLICY=PASSIVE``) every op
-saved is a thread wake-up saved. Results: RMSNorm bitwise the torch path's in both
+path normalises copies and concatenates them); with sleeping OpenMP threads
+(``OMP_WAIT_POLICY=PASSIVE``) every op saved is a thread wake-up saved. Results: RMSNorm bitwise the torch path's in both
 dtypes. In float32, RoPE and SiLU*mul are bitwise the torch path's too (SiLU*mul where
 torch does not split a row between threads: its exp differs on a row's last elements).
 In bfloat16 they compute in float32 and round once, where the torch path rounds after
@@ -144,6 +144,12 @@ def rms_norm_add(
     return residual + rms_norm_reference(x, weight, eps)
 
 
+def _dense_heads(qk: torch.Tensor) -> bool:
+    """qk is (T, NH, D) with dense (NH, D) rows (any row stride): a view of the fused qkv
+    GEMM output, the layout the in-place head ops take."""
+    return qk.dim() == 3 and qk.stride(2) == 1 and qk.stride(1) == qk.shape[2]
+
+
 def rms_norm_heads(
     qk: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, n_q: int, eps: float
 ) -> torch.Tensor:
@@ -153,9 +159,7 @@ def rms_norm_heads(
     ext = _usable_norm(qk, w_q, w_k)
     if (
         ext is not None
-        and qk.dim() == 3
-        and qk.stride(2) == 1
-        and qk.stride(1) == qk.shape[2]
+        and _dense_heads(qk)
         and w_q.dtype == w_k.dtype
         and w_q.is_contiguous()
         and w_k.is_contiguous()
@@ -173,9 +177,7 @@ def rope(qk: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
     ext = _usable(qk, cos, sin_signed)
     if (
         ext is not None
-        and qk.dim() == 3
-        and qk.stride(2) == 1
-        and qk.stride(1) == qk.shape[2]
+        and _dense_heads(qk)
         and qk.shape[2] <= 1024
         and cos.is_contiguous()
         and sin_signed.is_contiguous()

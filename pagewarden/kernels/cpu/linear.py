@@ -8,8 +8,8 @@ decode step's GEMM time at small batches. Three packings, chosen by ``pick_packi
     tiles    our own bf16 GEMM (``cpu_gemm``; AVX512-BF16 without AMX, where oneDNN
              keeps its AMX kernels): bf16 layers without a bias, o_proj and down_proj
              with the residual add fused, gate_up_proj with act(gate) * up fused
-             (``linear_gated``, act SiLU or GELU-tanh); faster than oneDNN from 1 to 2048 rows on the
-             machine measured (a 2-core Zen 4). Layers it cannot take (a bias, an odd
+             (``linear_gated``, act SiLU or GELU-tanh); faster than oneDNN from 1 to
+             2048 rows on the machine measured (a 2-core Zen 4). Layers it cannot take (a bias, an odd
              K) get the oneDNN packing.
     onednn   ``torch.ops.mkldnn._linear_pointwise`` over ``_reorder_linear_weight``: every
              layer, any number of rows; the residual add of o_proj and down_proj is fused
@@ -187,8 +187,3 @@ def linear_gated(layer: nn.Linear, x: torch.Tensor, act: str) -> torch.Tensor:
         raise ValueError(f"gated activation {act!r}: silu or gelu_tanh")
     gate, up = linear(layer, x).split(layer.out_features // 2, dim=-1)
     return F.gelu(gate, approximate="tanh").mul_(up)
-
-
-def linear_silu_mul(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``linear_gated(layer, x, "silu")``."""
-    return linear_gated(layer, x, "silu")
