@@ -227,6 +227,17 @@ void rms_norm_heads_rows(T* qk, int64_t row_stride, const WT* wq, const WT* wk, 
   });
 }
 
+// f(T*) with x's element type, float32 or bfloat16.
+template <typename F>
+void dispatch_values(const at::Tensor& x, const char* op, F f) {
+  if (x.scalar_type() == at::kFloat) {
+    f(x.data_ptr<float>());
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, op, ": float32 or bfloat16 only");
+    f(x.data_ptr<BFloat16>());
+  }
+}
+
 // f(T*, WT*) with x's and the weight's element types: (float, float), (bf16, bf16) or
 // (bf16, float).
 template <typename F>
@@ -415,20 +426,13 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   const int64_t S = x.size(0), n = x.size(1), stride = x.stride(0);
   auto ids = at::empty({S}, x.options().dtype(at::kLong));
   int64_t* out = ids.data_ptr<int64_t>();
-  auto run = [&](const auto* p) {
+  dispatch_values(x, "argmax_rows", [&](const auto* p) {
     pw::parallel_ranges(0, S, grain_rows(n, kNsRmsNorm), [&](int64_t begin, int64_t end) {
       for (int64_t s = begin; s < end; ++s) out[s] = argmax_row(p + s * stride, n);
     });
-  };
-  if (x.scalar_type() == at::kFloat) {
-    run(x.data_ptr<float>());
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "argmax_rows: float32 or bfloat16 only");
-    run(x.data_ptr<BFloat16>());
-  }
+  });
   return ids;
 }
-
 
 template <typename T>
 void mask_row(T* x, const uint32_t* words, int64_t n) {
@@ -455,18 +459,12 @@ at::Tensor mask_rows_(at::Tensor x, const at::Tensor& bits, const std::vector<in
   for (int64_t r : rows) TORCH_CHECK(r >= 0 && r < S, "mask_rows_: row out of range");
   const uint32_t* words = reinterpret_cast<const uint32_t*>(bits.data_ptr<int32_t>());
   const int64_t R = static_cast<int64_t>(rows.size());
-  auto run = [&](auto* p) {
+  dispatch_values(x, "mask_rows_", [&](auto* p) {
     pw::parallel_ranges(0, R, grain_rows(n, kNsMask), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i)
         mask_row(p + rows[i] * stride, words + rows[i] * W, n);
     });
-  };
-  if (x.scalar_type() == at::kFloat) {
-    run(x.data_ptr<float>());
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "mask_rows_: float32 or bfloat16 only");
-    run(x.data_ptr<BFloat16>());
-  }
+  });
   return x;
 }
 
