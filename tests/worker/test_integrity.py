@@ -50,9 +50,10 @@ def _reference_block_sum(caches: list[torch.Tensor], block_id: int) -> int:
         [[k & MASK64 for k in row] for row in layer]
         for layer in _limb_keys(len(caches), limbs_per_row, torch.device("cpu")).tolist()
     ]
-    okeys = [k & MASK64 for k in _offset_keys(BLOCK_SIZE, torch.device("cpu")).tolist()]
+    block_size = caches[0].shape[2]
+    okeys = [k & MASK64 for k in _offset_keys(block_size, torch.device("cpu")).tolist()]
     total = 0
-    for o in range(BLOCK_SIZE):
+    for o in range(block_size):
         slot = 0
         for layer, cache in enumerate(caches):
             for kv in range(2):
@@ -64,19 +65,19 @@ def _reference_block_sum(caches: list[torch.Tensor], block_id: int) -> int:
     return total - (1 << 64) if total >> 63 else total
 
 
-@pytest.fixture(params=["numba", "torch"])
+@pytest.fixture(params=["cpp", "torch"])
 def kernel(request, monkeypatch) -> str:
-    """Run a test once with the numba CPU kernels and once with the torch kernels."""
-    if request.param == "numba" and not integrity_cpu.AVAILABLE:
-        pytest.fail("numba is a declared dependency and must be installed")
-    monkeypatch.setattr(integrity_cpu, "enabled", request.param == "numba")
+    """Run a test once with the C++ CPU kernels and once with the torch kernels."""
+    if request.param == "cpp":
+        assert integrity_cpu.available(), "the C++ checksum kernel did not build here"
+    monkeypatch.setattr(integrity_cpu, "enabled", request.param == "cpp")
     return request.param
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matches_pure_python_mod_2_64_reference(dtype: torch.dtype, kernel: str) -> None:
     caches = _caches(dtype)
-    assert integrity_cpu.usable(caches) == (kernel == "numba")
+    assert integrity_cpu.usable(caches) == (kernel == "cpp")
     got = block_checksums(caches, torch.tensor([2, 5])).tolist()
     assert got == [_reference_block_sum(caches, 2), _reference_block_sum(caches, 5)]
     slot_got = slot_checksums(caches, torch.tensor([2 * BLOCK_SIZE + 1]))
@@ -88,25 +89,69 @@ def test_matches_pure_python_mod_2_64_reference(dtype: torch.dtype, kernel: str)
     assert int(block_checksums(lone, torch.tensor([3]))) == int(slot_got * okey)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_numba_and_torch_kernels_agree(dtype: torch.dtype, monkeypatch) -> None:
-    if not integrity_cpu.AVAILABLE:
-        pytest.fail("numba is a declared dependency and must be installed")
-    g = torch.Generator().manual_seed(7)
-    caches = [torch.randn(2, 20, 16, 3, 64, generator=g).to(dtype) for _ in range(5)]
-    ids = torch.randint(0, 20, (40,), generator=g)  # repeats allowed
-    slots = torch.randint(0, 20 * 16, (33,), generator=g)
+def _both_kernels(caches, ids, slots, monkeypatch) -> None:
+    """The C++ and the torch kernels give the same block and slot sums, bit for bit."""
     results = {}
     for on in (True, False):
         monkeypatch.setattr(integrity_cpu, "enabled", on)
+        assert integrity_cpu.usable(caches) == on
         results[on] = (block_checksums(caches, ids), slot_checksums(caches, slots))
     assert torch.equal(results[True][0], results[False][0])
     assert torch.equal(results[True][1], results[False][1])
+
+
+# (heads, dim): rows of 96 (16-bit) or 192 (fp32) limbs, whole AVX-512 steps of 16; 9 or
+# 15 limbs (one step of 8, then a scalar tail); 2 or 4 limbs (scalar only).
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,dim", [(3, 64), (3, 5), (1, 4)])
+def test_cpp_and_torch_kernels_agree(dtype: torch.dtype, heads: int, dim: int, monkeypatch) -> None:
+    if dtype != torch.float32 and heads * dim % 2:
+        dim += 1  # a slot row of 16-bit elements needs an even count for 32-bit limbs
+    g = torch.Generator().manual_seed(7)
+    # Large values too: limbs near +-2^31 exercise the sign extension and the wrap.
+    caches = [(torch.randn(2, 20, 16, heads, dim, generator=g) * 1e30).to(dtype) for _ in range(5)]
+    ids = torch.randint(0, 20, (40,), generator=g)  # repeats allowed
+    slots = torch.randint(0, 20 * 16, (33,), generator=g)
+    _both_kernels(caches, ids, slots, monkeypatch)
+    # Blocks at odd offsets and the pool's last block and slot; int32 ids, 2-D ids.
+    _both_kernels(
+        caches,
+        torch.tensor([[19, 1], [7, 0]], dtype=torch.int32),
+        torch.tensor([319, 17, 0, 301]),
+        monkeypatch,
+    )
+
+
+def test_cpp_kernel_reads_the_int32_limbs_of_any_layout(monkeypatch) -> None:
+    # An int32 cache (every limb its own value, extremes included) and a one-layer pool
+    # with a block size of 1.
+    g = torch.Generator().manual_seed(3)
+    caches = [torch.randint(-(2**31), 2**31 - 1, (2, 9, 1, 7), generator=g, dtype=torch.int32)]
+    caches[0][0, 4, 0, 0] = -(2**31)
+    caches[0][1, 4, 0, 6] = 2**31 - 1
+    _both_kernels(caches, torch.arange(9), torch.arange(9).flip(0), monkeypatch)
+    monkeypatch.setattr(integrity_cpu, "enabled", True)
+    assert block_checksums(caches, torch.tensor([4])).tolist() == [_reference_block_sum(caches, 4)]
+
+
+def test_without_the_cpp_kernel_the_torch_kernels_run(monkeypatch) -> None:
+    # Where the extension cannot build (load() is None), checksums keep the torch path.
+    caches = _caches(torch.bfloat16)
+    want = block_checksums(caches, torch.tensor([1, 6]))
+    monkeypatch.setattr(integrity_cpu.checksum, "load", lambda: None)
+    assert not integrity_cpu.usable(caches)
+    assert torch.equal(block_checksums(caches, torch.tensor([1, 6])), want)
+
+
+def test_cpp_kernel_refuses_out_of_range_ids(monkeypatch) -> None:
+    caches = _caches(torch.bfloat16)
     monkeypatch.setattr(integrity_cpu, "enabled", True)
     with pytest.raises(IndexError, match="block id"):
-        block_checksums(caches, torch.tensor([3, 20]))
+        block_checksums(caches, torch.tensor([3, NUM_BLOCKS]))
     with pytest.raises(IndexError, match="slot"):
         slot_checksums(caches, torch.tensor([-1]))
+    assert block_checksums(caches, torch.tensor([], dtype=torch.int64)).shape == (0,)
+    assert slot_checksums(caches, torch.tensor([], dtype=torch.int64)).shape == (0,)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
