@@ -12,7 +12,8 @@ SDPA on the gathered K/V before it is timed:
     numba in place     `decode_in_place` below: reads blocks through the block table,
                        no gathered copy, query heads grouped per kv head
 
-Prints the median time per call of each and its ratio to what pagewarden runs.
+Prints the median time per call of each and its ratio to what pagewarden runs. Needs numba,
+which pagewarden no longer depends on (``pip install numba``).
 """
 
 from __future__ import annotations
