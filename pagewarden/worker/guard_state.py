@@ -26,9 +26,9 @@ from pagewarden.worker.integrity import (
     ROOT_TAG,
     SlotTags,
     block_checksums,
-    mix64,
     slot_checksums,
 )
+from pagewarden.worker.tag_chains import TagChains
 
 IntegrityLevel = Literal["off", "audit", "standard", "strict"]
 INTEGRITY_LEVELS: tuple[str, ...] = ("off", "audit", "standard", "strict")
@@ -80,8 +80,7 @@ class GuardState:
         self.slot_sums = torch.zeros(n_slots, dtype=torch.int64, device=device)
         self.block_sums = torch.zeros(self.num_blocks, dtype=torch.int64, device=device)
         self.sealed = torch.zeros(self.num_blocks, dtype=torch.bool, device=device)
-        self._chains: dict[str, list[int]] = {}  # req_id -> tag of each position
-        self._chain_tensors: dict[str, torch.Tensor] = {}
+        self.chains = TagChains(root_tag)  # req_id -> tag of each position
         self._seen: set[str] = set()  # requests whose context was verified
         self._scrub_cursor = 1
         self._swapped_in: set[int] = set()  # blocks verified on arrival this step
@@ -115,43 +114,16 @@ class GuardState:
     def forget(self, req_ids) -> None:
         """Drop per-request state (finished, preempted or rolled back requests)."""
         for rid in req_ids:
-            self._chains.pop(rid, None)
-            self._chain_tensors.pop(rid, None)
+            self.chains.forget(rid)
             self._seen.discard(rid)
-
-    def _chain_tensor(self, req: ScheduledRequest, upto: int) -> torch.Tensor:
-        """``_chain`` as an int64 tensor, (upto,); converted once per position."""
-        chain = self._chain(req, upto)
-        cached = self._chain_tensors.get(req.req_id)
-        if cached is None or cached.numel() < upto:
-            have = 0 if cached is None else cached.numel()
-            extra = torch.tensor(chain[have:], dtype=torch.int64)
-            cached = extra if cached is None else torch.cat([cached, extra])
-            self._chain_tensors[req.req_id] = cached
-        return cached[:upto]
 
     def _chain(self, req: ScheduledRequest, upto: int) -> list[int]:
         """Tags of ``req``'s token chain for positions ``[0, upto)`` (cached, extended)."""
-        chain = self._chains.get(req.req_id)
-        if chain is None:
-            chain = self._chains[req.req_id] = []
-        if len(chain) < upto:
-            prompt, output = req.prompt_token_ids, req.output_token_ids
-            n_prompt = len(prompt)
-            tag = chain[-1] if chain else self.root_tag
-            for p in range(len(chain), upto):
-                token = prompt[p] if p < n_prompt else output[p - n_prompt]
-                tag = mix64(tag, token, p)
-                chain.append(tag)
-        return chain
+        return self.chains.chain(req, upto)
 
     def _expected_tags(self, reqs: list[ScheduledRequest]) -> torch.Tensor:
         """(S, max stop) int64: the tag of each request's token chain at each position."""
-        lens = [r.positions.stop for r in reqs]
-        expected = torch.zeros(len(reqs), max(lens), dtype=torch.int64)
-        for i, r in enumerate(reqs):
-            expected[i, : lens[i]] = self._chain_tensor(r, lens[i])
-        return expected
+        return self.chains.expected(reqs)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Mirror ``KVStore.copy_blocks``: the copy carries tags, slot sums and seal."""

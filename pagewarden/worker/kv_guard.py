@@ -100,11 +100,9 @@ class KVGuard(ChecksumChecks):
         if not self.tags_on or out.is_empty:
             return
         bs = self.block_size
-        tags: list[torch.Tensor] = []
         new_blocks: list[int] = []
         for r in out.requests:
             start, stop = r.positions.start, r.positions.stop
-            tags.append(self._chain_tensor(r, stop)[start:stop])
             first = (start + bs - 1) // bs  # blocks that start inside this step
             new_blocks.extend(r.block_table[first : (stop + bs - 1) // bs])
         if new_blocks:
@@ -112,7 +110,7 @@ class KVGuard(ChecksumChecks):
             self.sealed[fresh_ids] = False
             self.tags.tags[fresh_ids] = 0
         meta.slot_tags = self.tags.tags.view(-1)
-        meta.new_tags = torch.cat(tags).to(self.tags.tags.device)  # (T,)
+        meta.new_tags = self.chains.new_tags(list(out.requests)).to(self.tags.tags.device)  # (T,)
         if self.fused_reads:
             expected = self._expected_tags(list(out.requests))
             n_kv = self.caches[0].shape[3]
@@ -234,29 +232,32 @@ class KVGuard(ChecksumChecks):
         token t of sequence i at position p:
         slot_mapping[t] == block_index[i * max_blocks + p // bs] * bs + p % bs
         """
-        bs = self.block_size
-        device = meta.slot_mapping.device
-        q_lens = torch.tensor([len(r.positions) for r in reqs], dtype=torch.int64)  # (S,)
-        starts = torch.tensor([r.positions.start for r in reqs], dtype=torch.int64)  # (S,)
-        seq = torch.repeat_interleave(torch.arange(len(reqs)), q_lens)  # (T,)
-        first_token = torch.cumsum(q_lens, 0) - q_lens  # (S,)
-        pos = starts[seq] + torch.arange(seq.numel()) - first_token[seq]  # (T,)
-        row = (seq * meta.max_blocks + pos // bs).to(device)  # (T,)
-        expected = meta.block_index[row] * bs + (pos % bs).to(device)  # (T,)
-        wrong = (expected != meta.slot_mapping).nonzero().view(-1)
-        if not wrong.numel():
+        bs, width = self.block_size, meta.max_blocks
+        # Plain lists: a decode step has one token per request, and a handful of torch
+        # ops over 64 tokens cost more than the comparisons.
+        index = meta.block_index.tolist()  # (S * max_blocks,)
+        written = meta.slot_mapping.tolist()  # (T,)
+        wrong: list[tuple[int, int, int, int]] = []  # (request, position, token, expected)
+        t = 0
+        for i, r in enumerate(reqs):
+            for p in r.positions:
+                expected = index[i * width + p // bs] * bs + p % bs
+                if written[t] != expected:
+                    wrong.append((i, p, t, expected))
+                t += 1
+        assert t == len(written), f"slot_mapping has {len(written)} entries for {t} tokens"
+        if not wrong:
             return []
-        wrong_cpu = wrong.cpu()
-        meant = (expected[wrong] // bs).tolist()
-        went = (meta.slot_mapping[wrong] // bs).tolist()
+        meant = [e // bs for *_, e in wrong]
+        went = [written[t] // bs for _, _, t, _ in wrong]
         rollback: dict[str, int] = {}
-        for t in wrong_cpu.tolist():
-            rid, p = reqs[int(seq[t])].req_id, int(pos[t])
+        for i, p, _, _ in wrong:
+            rid = reqs[i].req_id
             rollback[rid] = min(rollback.get(rid, p), (p // bs) * bs)
-        t0 = int(wrong_cpu[0])
+        i0, p0, _, _ = wrong[0]
         detail = (
-            f"{wrong.numel()} token(s) written to a slot attention does not read them from; "
-            f"first: request {reqs[int(seq[t0])].req_id} position {int(pos[t0])} went to "
+            f"{len(wrong)} token(s) written to a slot attention does not read them from; "
+            f"first: request {reqs[i0].req_id} position {p0} went to "
             f"block {went[0]} instead of block {meant[0]}"
         )
         blocks = tuple(sorted(set(meant) | set(went)))

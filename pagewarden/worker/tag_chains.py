@@ -1,0 +1,122 @@
+"""The slot tag of every position of each live request's token chain (``KVGuard``'s).
+
+Each request's chain is a Python list, extended as the request grows (``chain``; one
+``mix64`` per new position), and mirrored in one int64 table with a row per live
+request, so that a step's expected tags come out of it in one gather (``expected``)
+instead of one copy per request::
+
+    rows:  {"a": 0, "b": 1}            table (rows, cols) int64, grown by doubling
+    table[0, :synced["a"]] == chain("a")[:synced["a"]]
+    expected([b, a]) -> [[chain b, 0 ...], [chain a, 0 ...]]   (S, max stop), 0 past stop
+
+Invariant: ``table[rows[r], p] == chains[r][p]`` for every ``p < synced[r]``; entries at
+or past ``synced[r]`` hold whatever an earlier owner of the row left and are never read
+(``expected`` zeroes every entry at or past a request's stop, and ``stop <= synced``
+after it syncs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagewarden.sched.output import ScheduledRequest
+from pagewarden.worker.integrity import mix64
+
+
+class TagChains:
+    """Per-request tag chains, as lists and as rows of one table."""
+
+    def __init__(self, root_tag: int) -> None:
+        self.root_tag = root_tag
+        self._lists: dict[str, list[int]] = {}  # req_id -> tag of each position
+        self._rows: dict[str, int] = {}  # req_id -> its row of the table
+        self._synced: dict[str, int] = {}  # req_id -> positions copied into the table
+        self._free: list[int] = []
+        self._next_row = 0
+        self.table = torch.zeros(0, 0, dtype=torch.int64)
+
+    def forget(self, req_id: str) -> None:
+        """Drop a request's chain (finished, preempted, rolled back) and free its row."""
+        self._lists.pop(req_id, None)
+        self._synced.pop(req_id, None)
+        row = self._rows.pop(req_id, None)
+        if row is not None:
+            self._free.append(row)
+
+    def chain(self, req: ScheduledRequest, upto: int) -> list[int]:
+        """Tags of ``req``'s token chain for positions ``[0, upto)`` (cached, extended;
+        may be longer than ``upto``)."""
+        chain = self._lists.get(req.req_id)
+        if chain is None:
+            chain = self._lists[req.req_id] = []
+        if len(chain) < upto:
+            prompt, output = req.prompt_token_ids, req.output_token_ids
+            n_prompt = len(prompt)
+            tag = chain[-1] if chain else self.root_tag
+            for p in range(len(chain), upto):
+                token = prompt[p] if p < n_prompt else output[p - n_prompt]
+                tag = mix64(tag, token, p)
+                chain.append(tag)
+        return chain
+
+    def new_tags(self, reqs: list[ScheduledRequest]) -> torch.Tensor:
+        """(T,) int64: the tags of the positions each request writes in this step, in
+        order (positions ``[start, stop)`` of each)."""
+        tags: list[int] = []
+        for r in reqs:
+            start, stop = r.positions.start, r.positions.stop
+            tags.extend(self.chain(r, stop)[start:stop])
+        return torch.tensor(tags, dtype=torch.int64)
+
+    def expected(self, reqs: list[ScheduledRequest]) -> torch.Tensor:
+        """(S, max stop) int64: the tag of each request's token chain at each position,
+        0 at and past the request's stop."""
+        stops = [r.positions.stop for r in reqs]
+        rows = self._sync(reqs, stops)
+        width = max(stops)
+        expected = self.table[torch.tensor(rows, dtype=torch.int64), :width]  # a copy
+        past = torch.arange(width) >= torch.tensor(stops).unsqueeze(1)  # (S, width)
+        return expected.masked_fill_(past, 0)
+
+    def _sync(self, reqs: list[ScheduledRequest], stops: list[int]) -> list[int]:
+        """Each request's row, its chain copied into it up to its stop (one scatter)."""
+        rows: list[int] = []
+        at_rows: list[int] = []
+        at_cols: list[int] = []
+        values: list[int] = []
+        for r, stop in zip(reqs, stops):
+            row = self._rows.get(r.req_id)
+            if row is None:
+                row = self._free.pop() if self._free else self._take_row()
+                self._rows[r.req_id] = row
+            rows.append(row)
+            have = self._synced.get(r.req_id, 0)
+            if have < stop:
+                values.extend(self.chain(r, stop)[have:stop])
+                at_rows.extend([row] * (stop - have))
+                at_cols.extend(range(have, stop))
+                self._synced[r.req_id] = stop
+        self._grow(self._next_row, max(stops))
+        if values:
+            index = (torch.tensor(at_rows), torch.tensor(at_cols))
+            self.table.index_put_(index, torch.tensor(values, dtype=torch.int64))
+        return rows
+
+    def _take_row(self) -> int:
+        self._next_row += 1
+        return self._next_row - 1
+
+    def _grow(self, rows: int, cols: int) -> None:
+        """Make the table at least (rows, cols), doubling what is short."""
+        have_rows, have_cols = self.table.shape
+        if rows <= have_rows and cols <= have_cols:
+            return
+        new_rows = max(have_rows, 8)
+        while new_rows < rows:
+            new_rows *= 2
+        new_cols = max(have_cols, 64)
+        while new_cols < cols:
+            new_cols *= 2
+        table = torch.zeros(new_rows, new_cols, dtype=torch.int64)
+        table[:have_rows, :have_cols] = self.table
+        self.table = table

@@ -1,0 +1,55 @@
+"""TagChains: per-request tag chains as lists and as rows of one table."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from pagewarden.worker.integrity import ROOT_TAG, token_chain_tags
+from pagewarden.worker.tag_chains import TagChains
+
+
+def _req(rid: str, tokens: list[int], start: int, stop: int, n_prompt: int) -> SimpleNamespace:
+    return SimpleNamespace(
+        req_id=rid,
+        prompt_token_ids=tokens[:n_prompt],
+        output_token_ids=tokens[n_prompt:],
+        positions=range(start, stop),
+    )
+
+
+def _want(tokens: list[int], stop: int, width: int) -> list[int]:
+    return token_chain_tags(ROOT_TAG, tokens[:stop], 0) + [0] * (width - stop)
+
+
+def test_expected_and_new_tags_follow_each_chain_as_requests_grow_and_leave() -> None:
+    chains = TagChains(ROOT_TAG)
+    a, b = list(range(100, 190)), list(range(500, 503))
+    # Step 1: a prefills 70 of its 90 tokens, b all 3 of its own.
+    step = [_req("a", a, 0, 70, 80), _req("b", b, 0, 3, 3)]
+    assert chains.new_tags(step).tolist() == _want(a, 70, 70) + _want(b, 3, 3)
+    assert chains.expected(step).tolist() == [_want(a, 70, 70), _want(b, 3, 70)]
+    # Step 2: a's next 20 (past the table's first 64 columns), b decodes one.
+    step = [_req("b", b + [7], 3, 4, 3), _req("a", a, 70, 90, 80)]
+    assert chains.new_tags(step).tolist() == [_want(b + [7], 4, 4)[3]] + _want(a, 90, 90)[70:]
+    assert chains.expected(step).tolist() == [_want(b + [7], 4, 90), _want(a, 90, 90)]
+    # a leaves; c takes its row and must not see a's tags past its own stop.
+    chains.forget("a")
+    c = [9, 8]
+    step = [_req("c", c, 0, 2, 2), _req("b", b + [7, 6], 4, 5, 3)]
+    got = chains.expected(step)
+    assert got.tolist() == [_want(c, 2, 5), _want(b + [7, 6], 5, 5)]
+    assert got.dtype == torch.int64
+    # A rolled-back request (forgotten) starts its chain again from its tokens.
+    chains.forget("b")
+    other = [1, 2, 3, 4, 5]
+    assert chains.expected([_req("b", other, 0, 5, 5)]).tolist() == [_want(other, 5, 5)]
+
+
+def test_rows_grow_past_the_first_table() -> None:
+    chains = TagChains(ROOT_TAG)
+    step = [_req(str(i), [i, i + 1], 0, 2, 2) for i in range(20)]  # 20 rows > 8
+    got = chains.expected(step)
+    assert got.tolist() == [_want([i, i + 1], 2, 2) for i in range(20)]
+    assert chains.table.shape[0] >= 20
