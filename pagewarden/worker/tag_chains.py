@@ -72,34 +72,36 @@ class TagChains:
         """(S, max stop) int64: the tag of each request's token chain at each position,
         0 at and past the request's stop."""
         stops = [r.positions.stop for r in reqs]
-        rows = self._sync(reqs, stops)
+        rows = torch.tensor(self._sync(reqs, stops), dtype=torch.int64)
         width = max(stops)
-        expected = self.table[torch.tensor(rows, dtype=torch.int64), :width]  # a copy
+        # index_select and index_copy_, not advanced indexing: in the engine's process
+        # the latter measured ~100x slower at these sizes (3 ms for 64 x 256).
+        expected = self.table.index_select(0, rows)[:, :width].contiguous()  # (S, width)
         past = torch.arange(width) >= torch.tensor(stops).unsqueeze(1)  # (S, width)
         return expected.masked_fill_(past, 0)
 
     def _sync(self, reqs: list[ScheduledRequest], stops: list[int]) -> list[int]:
         """Each request's row, its chain copied into it up to its stop (one scatter)."""
         rows: list[int] = []
-        at_rows: list[int] = []
-        at_cols: list[int] = []
-        values: list[int] = []
-        for r, stop in zip(reqs, stops):
+        for r in reqs:
             row = self._rows.get(r.req_id)
             if row is None:
                 row = self._free.pop() if self._free else self._take_row()
                 self._rows[r.req_id] = row
             rows.append(row)
+        self._grow(self._next_row, max(stops))
+        cols = self.table.shape[1]
+        at: list[int] = []  # flat table positions
+        values: list[int] = []
+        for r, row, stop in zip(reqs, rows, stops):
             have = self._synced.get(r.req_id, 0)
             if have < stop:
                 values.extend(self.chain(r, stop)[have:stop])
-                at_rows.extend([row] * (stop - have))
-                at_cols.extend(range(have, stop))
+                at.extend(range(row * cols + have, row * cols + stop))
                 self._synced[r.req_id] = stop
-        self._grow(self._next_row, max(stops))
         if values:
-            index = (torch.tensor(at_rows), torch.tensor(at_cols))
-            self.table.index_put_(index, torch.tensor(values, dtype=torch.int64))
+            flat = self.table.view(-1)
+            flat.index_copy_(0, torch.tensor(at), torch.tensor(values, dtype=torch.int64))
         return rows
 
     def _take_row(self) -> int:
