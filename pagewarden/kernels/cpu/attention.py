@@ -22,7 +22,13 @@ What runs where in ``CpuAttention.attend``:
 and for the fresh and chunked rows the kernel's ``check_reads`` over the same rows of
 ``meta.block_index``: tags of every position [0, context + query), checksums of the
 cached context; so every position any row reads is checked through the index it is read
-with, as the guard's ``fused_reads`` contract asks. K/V writes are the torch ``write_kv``.
+with, as the guard's ``fused_reads`` contract asks.
+
+K/V writes (``write_kv``) are ``attention_step.cpp``'s: K, V and the slot tags through
+``meta.slot_mapping`` in one call, byte for byte the torch ``write_kv``. A step whose
+every row decodes may instead go through ``rope_write_decode`` (the layer calls it after
+its qkv GEMM): RoPE of q and k in place, that same write, then the decode kernel with the
+same read checks, in one C++ call where the torch path makes a dozen ops per layer.
 
 A sliding-window layer (``sliding_window``) reads only the blocks of its window on every
 path (the kernel skips the blocks before it; the torch path gathers through
