@@ -8,8 +8,9 @@ step (fresh prompts only, no cached context) is the prefill step; once every req
 decodes, ``--decode-steps`` decode steps are timed. Phases are timed by wrapping the
 functions that implement them with wall clocks (CPU torch ops are synchronous):
 
-    attention     paged_attention (reads K/V, SDPA or the kernel)
-    kv write      write_kv (the K/V scatter)
+    attention     paged_attention (reads K/V, SDPA or the kernel); on the cpu backend's
+                  decode steps, RoPE, the K/V write and attention in one call
+    kv write      write_kv (the K/V scatter; a part of attention where fused with it)
     GEMMs         every nn.Linear of the decoder (qkv, o, gate_up, down; o and down
                   with their residual add folded in, gate_up with SiLU*mul where the
                   bf16 kernel fuses it)
@@ -100,6 +101,8 @@ def instrument(engine: EngineCore, clock: PhaseClock) -> None:
     for op in ops.values():
         op.attend = clock.wrap("attention", op.attend)
         op.write_kv = clock.wrap("kv write", op.write_kv)
+        if hasattr(op, "rope_write_decode"):  # RoPE, K/V write and attention in one call
+            op.rope_write_decode = clock.wrap("attention", op.rope_write_decode)
     model.forward = clock.wrap("elementwise", model.forward)
     model.compute_logits = clock.wrap("lm_head", model.compute_logits)
     runner = engine.runner

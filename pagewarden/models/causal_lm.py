@@ -178,7 +178,7 @@ class DecoderForCausalLM(nn.Module):
         ]
         for layer, attn, cache in zip(self.model.layers, self._attention, kv_caches):
             cos, sin = rotations[attn.rope_index]  # (T, 1, D)
-            x = layer(x, cos, sin, cache, meta)
+            x = layer.forward(x, cos, sin, cache, meta)  # no hooks: see models/layers.py
         return self.model.norm(x)
 
     @torch.inference_mode()

@@ -44,12 +44,17 @@ class SandwichDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(c.hidden_size, eps, off)
         self.mlp = GatedMLP(c)
         self.post_feedforward_layernorm = RMSNorm(c.hidden_size, eps, off)
+        self._blocks = (  # plain references (models/layers.py's docstring)
+            self.input_layernorm, self.self_attn, self.self_attn.o_proj,
+            self.post_attention_layernorm, self.pre_feedforward_layernorm, self.mlp,
+            self.post_feedforward_layernorm,
+        )  # fmt: skip
 
     def forward(self, x, cos, sin, cache, meta) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)  # (T, q_size)
-        x = self.post_attention_layernorm.add_to(x, linear(self.self_attn.o_proj, attn))
-        mlp = self.mlp(self.pre_feedforward_layernorm(x))  # (T, hidden)
-        return self.post_feedforward_layernorm.add_to(x, mlp)
+        pre_attn, attn, o_proj, post_attn, pre_mlp, mlp, post_mlp = self._blocks
+        a = attn.forward(pre_attn.forward(x), cos, sin, cache, meta)  # (T, q_size)
+        x = post_attn.add_to(x, linear(o_proj, a))
+        return post_mlp.add_to(x, mlp.forward(pre_mlp.forward(x)))  # (T, hidden)
 
 
 class GemmaForCausalLM(DecoderForCausalLM):

@@ -5,6 +5,12 @@ per-layer sliding window, soft-capping, ``query_pre_attn_scalar``) and the pre-n
 decoder layer. They compute through ``kernels/cpu`` (packed GEMMs, fused RMSNorm incl.
 q/k norms in place, RoPE, and SiLU*mul or GELU-tanh*mul, in bf16 inside the gate_up GEMM)
 where those kernels apply, plain torch elsewhere.
+
+Per-token code reads its submodules through plain references taken at construction
+(``_blocks``, ``_qkv_proj``) and calls ``forward`` directly: nn.Module's ``__getattr__``
+and ``__call__`` (hook checks this engine never needs) cost about a microsecond each, and
+a one-token decode step makes hundreds of them. Submodules are never reassigned after
+construction; parameters are read through the modules (``to_empty`` replaces them).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ class RMSNorm(nn.Module):
     def factor(self) -> torch.Tensor:
         """What x's normalised rows are multiplied by: weight, or offset + weight in float32."""
         if not self.offset:
-            return self.weight
+            return self._parameters["weight"]  # self.weight, without Module.__getattr__
         if self.scale is None:
             self.prepare()
         assert self.scale is not None
@@ -176,7 +182,7 @@ class RopeTable:
         rows = positions
         if long is not None:  # rows [0, n): short factors; [n, 2n): long
             rows = positions + long.to(positions.dtype) * self._rows
-        return cos_t[rows].unsqueeze(1), sin_t[rows].unsqueeze(1)
+        return cos_t.index_select(0, rows).unsqueeze(1), sin_t.index_select(0, rows).unsqueeze(1)
 
     def _build(
         self, n: int, dtype: torch.dtype, device: torch.device
@@ -239,31 +245,45 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=c.o_proj_bias)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_offset) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_offset) if c.qk_norm else None
+        # Plain references (module docstring); the projection not registered twice.
+        self.__dict__["_qkv_proj"] = self.qkv_proj
+        self._qk_norms = (self.q_norm, self.k_norm) if c.qk_norm else None
         self.scale = (c.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.sliding_window = c.layer_window(layer)
         self.softcap = c.attn_logit_softcapping
         # Which of the model's RoPE tables rotates this layer (1: the sliding layers' own).
         self.rope_index = 1 if self.sliding_window and c.local_rope_theta is not None else 0
+        # The ``attend`` keywords of this layer (none where it uses neither).
+        self.features: dict[str, int | float] = {}
+        if self.sliding_window is not None:
+            self.features["sliding_window"] = self.sliding_window
+        if self.softcap is not None:
+            self.features["softcap"] = self.softcap
         self.ops: AttentionOps = TorchAttention()  # the worker may pick another backend
 
     def forward(self, x, cos, sin, cache, meta: AttentionMetadata) -> torch.Tensor:
         """Attention output (T, n_heads * D), before o_proj (the layer adds the residual)."""
         t, d = x.shape[0], self.head_dim
-        qkv = linear(self.qkv_proj, x)  # (T, q_size + 2 * kv_size)
+        qkv = linear(self._qkv_proj, x)  # (T, q_size + 2 * kv_size)
+        if self._qk_norms is not None:  # per head, in place where fused
+            q_norm, k_norm = self._qk_norms
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, self.n_heads + self.n_kv, d)
+            normed = cpu_fused.rms_norm_heads(
+                qk, q_norm.factor(), k_norm.factor(), self.n_heads, q_norm.eps
+            )
+            if normed is not qk:  # the torch path's copy: back into qkv, which goes on
+                qk.copy_(normed)
+        features = self.features  # only what this layer needs: every backend takes a plain call
+        fused = getattr(self.ops, "rope_write_decode", None)
+        if fused is not None:  # RoPE, write_kv and attend in one call where it applies
+            out = fused(qkv, cos, sin, cache, meta, self.scale, **features)
+            if out is not None:
+                return out  # (T, n_heads * D)
         # q and k are adjacent columns: one RoPE call rotates both.
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.n_heads + self.n_kv, d)
-        if self.q_norm is not None and self.k_norm is not None:  # per head, in place where fused
-            qk = cpu_fused.rms_norm_heads(
-                qk, self.q_norm.factor(), self.k_norm.factor(), self.n_heads, self.q_norm.eps
-            )
         q, k = apply_rope(qk, cos, sin).split([self.n_heads, self.n_kv], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.n_kv, d)  # (T, n_kv, D)
         self.ops.write_kv(cache, k, v, meta)
-        features: dict = {}  # only what this layer needs: every backend takes a plain call
-        if self.sliding_window is not None:
-            features["sliding_window"] = self.sliding_window
-        if self.softcap is not None:
-            features["softcap"] = self.softcap
         out = self.ops.attend(q, cache, meta, self.scale, new_kv=(k, v), **features)
         return out.reshape(t, self.q_size)  # (T, n_heads * D)
 
@@ -276,14 +296,15 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
         self.activation = c.hidden_act  # "silu" | "gelu_tanh"
+        self._projs = (self.gate_up_proj, self.down_proj)  # plain references (docstring)
 
     def act(self, x: torch.Tensor) -> torch.Tensor:
         """act(gate) * up (T, intermediate), before down_proj: fused into the gate_up GEMM
         where kernels/cpu/linear can (GELU-tanh as torch's approximate="tanh")."""
-        return linear_gated(self.gate_up_proj, x, self.activation)
+        return linear_gated(self._projs[0], x, self.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(self.down_proj, self.act(x))
+        return linear(self._projs[1], self.act(x))
 
 
 class DecoderLayer(nn.Module):
@@ -296,8 +317,13 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(c, layer)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_offset)
         self.mlp = GatedMLP(c)
+        self._blocks = (  # plain references (module docstring)
+            self.input_layernorm, self.self_attn, self.self_attn.o_proj,
+            self.post_attention_layernorm, self.mlp, self.mlp.down_proj,
+        )  # fmt: skip
 
     def forward(self, x, cos, sin, cache, meta) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)  # (T, q_size)
-        x = linear_add(self.self_attn.o_proj, attn, x)  # (T, hidden)
-        return linear_add(self.mlp.down_proj, self.mlp.act(self.post_attention_layernorm(x)), x)
+        norm, attn, o_proj, post_norm, mlp, down_proj = self._blocks
+        a = attn.forward(norm.forward(x), cos, sin, cache, meta)  # (T, q_size)
+        x = linear_add(o_proj, a, x)  # (T, hidden)
+        return linear_add(down_proj, mlp.act(post_norm.forward(x)), x)

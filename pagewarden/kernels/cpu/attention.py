@@ -22,7 +22,13 @@ What runs where in ``CpuAttention.attend``:
 and for the fresh and chunked rows the kernel's ``check_reads`` over the same rows of
 ``meta.block_index``: tags of every position [0, context + query), checksums of the
 cached context; so every position any row reads is checked through the index it is read
-with, as the guard's ``fused_reads`` contract asks. K/V writes are the torch ``write_kv``.
+with, as the guard's ``fused_reads`` contract asks.
+
+K/V writes (``write_kv``) are ``attention_step.cpp``'s: K, V and the slot tags through
+``meta.slot_mapping`` in one call, byte for byte the torch ``write_kv``. A step whose
+every row decodes may instead go through ``rope_write_decode`` (the layer calls it after
+its qkv GEMM): RoPE of q and k in place, that same write, then the decode kernel with the
+same read checks, in one C++ call where the torch path makes a dozen ops per layer.
 
 A sliding-window layer (``sliding_window``) reads only the blocks of its window on every
 path (the kernel skips the blocks before it; the torch path gathers through
@@ -33,6 +39,7 @@ logits on every path.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -41,6 +48,7 @@ import torch
 from pagewarden.kernels.attention import (
     AttentionBackendError,
     AttentionMetadata,
+    ReadChecks,
     _chunked,
     _fresh,
     check_window_args,
@@ -54,7 +62,12 @@ logger = logging.getLogger("pagewarden.kernels")
 
 _SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("attention_module.cpp", "attention_decode.cpp", "attention_fresh.cpp")
+    for name in (
+        "attention_module.cpp",
+        "attention_decode.cpp",
+        "attention_fresh.cpp",
+        "attention_step.cpp",
+    )
 ]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 # Work items (row, split) per thread below which each row's key range is split.
@@ -96,10 +109,34 @@ def choose_num_splits(num_rows: int, max_blocks: int) -> int:
     return max(1, min(wanted, max_blocks // _MIN_BLOCKS_PER_SPLIT))
 
 
+@dataclass
+class _StepArgs:
+    """What every layer's kernel call of one step shares, built at its first layer."""
+
+    meta: AttentionMetadata
+    block_index: torch.Tensor  # the meta.block_index it was built from
+    read_checks: ReadChecks | None  # the meta.read_checks it was built from
+    decode_rows: torch.Tensor  # (S_d,) int64 rows of the decode sequences
+    other_rows: torch.Tensor  # (S - S_d,) int64 rows of all others
+    tables: torch.Tensor  # (S, max_blocks) int64, a view of meta.block_index
+    num_splits: int  # of each decode row's key range
+    checks: list  # the check arguments (``CpuAttention._check_args``), layer keys unset
+
+    def current(self, meta: AttentionMetadata) -> bool:
+        """Built from ``meta`` as it is now (a fault injector may swap its tensors)."""
+        return (
+            self.meta is meta
+            and self.block_index is meta.block_index
+            and self.read_checks is meta.read_checks
+        )
+
+
 class CpuAttention:
     """``AttentionOps`` for CPU caches: decode through the C++ kernel, which checks what it
     reads (``fused_reads``); fresh and chunked rows through the torch path, their reads
-    checked by the kernel's ``check_reads`` (see the module docstring)."""
+    checked by the kernel's ``check_reads`` (see the module docstring). K/V writes in
+    C++ (``write_kv``), and a decode step's RoPE, write and attention in one call
+    (``rope_write_decode``)."""
 
     fused_reads = True
 
@@ -124,13 +161,52 @@ class CpuAttention:
         self._layer_of = {cache.data_ptr(): i for i, cache in enumerate(caches)}
         self.limb_keys = limb_keys
         self.offset_keys = offset_keys
-        # Row lists of the step being run, built once for all its layers.
-        self._rows: tuple[AttentionMetadata, torch.Tensor, torch.Tensor] | None = None
+        # Each layer's (2, limbs per slot row) keys, split once.
+        self._layer_keys = list(limb_keys) if limb_keys is not None else []
+        self._step: _StepArgs | None = None  # of the step being run
 
     def write_kv(
         self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> None:
-        write_kv(cache, k, v, meta)
+        """``kernels/attention.write_kv`` (K, V and tags through ``meta.slot_mapping``),
+        in one C++ call where k and v are rows of the cache's dtype."""
+        if _rows_fit(k, cache) and _rows_fit(v, cache):
+            self._ext.write_kv(cache, k, v, meta.slot_mapping, meta.new_tags, meta.slot_tags)
+        else:
+            write_kv(cache, k, v, meta)
+
+    def rope_write_decode(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor | None:
+        """RoPE of qkv's (T, (n_heads + 2 n_kv) * D) q and k heads in place, ``write_kv``
+        of its K and V, then ``attend``: the attention (T, n_heads * D), in one C++ call
+        for a step whose every row decodes. None (nothing done) where it does not apply:
+        a step with prompt rows, or qkv, cos and sin not rows of the cache's dtype."""
+        if not meta.is_decode or meta.seq_info is None:
+            return None
+        dtype = cache.dtype
+        if qkv.dtype != dtype or cos.dtype != dtype or sin_signed.dtype != dtype:
+            return None
+        if qkv.dim() != 2 or qkv.stride(1) != 1 or not cos.is_contiguous():
+            return None
+        if not sin_signed.is_contiguous():
+            return None
+        w, c = check_window_args(sliding_window, softcap)
+        step = self._step_args(meta)
+        return self._ext.rope_write_decode(
+            qkv, cos, sin_signed, cache, meta.slot_mapping, meta.new_tags, meta.slot_tags,
+            step.tables, meta.seq_info, step.decode_rows, scale,
+            *self._layer_checks(step, cache), step.num_splits, w, c,
+        )  # fmt: skip
 
     def attend(
         self,
@@ -147,12 +223,12 @@ class CpuAttention:
         window and cap as ``AttentionOps.attend`` says)."""
         assert meta.seq_info is not None, "build the metadata with AttentionMetadata.build"
         w, c = check_window_args(sliding_window, softcap)
-        decode_rows, other_rows = self._step_rows(meta)
-        out = torch.empty_like(q)  # (T, n_heads, D)
+        step = self._step_args(meta)
+        out = q.new_empty(q.shape)  # (T, n_heads, D)
         if meta.decode is not None:
-            self._decode(q, cache, meta, decode_rows, scale, out, w, c)
-        if other_rows.numel():
-            self._check_reads(cache, meta, other_rows, w)
+            self._decode(q, cache, meta, step, scale, out, w, c)
+        if step.other_rows.numel():
+            self._check_reads(cache, step, w)
             if meta.fresh and new_kv is None:
                 new_kv = read_new_kv(cache, meta.slot_mapping)
             if meta.fresh:
@@ -184,42 +260,52 @@ class CpuAttention:
             for x in (q, k, v)
         )
 
-    def _step_rows(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows of the decode sequences, rows of all others), int64, cached per step."""
-        if self._rows is None or self._rows[0] is not meta:
+    def _step_args(self, meta: AttentionMetadata) -> _StepArgs:
+        """The step's shared kernel arguments, built at its first layer."""
+        step = self._step
+        if step is None or not step.current(meta):
             decode = [i for i, n in enumerate(meta.query_lens) if n == 1]
             other = [i for i, n in enumerate(meta.query_lens) if n != 1]
-            self._rows = (meta, _int64(decode), _int64(other))
-        return self._rows[1], self._rows[2]
+            max_blocks = meta.decode.max_blocks if meta.decode is not None else 1
+            step = self._step = _StepArgs(
+                meta=meta,
+                block_index=meta.block_index,
+                read_checks=meta.read_checks,
+                decode_rows=_int64(decode),
+                other_rows=_int64(other),
+                tables=meta.block_index.view(meta.num_seqs, meta.max_blocks),
+                num_splits=choose_num_splits(max(1, len(decode)), max_blocks),
+                checks=self._check_args(meta),
+            )
+        return step
 
     def _decode(
-        self, q, cache, meta: AttentionMetadata, rows, scale: float, out, window, softcap
+        self, q, cache, meta: AttentionMetadata, step: _StepArgs, scale: float, out, window, softcap
     ) -> None:
         """Writes the decode tokens' rows of ``out`` (T, n_heads, D)."""
         # A wider q is cast down to the cache's dtype, as the torch path does.
         qc = q if q.dtype == cache.dtype else q.to(cache.dtype)
         target = out if out.dtype == cache.dtype else torch.empty_like(qc)
-        tables = meta.block_index.view(meta.num_seqs, meta.max_blocks)  # (S, max_blocks)
-        splits = choose_num_splits(rows.numel(), meta.decode.max_blocks)
         self._ext.decode_attention(
-            qc, cache, tables, meta.seq_info, rows, scale, target,
-            *self._check_args(cache, meta), splits, window, softcap,
+            qc, cache, step.tables, meta.seq_info, step.decode_rows, scale, target,
+            *self._layer_checks(step, cache), step.num_splits, window, softcap,
         )  # fmt: skip
         if target is not out:
             index = meta.decode.token_index
             part = target if index is None else target.index_select(0, index)
             _put(out, index, part.to(out.dtype))
 
-    def _check_reads(self, cache: torch.Tensor, meta: AttentionMetadata, rows, window) -> None:
-        if meta.read_checks is None:
+    def _check_reads(self, cache: torch.Tensor, step: _StepArgs, window) -> None:
+        if step.read_checks is None:
             return
-        tables = meta.block_index.view(meta.num_seqs, meta.max_blocks)
-        args = self._check_args(cache, meta)
-        self._ext.check_reads(cache, tables, meta.seq_info, rows, *args, window)
+        args = self._layer_checks(step, cache)
+        self._ext.check_reads(
+            cache, step.tables, step.meta.seq_info, step.other_rows, *args, window
+        )
 
-    def _check_args(self, cache: torch.Tensor, meta: AttentionMetadata) -> list:
+    def _check_args(self, meta: AttentionMetadata) -> list:
         """slot_tags, expected, tag_faults, read_sums, read_layers, limb_keys, offset_keys
-        (None: off)."""
+        (None: off); limb_keys is None here, each layer's own (``_layer_checks``)."""
         checks = meta.read_checks
         if checks is None:
             return [None] * 7
@@ -228,11 +314,27 @@ class CpuAttention:
         if checks.read_sums is not None:
             assert self.limb_keys is not None, "checksums need their keys"
             assert checks.read_layers is not None, "checksums count the layers that read"
-            layer = self._layer_of[cache.data_ptr()]
-            args[3:] = [
-                checks.read_sums, checks.read_layers, self.limb_keys[layer], self.offset_keys,
-            ]  # fmt: skip
+            args[3:] = [checks.read_sums, checks.read_layers, None, self.offset_keys]
         return args
+
+    def _layer_checks(self, step: _StepArgs, cache: torch.Tensor) -> list:
+        """The step's check arguments with this layer's checksum keys (when on)."""
+        if step.checks[3] is None:
+            return step.checks
+        args = list(step.checks)
+        args[5] = self._layer_keys[self._layer_of[cache.data_ptr()]]
+        return args
+
+
+def _rows_fit(x: torch.Tensor, cache: torch.Tensor) -> bool:
+    """x is (T, n_kv, D) of the cache's dtype with dense (n_kv, D) rows: ``write_kv``'s layout."""
+    return (
+        x.dtype == cache.dtype
+        and x.dim() == 3
+        and x.stride(2) == 1
+        and x.stride(1) == x.shape[2]
+        and x.device == cache.device
+    )
 
 
 def _int64(values: list[int]) -> torch.Tensor:

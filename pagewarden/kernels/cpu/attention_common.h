@@ -1,7 +1,7 @@
-// Shared pieces of the CPU attention kernels (attention_decode.cpp, attention_fresh.cpp):
-// float32 / bfloat16 element helpers, the branch-free exp, the online-softmax step and
-// the logit cap on 16-lane vectors, the (row, logical block) read checks every kernel
-// runs on what it reads, and the extension's entry points.
+// Shared pieces of the CPU attention kernels (attention_decode.cpp, attention_fresh.cpp,
+// attention_step.cpp): float32 / bfloat16 element helpers, the branch-free exp, the
+// online-softmax step and the logit cap on 16-lane vectors, the (row, logical block) read
+// checks every kernel runs on what it reads, and the extension's entry points.
 //
 // Layouts shared by every kernel (one layer; T = the step's new tokens, S = its sequences):
 //
@@ -300,6 +300,22 @@ void check_reads(const at::Tensor& cache, const at::Tensor& tables, const at::Te
                  const c10::optional<at::Tensor>& limb_keys,
                  const c10::optional<at::Tensor>& offset_keys,
                  c10::optional<int64_t> sliding_window);
+void write_kv(at::Tensor cache, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slot_mapping, const c10::optional<at::Tensor>& new_tags,
+              const c10::optional<at::Tensor>& slot_tags);
+at::Tensor rope_write_decode(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                             at::Tensor cache, const at::Tensor& slot_mapping,
+                             const c10::optional<at::Tensor>& new_tags,
+                             const c10::optional<at::Tensor>& slot_tags, const at::Tensor& tables,
+                             const at::Tensor& seq_info, const at::Tensor& rows, double scale,
+                             const c10::optional<at::Tensor>& read_tags,
+                             const c10::optional<at::Tensor>& expected,
+                             const c10::optional<at::Tensor>& tag_faults,
+                             const c10::optional<at::Tensor>& read_sums,
+                             const c10::optional<at::Tensor>& read_layers,
+                             const c10::optional<at::Tensor>& limb_keys,
+                             const c10::optional<at::Tensor>& offset_keys, int64_t num_splits,
+                             c10::optional<int64_t> sliding_window, c10::optional<double> softcap);
 bool has_fresh_attention(int64_t head_dim);
 void fresh_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor out,
                      const c10::optional<at::Tensor>& tokens, int64_t num_prompts,

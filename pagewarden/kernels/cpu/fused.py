@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 DISABLE_ENV = "PAGEWARDEN_NO_CPU_EXT"
 
 _SOURCE = Path(__file__).with_name("fused.cpp")
-_DTYPES = (torch.float32, torch.bfloat16)
 _lock = threading.Lock()
 _tried = False
 _ext: ModuleType | None = None
@@ -97,20 +96,25 @@ def _build() -> ModuleType | None:
 
 def _usable(*tensors: torch.Tensor) -> ModuleType | None:
     """The extension if it is loaded and every tensor is a CPU tensor of one supported dtype."""
-    t0 = tensors[0]
-    if t0.device.type != "cpu" or t0.dtype not in _DTYPES:
+    # Plain loops and identity tests: every decoder layer asks several times a step.
+    dtype = tensors[0].dtype
+    if dtype is not torch.float32 and dtype is not torch.bfloat16:
         return None
-    if any(t.device.type != "cpu" or t.dtype != t0.dtype for t in tensors):
-        return None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return None  # the C++ ops record no autograd graph
-    return load()
+    for t in tensors:
+        if not t.is_cpu or t.dtype is not dtype:
+            return None
+        if t.requires_grad and torch.is_grad_enabled():
+            return None  # the C++ ops record no autograd graph
+    return _ext if _tried else load()
 
 
 def _usable_norm(x: torch.Tensor, *weights: torch.Tensor) -> ModuleType | None:
     """``_usable`` for a norm: weights of x's dtype, or float32 under a bfloat16 x
     (Gemma's 1 + w, kept in float32)."""
-    if x.dtype == torch.bfloat16 and all(w.dtype == torch.float32 for w in weights):
+    if x.dtype is torch.bfloat16:
+        for w in weights:
+            if w.dtype is not torch.float32:
+                return _usable(x, *weights)
         return _usable(x) and _usable(*weights)
     return _usable(x, *weights)
 
