@@ -20,9 +20,14 @@
 // block's largest value), as in llama.cpp's Q8 activations. Not the bf16 path's numerics:
 // greedy tokens can differ from --quantization none (docs/quantization.md).
 //
-// Loop order: items of the kernels' pool are 16 output columns (silu: 8 gate + 8 up rows);
-// inside, R (<= 4) activation rows x C weight rows accumulate in float32 lanes, each weight
-// piece decoded once per group of R rows.
+// One activation row (a single stream's decode step, the case pick_kernel sends here) runs
+// the GEMV of quant_int8_row.h: 512-bit registers over two blocks, the per-block scales
+// applied 16 blocks at a time, the offset term from precomputed activation sums, 4 weight
+// rows per pass (PAGEWARDEN_INT8_ROW=0 sends it through the loop below instead).
+//
+// Loop order (2 rows and more): items of the kernels' pool are 16 output columns (silu:
+// 8 gate + 8 up rows); inside, R (<= 4) activation rows x C weight rows accumulate in
+// float32 lanes, each weight piece decoded once per group of R rows.
 
 #include <torch/extension.h>
 
@@ -293,7 +298,7 @@ void run_row(const Int8Problem& p) {
         rows[j] = p.w + (n + o + (p.silu && j >= per ? p.n_out : 0)) * p.row_bytes;
       }
       float sums[C];
-      g.pass(rows, per * p.row_bytes, sums);
+      g.pass(rows, per * p.row_bytes, sums);  // prefetch: the next pass
       for (int j = 0; j < cnt; ++j) {
         float v = p.silu ? silu(sums[j]) * sums[j + per] : sums[j];
         if (p.res) v += bf16_bits_to_float(p.res[n + j]);
