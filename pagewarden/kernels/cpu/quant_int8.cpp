@@ -298,7 +298,7 @@ void run_row(const Int8Problem& p) {
         rows[j] = p.w + (n + o + (p.silu && j >= per ? p.n_out : 0)) * p.row_bytes;
       }
       float sums[C];
-      g.pass(rows, per * p.row_bytes, sums);  // prefetch: the next pass
+      g.pass(rows, 2 * per * p.row_bytes, sums);  // prefetch: 2 passes ahead
       for (int j = 0; j < cnt; ++j) {
         float v = p.silu ? silu(sums[j]) * sums[j + per] : sums[j];
         if (p.res) v += bf16_bits_to_float(p.res[n + j]);
