@@ -8,7 +8,8 @@ shapes, side by side in one run: ms per call and the ratios.
 Weights are random blocks made by ``gguf.quants.quantize`` (Q4_0/1, Q5_0/1, Q8_0) or
 random bytes with small scales (K-quants). Noisy on a shared machine: note ``uptime``.
 
-By default each shape's one weight stays in cache between calls. ``--cold L`` keeps L
+By default each shape's one weight stays in cache between calls, timed by wall clock with
+torch's threads (``--cpu-time``: one thread, its CPU time). ``--cold L`` keeps L
 copies of every shape (as many layers; 2 of the lm_head) and cycles through them, so the
 weights come from memory as they do end to end; one-row calls then also time the int8
 kernel's multi-row loop (``PAGEWARDEN_INT8_ROW=0``, the kernel before the one-row GEMV)
@@ -51,13 +52,17 @@ def random_weight(qtype: int, n: int, k: int, rng: np.random.Generator) -> cpu_q
     return cpu_quant.QuantWeight(torch.from_numpy(np.ascontiguousarray(blocks)), qtype, (n, k))
 
 
+#: The clock ``timed`` reads: wall time, or (``--cpu-time``) this thread's CPU time.
+CLOCK = time.perf_counter
+
+
 def timed(fn, iters: int) -> float:
     for _ in range(3):
         fn()
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     for _ in range(iters):
         fn()
-    return (time.perf_counter() - t0) / iters * 1e3
+    return (CLOCK() - t0) / iters * 1e3
 
 
 def cold(args: argparse.Namespace, rng: np.random.Generator) -> None:
@@ -109,7 +114,17 @@ def main() -> None:
     ap.add_argument("--type", default="Q4_1", choices=sorted(NAMES))
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--cold", type=int, default=0, metavar="L", help="L copies per shape, cycled")
+    ap.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="one thread, timed by its CPU time (time.thread_time): per-core figures that a "
+        "loaded machine's preemptions do not inflate (memory stalls still count)",
+    )
     args = ap.parse_args()
+    if args.cpu_time:
+        global CLOCK
+        CLOCK = time.thread_time
+        torch.set_num_threads(1)
     print(f"uptime: {os.popen('uptime').read().strip()}; torch threads {torch.get_num_threads()}")
     rng = np.random.default_rng(0)
     cpu_gemm.load()
