@@ -3,9 +3,17 @@ the bf16 tile GEMM of ``--quantization none`` (kernels/cpu/gemm) at the default 
 shapes, side by side in one run: ms per call and the ratios.
 
     python -m bench.quant_gemv [--rows 1 4 16 64] [--type Q4_1] [--iters 200]
+    python -m bench.quant_gemv --cold 30 [--type Q4_1]   # weights streamed from memory
 
 Weights are random blocks made by ``gguf.quants.quantize`` (Q4_0/1, Q5_0/1, Q8_0) or
 random bytes with small scales (K-quants). Noisy on a shared machine: note ``uptime``.
+
+By default each shape's one weight stays in cache between calls, timed by wall clock with
+torch's threads (``--cpu-time``: one thread, its CPU time). ``--cold L`` keeps L
+copies of every shape (as many layers; 2 of the lm_head) and cycles through them, so the
+weights come from memory as they do end to end; one-row calls then also time the int8
+kernel's multi-row loop (``PAGEWARDEN_INT8_ROW=0``, the kernel before the one-row GEMV)
+and the bf16-decode column is left out.
 """
 
 from __future__ import annotations
@@ -44,13 +52,60 @@ def random_weight(qtype: int, n: int, k: int, rng: np.random.Generator) -> cpu_q
     return cpu_quant.QuantWeight(torch.from_numpy(np.ascontiguousarray(blocks)), qtype, (n, k))
 
 
+#: The clock ``timed`` reads: wall time, or (``--cpu-time``) this thread's CPU time.
+CLOCK = time.perf_counter
+
+
 def timed(fn, iters: int) -> float:
     for _ in range(3):
         fn()
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     for _ in range(iters):
         fn()
-    return (time.perf_counter() - t0) / iters * 1e3
+    return (CLOCK() - t0) / iters * 1e3
+
+
+def cold(args: argparse.Namespace, rng: np.random.Generator) -> None:
+    """Per shape, L copies of the weight (the lm_head: 2), cycled: ms per call from memory."""
+    total: dict[str, float] = {}
+    for n, k in SHAPES:
+        qtype = NAMES["Q8_0"] if n == 49152 else NAMES[args.type]
+        w = random_weight(qtype, n, k, rng)
+        copies = 2 if n == 49152 else args.cold
+        ws = [cpu_quant.QuantWeight(w.data.clone(), qtype, (n, k)) for _ in range(copies)]
+        tiles = cpu_gemm.pack_tiles(w.dequantize().bfloat16())
+        ts = [tiles.clone() for _ in range(copies)]
+        x = torch.randn(1, k).bfloat16()
+        sweeps = max(3, args.iters // copies)
+
+        def row(x=x, ws=ws):
+            for q in ws:
+                cpu_quant.gemm(x, q, kernel="int8")
+
+        def old(x=x, ws=ws):
+            os.environ["PAGEWARDEN_INT8_ROW"] = "0"
+            try:
+                row(x, ws)
+            finally:
+                del os.environ["PAGEWARDEN_INT8_ROW"]
+
+        def none(x=x, ts=ts, n=n):
+            for t in ts:
+                cpu_gemm.gemm(x, t, n)
+
+        t8, to, tb = (timed(f, sweeps) / copies for f in (row, old, none))
+        for key, t in (("int8", t8), ("old", to), ("none", tb)):
+            total[key] = total.get(key, 0.0) + t
+        print(
+            f"{w.type_name:5s} N={n:6d} K={k:5d} M=1 cold x{copies}: int8 {t8:7.3f} ms  "
+            f"int8 multi-row loop {to:7.3f} ms  none {tb:7.3f} ms  none/int8 {tb / t8:5.2f}x  "
+            f"({w.nbytes / t8 / 1e6:5.1f} GB/s)"
+        )
+    print(
+        f"sum of one layer's shapes + lm_head, M=1, cold: int8 {total['int8']:.3f} ms, "
+        f"multi-row loop {total['old']:.3f} ms, none {total['none']:.3f} ms; "
+        f"none/int8 {total['none'] / total['int8']:.2f}x"
+    )
 
 
 def main() -> None:
@@ -58,11 +113,26 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--type", default="Q4_1", choices=sorted(NAMES))
     ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--cold", type=int, default=0, metavar="L", help="L copies per shape, cycled")
+    ap.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="one thread, timed by its CPU time (time.thread_time): per-core figures that a "
+        "loaded machine's preemptions do not inflate (memory stalls still count)",
+    )
     args = ap.parse_args()
+    if args.cpu_time:
+        global CLOCK
+        CLOCK = time.thread_time
+        torch.set_num_threads(1)
     print(f"uptime: {os.popen('uptime').read().strip()}; torch threads {torch.get_num_threads()}")
     rng = np.random.default_rng(0)
     cpu_gemm.load()
     cpu_quant.load()
+    if args.cold:
+        cold(args, rng)
+        print(f"uptime: {os.popen('uptime').read().strip()}")
+        return
     total: dict[int, list[float]] = {}
     for n, k in SHAPES:
         qtype = NAMES["Q8_0"] if n == 49152 else NAMES[args.type]

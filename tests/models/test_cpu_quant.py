@@ -141,6 +141,41 @@ def test_int8_gemm_matches_q8_activations_times_float32_weights(name, m):
 
 
 @needs_int8
+@pytest.mark.parametrize("name", sorted(TYPES))
+def test_int8_one_row_gemv_matches_the_multi_row_loop_at_odd_shapes(name, monkeypatch):
+    """One activation row takes the GEMV of quant_int8_row.h (4 weight rows per pass, 16
+    blocks per scale group, blocks in pairs): rows not a multiple of 4, block counts neither
+    a multiple of 16 nor even (a lone last block). Same int8 activations and integer products
+    as the multi-row loop (PAGEWARDEN_INT8_ROW=0): only the float32 summation order differs."""
+    per_block = KERNEL_TYPES[TYPES[name]][1]
+    for k in [544, 1056, 64] if per_block == 32 else [256, 768]:
+        for n in (1, 6, 42):
+            w = random_weight(name, n, k, seed=n + k)
+            head = QuantWeight(w.data, w.qtype, w.shape, float_out=True)
+            x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).bfloat16()
+            residual = torch.randn(1, n).bfloat16()
+            row = cpu_quant.gemm(x, head, kernel="int8")
+            row_res = cpu_quant.gemm(x, w, residual=residual, kernel="int8")
+            row_silu = cpu_quant.gemm(x, w, silu_mul=True, kernel="int8") if n % 2 == 0 else None
+            monkeypatch.setenv("PAGEWARDEN_INT8_ROW", "0")
+            loop = cpu_quant.gemm(x, head, kernel="int8")
+            loop_res = cpu_quant.gemm(x, w, residual=residual, kernel="int8")
+            loop_silu = cpu_quant.gemm(x, w, silu_mul=True, kernel="int8") if n % 2 == 0 else None
+            monkeypatch.delenv("PAGEWARDEN_INT8_ROW")
+            exact = q8_round(x) @ reference(w).T
+            top = exact.abs().max()
+            assert row.dtype == torch.float32
+            assert (row - loop).abs().max() <= 1e-5 * top, (k, n)
+            assert (row - exact).abs().max() <= 0.01 * top, (k, n)  # rare ties of the rounding
+            ulp = (loop_res.float().abs() / 128 + 1e-4 * top).max()  # one bf16 step
+            assert (row_res.float() - loop_res.float()).abs().max() <= ulp
+            if row_silu is not None:
+                assert row_silu.shape == (1, n // 2)
+                diff = (row_silu.float() - loop_silu.float()).abs()
+                assert (diff <= loop_silu.float().abs() / 128 + 1e-4 * top).all()
+
+
+@needs_int8
 def test_auto_kernel_rule_and_refusals():
     w = random_weight("Q4_1", 16, 256)
     ext = cpu_quant.load()
@@ -181,9 +216,10 @@ def test_avx2_build_compiles_and_matches():
     for name in ("Q4_1", "Q6_K"):
         w = random_weight(name, 24, 512)
         assert torch.equal(ext.dequantize(w.data, w.qtype, 512), reference(w))
-        x = torch.randn(3, 512).bfloat16()
         assert not ext.has_int8_kernel()
-        assert_close(cpu_quant.gemm(x, w, ext=ext), x.float() @ reference(w).T)
+        for m in (3, 1):  # one row: no int8 GEMV in this build, the portable path
+            x = torch.randn(m, 512).bfloat16()
+            assert_close(cpu_quant.gemm(x, w, ext=ext), x.float() @ reference(w).T)
 
 
 @pytest.mark.slow

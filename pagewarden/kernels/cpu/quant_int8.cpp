@@ -20,9 +20,14 @@
 // block's largest value), as in llama.cpp's Q8 activations. Not the bf16 path's numerics:
 // greedy tokens can differ from --quantization none (docs/quantization.md).
 //
-// Loop order: items of the kernels' pool are 16 output columns (silu: 8 gate + 8 up rows);
-// inside, R (<= 4) activation rows x C weight rows accumulate in float32 lanes, each weight
-// piece decoded once per group of R rows.
+// One activation row (a single stream's decode step, the case pick_kernel sends here) runs
+// the GEMV of quant_int8_row.h: 512-bit registers over two blocks, the per-block scales
+// applied 16 blocks at a time, the offset term from precomputed activation sums, 4 weight
+// rows per pass (PAGEWARDEN_INT8_ROW=0 sends it through the loop below instead).
+//
+// Loop order (2 rows and more): items of the kernels' pool are 16 output columns (silu:
+// 8 gate + 8 up rows); inside, R (<= 4) activation rows x C weight rows accumulate in
+// float32 lanes, each weight piece decoded once per group of R rows.
 
 #include <torch/extension.h>
 
@@ -31,6 +36,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -249,6 +255,62 @@ struct Int8Gemm {
   }
 };
 
+}  // namespace
+
+#include "quant_int8_row.h"
+
+namespace {
+
+// PAGEWARDEN_INT8_ROW=0: one-row calls take the multi-row loop too (tests, benches).
+bool row_kernel_off() {
+  const char* v = std::getenv("PAGEWARDEN_INT8_ROW");
+  return v != nullptr && v[0] == '0';
+}
+
+inline float bf16_bits_to_float(uint16_t v) {
+  const uint32_t bits = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// One activation row (quant_int8_row.h): items of whole passes, about 8 per thread so both
+// cores stream to the end.
+template <int type>
+void run_row(const Int8Problem& p) {
+  thread_local row1::RowX xr;  // the caller's: the workers only read it during the call
+  row1::quantize_row(p.x, p.k, type, &xr);
+  TypeInfo ti;
+  type_info(type, &ti);
+  const row1::RowGemv<type> g{xr, p.k, ti.block_bytes};
+  constexpr int C = row1::kRowsPerPass;
+  const int per = p.silu ? C / 2 : C;
+  const int64_t passes = (p.n_out + per - 1) / per;
+  const int64_t per_item = std::max<int64_t>(4, passes / (8 * int64_t(pw::max_threads())));
+  const int64_t items = (passes + per_item - 1) / per_item;
+  pw::parallel_items(items, [&](int64_t it, int) {
+    const int64_t n_end = std::min(p.n_out, (it + 1) * per_item * per);
+    for (int64_t n = it * per_item * per; n < n_end; n += per) {
+      const int cnt = int(std::min<int64_t>(per, n_end - n));
+      const uint8_t* rows[C];
+      for (int j = 0; j < C; ++j) {
+        const int64_t o = std::min(j % per, cnt - 1);  // a short pass repeats its last row
+        rows[j] = p.w + (n + o + (p.silu && j >= per ? p.n_out : 0)) * p.row_bytes;
+      }
+      float sums[C];
+      g.pass(rows, 2 * per * p.row_bytes, sums);  // prefetch: 2 passes ahead
+      for (int j = 0; j < cnt; ++j) {
+        float v = p.silu ? silu(sums[j]) * sums[j + per] : sums[j];
+        if (p.res) v += bf16_bits_to_float(p.res[n + j]);
+        if (p.out_f32)
+          p.out_f32[n + j] = v;
+        else
+          p.out[n + j] = at::BFloat16(v).x;
+      }
+    }
+  });
+}
+
 template <int type>
 void run(const Int8Problem& p, const QuantX& xq) {
   TypeInfo ti;
@@ -265,6 +327,19 @@ void run(const Int8Problem& p, const QuantX& xq) {
 bool has_int8_kernel() { return true; }
 
 void gemm_int8(const Int8Problem& p) {
+  if (p.m == 1 && !row_kernel_off()) {
+    switch (p.type) {
+      case Q4_0: return run_row<Q4_0>(p);
+      case Q4_1: return run_row<Q4_1>(p);
+      case Q5_0: return run_row<Q5_0>(p);
+      case Q5_1: return run_row<Q5_1>(p);
+      case Q8_0: return run_row<Q8_0>(p);
+      case Q4_K: return run_row<Q4_K>(p);
+      case Q5_K: return run_row<Q5_K>(p);
+      case Q6_K: return run_row<Q6_K>(p);
+      default: TORCH_CHECK(false, "cpu_quant int8: unsupported type ", p.type);
+    }
+  }
   QuantX xq;
   quantize_rows(p.x, p.ldx, p.m, p.k, &xq);
   switch (p.type) {

@@ -1,0 +1,275 @@
+// The one-row int8 GEMV of quant_int8.cpp (a single stream's decode step: M = 1), built to
+// stream the weights at memory bandwidth. Included by quant_int8.cpp inside its AVX512-VNNI
+// section; the numerics are those of the multi-row path there (weights exact, activations
+// rounded to int8 per block of 32 with scale max|x| / 127), only the order of the float32
+// sums differs.
+//
+// What makes it cheaper than the multi-row loop (about 5 vector instructions per 32
+// weights and weight row instead of 18):
+// - 512-bit registers over two 32-weight blocks at once: one vpdpbusd (unsigned weight
+//   quant x int8 activation, 4 products per int32 lane) gives 16 lanes, lanes of block 0
+//   and of block 1, converted to float32 and multiplied into the accumulator with one FMA
+//   by a vector holding each lane's A * dx (A the block's weight scale, dx the activation
+//   block's scale), picked by one vpermps from the per-block products;
+// - the per-block products A * dx are formed 16 blocks at a time: the 16 blocks' scale
+//   words come in with one gather (32-weight types; a super-block's 8 or 16 sub-scales
+//   for the K-quants), are converted and multiplied by 16 precomputed dx at once;
+// - the offset / min term (w = A * u + Bp) is one scalar per block, Bp * dx * sum(v), and
+//   with the activation sums precomputed once per GEMM, 16 blocks' worth is one FMA;
+// - each pass runs kRowsPerPass weight rows against one load of each activation vector,
+//   and prefetches the rows 2 passes ahead into L2 (_MM_HINT_T1: into L1 it measured
+//   slower, the core's L1 misses in flight being the limit; every line of a row touched).
+// The activations are laid out to match each type's packing (`interleaved` below), so no
+// weight shuffles are needed: for Q4_0/Q4_1/Q5_0/Q5_1 a pair of blocks is stored as
+// [x0[0:16], x1[0:16], x0[16:32], x1[16:32]] (the low nibbles of both blocks, then the
+// high ones); natural order for Q8_0 and the K-quants.
+#pragma once
+
+namespace row1 {
+
+constexpr int kRowsPerPass = 4;  // weight rows per pass (silu: 2 gate + 2 up); reduce4 assumes 4
+
+inline bool interleaved(int type) { return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1; }
+
+// The quantized activation row, padded with zeros to a multiple of 16 blocks.
+struct RowX {
+  std::vector<int8_t> q;     // (nbp * 32) int8, type-dependent order (interleaved())
+  std::vector<float> d;      // (nbp) block scale dx
+  std::vector<float> s32;    // (nbp) dx * sum of the block's 32 v
+  std::vector<float> d16;    // (2 nbp) dx per 16 weights (Q6_K)
+  std::vector<float> s16;    // (2 nbp) 32 * dx * sum of 16 v (Q6_K's offset of 32)
+};
+
+inline void quantize_row(const uint16_t* x, int64_t k, int type, RowX* out) {
+  const int64_t nb = k / 32, nbp = (nb + 15) / 16 * 16;
+  out->q.assign(size_t(nbp * 32), 0);
+  out->d.assign(size_t(nbp), 0.0f);
+  out->s32.assign(size_t(nbp), 0.0f);
+  out->d16.assign(size_t(2 * nbp), 0.0f);
+  out->s16.assign(size_t(2 * nbp), 0.0f);
+  const bool inter = interleaved(type);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint16_t* src = x + b * 32;
+    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load32(reinterpret_cast<const uint8_t*>(src))), 16));
+    const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load32(reinterpret_cast<const uint8_t*>(src + 16))), 16));
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m512 idv = _mm512_set1_ps(id);
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, idv));
+    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, idv));
+    const int s0 = _mm512_reduce_add_epi32(qlo), s1 = _mm512_reduce_add_epi32(qhi);
+    int8_t* dst0 = out->q.data() + b * 32;
+    int8_t* dst1 = dst0 + 16;
+    if (inter) {  // pair (2p, 2p + 1): [x0 lo16, x1 lo16, x0 hi16, x1 hi16]
+      int8_t* pair = out->q.data() + (b / 2) * 64 + (b % 2) * 16;
+      dst0 = pair;
+      dst1 = pair + 32;
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst0), _mm512_cvtsepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst1), _mm512_cvtsepi32_epi8(qhi));
+    out->d[size_t(b)] = d;
+    out->s32[size_t(b)] = d * float(s0 + s1);
+    out->d16[size_t(2 * b)] = out->d16[size_t(2 * b + 1)] = d;
+    out->s16[size_t(2 * b)] = 32.0f * d * float(s0);
+    out->s16[size_t(2 * b + 1)] = 32.0f * d * float(s1);
+  }
+}
+
+// out[j] = the sum of acc[j]'s 16 lanes, j < 4, in one transposing reduction.
+inline void reduce4(const __m512* acc, float* out) {
+  __m256 r[4];
+  for (int j = 0; j < 4; ++j) r[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[j]), _mm512_extractf32x8_ps(acc[j], 1));
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+}
+
+inline __m512 dot16(__m512i u, __m512i v) { return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, v)); }
+
+// The unsigned quants of blocks b0, b1 (32-weight types) as one 512-bit vector, in the
+// activation order of quantize_row.
+template <int type>
+inline __m512i pair_quants(const uint8_t* b0, const uint8_t* b1) {
+  const __m512i f = _mm512_set1_epi8(0xF);
+  if constexpr (type == Q8_0) {
+    const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(load32(b0 + 2)), load32(b1 + 2), 1);
+    return _mm512_xor_si512(z, _mm512_set1_epi8(char(0x80)));
+  } else {
+    constexpr int at = type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8;
+    const __m256i r = _mm256_inserti128_si256(_mm256_castsi128_si256(load16(b0 + at)), load16(b1 + at), 1);
+    __m512i u = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(r), _mm256_srli_epi16(r, 4), 1), f);
+    if constexpr (type == Q5_0 || type == Q5_1) {
+      uint32_t h0, h1;
+      std::memcpy(&h0, b0 + at - 4, 4);
+      std::memcpy(&h1, b1 + at - 4, 4);
+      const uint64_t m = uint64_t(h0 & 0xFFFF) | uint64_t(h1 & 0xFFFF) << 16 | uint64_t(h0 >> 16) << 32 |
+                         uint64_t(h1 >> 16) << 48;
+      u = _mm512_mask_add_epi8(u, __mmask64(m), u, _mm512_set1_epi8(16));
+    }
+    return u;
+  }
+}
+
+// out[j] = x . row j, for the kRowsPerPass rows of `rows`; `ahead`: bytes from a row to the
+// same offset of the next pass's row (prefetched).
+template <int type>
+struct RowGemv {
+  const RowX& x;
+  int64_t k;
+  int block_bytes;
+
+  // 32-weight types: 16 blocks per group, their scale words gathered.
+  void small(const uint8_t* const* rows, int64_t ahead, float* out) const {
+    constexpr int C = kRowsPerPass;
+    const int64_t nb = k / 32;
+    __m512 acc[C];
+    for (int j = 0; j < C; ++j) acc[j] = _mm512_setzero_ps();
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i offs = _mm512_mullo_epi32(lane, _mm512_set1_epi32(block_bytes));
+    // lane -> block of the pair: interleaved (lanes 4-7, 12-15: block 1) or halves
+    const __m512i pick = interleaved(type) ? _mm512_and_si512(_mm512_srli_epi32(lane, 2), _mm512_set1_epi32(1))
+                                           : _mm512_srli_epi32(lane, 3);
+    constexpr float kBias = type == Q4_0 ? -8.0f : type == Q5_0 ? -16.0f : type == Q8_0 ? -128.0f : 0.0f;
+    for (int64_t g = 0; g < nb; g += 16) {
+      const int cnt = int(std::min<int64_t>(16, nb - g));
+      const __mmask16 valid = __mmask16((1u << cnt) - 1);
+      const __m512 dx = _mm512_loadu_ps(x.d.data() + g), sx = _mm512_loadu_ps(x.s32.data() + g);
+      __m512 s[C];
+      for (int j = 0; j < C; ++j) {
+        const uint8_t* base = rows[j] + g * block_bytes;
+        const __m512i raw =  // a short last group: an 8-lane gather costs about half
+            cnt <= 8 ? _mm512_castsi256_si512(_mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), __mmask8(valid),
+                                                                            _mm512_castsi512_si256(offs), base, 1))
+                     : _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, offs, base, 1);
+        const __m512 a = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(raw));
+        s[j] = _mm512_mul_ps(a, dx);
+        if constexpr (type == Q4_1 || type == Q5_1) {  // w = d u + m
+          const __m512 m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(raw, 16)));
+          acc[j] = _mm512_fmadd_ps(m, sx, acc[j]);
+        } else {  // w = d u + kBias d
+          acc[j] = _mm512_fmadd_ps(a, _mm512_mul_ps(sx, _mm512_set1_ps(kBias)), acc[j]);
+        }
+      }
+      for (int p = 0; 2 * p < cnt; ++p) {
+        const int64_t b0 = g + 2 * p, b1 = 2 * p + 1 < cnt ? b0 + 1 : b0;  // a lone block: v is 0 there
+        const __m512i v = _mm512_loadu_si512(x.q.data() + b0 * 32);
+        const __m512i idx = _mm512_add_epi32(pick, _mm512_set1_epi32(2 * p));
+        for (int j = 0; j < C; ++j) {
+          const uint8_t* r = rows[j];
+          _mm_prefetch(reinterpret_cast<const char*>(r + ahead + b0 * block_bytes), _MM_HINT_T1);
+          if constexpr (type == Q8_0) _mm_prefetch(reinterpret_cast<const char*>(r + ahead + b0 * block_bytes + 64), _MM_HINT_T1);
+          const __m512i u = pair_quants<type>(r + b0 * block_bytes, r + b1 * block_bytes);
+          acc[j] = _mm512_fmadd_ps(dot16(u, v), _mm512_permutexvar_ps(idx, s[j]), acc[j]);
+        }
+      }
+    }
+    reduce4(acc, out);
+  }
+
+  // Q4_K / Q5_K: per super-block 8 sub-blocks of 32, 6-bit scales and mins.
+  void k45(const uint8_t* const* rows, int64_t ahead, float* out) const {
+    constexpr int C = kRowsPerPass;
+    constexpr bool five = type == Q5_K;
+    const __m512i f = _mm512_set1_epi8(0xF);
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i pick = _mm512_srli_epi32(lane, 3);
+    const __m512i dm_pick = _mm512_srli_epi32(lane, 3);  // lanes 0-7: d, 8-15: dmin
+    __m512 acc[C];
+    for (int j = 0; j < C; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < k / 256; ++sb) {
+      const int64_t off = sb * block_bytes;
+      // lanes 0-7: dx of the 8 sub-blocks, 8-15: dx * sum v
+      const __m512 xs = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(x.d.data() + sb * 8)),
+                                           _mm256_loadu_ps(x.s32.data() + sb * 8), 1);
+      __m512 s[C];
+      __m512i hbits[C];
+      for (int j = 0; j < C; ++j) {
+        const uint8_t* b = rows[j] + off;
+        _mm_prefetch(reinterpret_cast<const char*>(b + ahead), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(b + ahead + block_bytes - 1), _MM_HINT_T1);
+        uint32_t t[4];
+        std::memcpy(t, b + 4, 12);
+        constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+        t[3] = ((t[2] >> 4) & k2) | (((t[1] >> 6) & k3) << 4);
+        const uint32_t mins_lo = t[1] & k1;
+        t[1] = (t[2] & k2) | (((t[0] >> 6) & k3) << 4);
+        t[2] = mins_lo;
+        t[0] &= k1;  // bytes 0-7: the 8 scales, 8-15: the 8 mins
+        const __m512 sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t))));
+        uint32_t dm;
+        std::memcpy(&dm, b, 4);
+        const __m512 dd = _mm512_permutexvar_ps(dm_pick, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(int(dm)))));
+        const __m512 prod = _mm512_mul_ps(_mm512_mul_ps(sm, dd), xs);  // 0-7: A dx, 8-15: B dx sum v
+        acc[j] = _mm512_mask_sub_ps(acc[j], 0xFF00, acc[j], prod);
+        s[j] = prod;
+        if constexpr (five) hbits[j] = _mm512_broadcast_i64x4(load32(b + 16));
+      }
+      for (int p = 0; p < 4; ++p) {
+        const __m512i v = _mm512_loadu_si512(x.q.data() + sb * 256 + p * 64);
+        const __m512i idx = _mm512_add_epi32(pick, _mm512_set1_epi32(2 * p));
+        const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8(char(1 << (2 * p))), _mm256_set1_epi8(char(2 << (2 * p))), 1);
+        for (int j = 0; j < C; ++j) {
+          const uint8_t* q = rows[j] + off + (five ? 48 : 16) + 32 * p;
+          _mm_prefetch(reinterpret_cast<const char*>(q + ahead), _MM_HINT_T1);
+          const __m256i r = load32(q);
+          __m512i u = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(r), _mm256_srli_epi16(r, 4), 1), f);
+          if constexpr (five) u = _mm512_mask_add_epi8(u, _mm512_test_epi8_mask(hbits[j], bit), u, _mm512_set1_epi8(16));
+          acc[j] = _mm512_fmadd_ps(dot16(u, v), _mm512_permutexvar_ps(idx, s[j]), acc[j]);
+        }
+      }
+    }
+    reduce4(acc, out);
+  }
+
+  // Q6_K: 16 scales per super-block (one per 16 weights), offset 32.
+  void k6(const uint8_t* const* rows, int64_t ahead, float* out) const {
+    constexpr int C = kRowsPerPass;
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i pick = _mm512_srli_epi32(lane, 2);
+    const __m512i lo4 = _mm512_set1_epi8(0x0F), b03 = _mm512_set1_epi8(0x03), b30 = _mm512_set1_epi8(0x30);
+    __m512 acc[C];
+    for (int j = 0; j < C; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < k / 256; ++sb) {
+      const int64_t off = sb * block_bytes;
+      const __m512 dx = _mm512_loadu_ps(x.d16.data() + sb * 16), sx = _mm512_loadu_ps(x.s16.data() + sb * 16);
+      __m512 s[C];
+      for (int j = 0; j < C; ++j) {
+        const uint8_t* b = rows[j] + off;
+        const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16(b + 192))), _mm512_set1_ps(f16(b + 208)));
+        acc[j] = _mm512_fnmadd_ps(a, sx, acc[j]);  // w = A (u - 32)
+        s[j] = _mm512_mul_ps(a, dx);
+      }
+      for (int n = 0; n < 2; ++n) {
+        const __m512i v01 = _mm512_loadu_si512(x.q.data() + sb * 256 + n * 128);
+        const __m512i v23 = _mm512_loadu_si512(x.q.data() + sb * 256 + n * 128 + 64);
+        const __m512i idx01 = _mm512_add_epi32(pick, _mm512_set1_epi32(8 * n));
+        const __m512i idx23 = _mm512_add_epi32(pick, _mm512_set1_epi32(8 * n + 4));
+        for (int j = 0; j < C; ++j) {
+          const uint8_t* b = rows[j] + off;
+          _mm_prefetch(reinterpret_cast<const char*>(b + ahead + 64 * n), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(b + ahead + 128 + 64 * n), _MM_HINT_T1);
+          if (n == 1) _mm_prefetch(reinterpret_cast<const char*>(b + ahead + 209), _MM_HINT_T1);
+          const __m512i ql = _mm512_loadu_si512(b + 64 * n);
+          const __m256i qh = load32(b + 128 + 32 * n);
+          const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+          // (ql & 0xF) | ((h & 3) << 4); ((ql >> 4) & 0xF) | (h & 0x30)
+          const __m512i u01 = _mm512_ternarylogic_epi32(ql, lo4, _mm512_slli_epi16(_mm512_and_si512(h, b03), 4), 0xEA);
+          const __m512i u23 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), lo4, _mm512_and_si512(h, b30), 0xEA);
+          acc[j] = _mm512_fmadd_ps(dot16(u01, v01), _mm512_permutexvar_ps(idx01, s[j]), acc[j]);
+          acc[j] = _mm512_fmadd_ps(dot16(u23, v23), _mm512_permutexvar_ps(idx23, s[j]), acc[j]);
+        }
+      }
+    }
+    reduce4(acc, out);
+  }
+
+  void pass(const uint8_t* const* rows, int64_t ahead, float* out) const {
+    if constexpr (type == Q4_K || type == Q5_K)
+      k45(rows, ahead, out);
+    else if constexpr (type == Q6_K)
+      k6(rows, ahead, out);
+    else
+      small(rows, ahead, out);
+  }
+};
+
+}  // namespace row1
