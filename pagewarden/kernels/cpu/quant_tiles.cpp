@@ -86,10 +86,10 @@ inline void transpose16(__m512i* r) {
   }
 }
 
-// Weight rows rows[0, cnt) (cnt <= 16; the tile's other columns zero) decoded to bf16
-// as one packed tile (K / 2, 16, 2) at dst.
+// Weight rows rows[0, 16) decoded to bf16 as one packed tile (K / 2, 16, 2) at dst (a
+// short tile repeats its last row: those columns are never stored).
 template <int type>
-void decode_tile(const TilesProblem& p, const uint8_t* const* rows, int cnt, bf16_bits* dst) {
+void decode_tile(const TilesProblem& p, const uint8_t* const* rows, bf16_bits* dst) {
   TypeInfo ti{};
   type_info(type, &ti);
   constexpr int pieces = type >= Q4_K ? 8 : 1;
@@ -98,7 +98,7 @@ void decode_tile(const TilesProblem& p, const uint8_t* const* rows, int cnt, bf1
     for (int s = 0; s < pieces; ++s, k0 += 32) {
       __m512i v[16];
       for (int r = 0; r < 16; ++r)
-        v[r] = r < cnt ? reinterpret_cast<__m512i>(decode32_bf16<type>(rows[r] + off, s)) : _mm512_setzero_si512();
+        v[r] = reinterpret_cast<__m512i>(decode32_bf16<type>(rows[r] + off, s));
       transpose16(v);  // v[j]: k pair k0 / 2 + j of the 16 rows
       for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + (k0 / 2 + j) * 2 * TW, v[j]);
     }
@@ -208,8 +208,8 @@ void run(const TilesProblem& p) {
         prefetch_l2(ahead, next * p.row_bytes);
       }
       const uint8_t* rows[TW];
-      for (int r = 0; r < cnt; ++r) rows[r] = row0 + r * p.row_bytes;
-      decode_tile<type>(p, rows, cnt, scratch.data() + size_t(j) * TW * p.k);
+      for (int r = 0; r < TW; ++r) rows[r] = row0 + std::min(r, cnt - 1) * p.row_bytes;
+      decode_tile<type>(p, rows, scratch.data() + size_t(j) * TW * p.k);
     }
     group(Args{p, scratch.data(), p.k / 2, (p.silu ? t0 / 2 : t0) * TW}, c);
   });
