@@ -3,9 +3,13 @@ the bf16 tile GEMM of ``--quantization none`` (kernels/cpu/gemm) at the default 
 shapes, side by side in one run: ms per call and the ratios.
 
     python -m bench.quant_gemv [--rows 1 4 16 64] [--type Q4_1] [--iters 200]
+        [--cpu-time] [--direct-max-rows N]
 
 Weights are random blocks made by ``gguf.quants.quantize`` (Q4_0/1, Q5_0/1, Q8_0) or
-random bytes with small scales (K-quants). Noisy on a shared machine: note ``uptime``.
+random bytes with small scales (K-quants). Noisy on a shared machine: note ``uptime``;
+``--cpu-time`` times the process's CPU time (all threads, the pool's spin off, best of 3)
+instead of wall time, which a loaded machine disturbs less. ``--direct-max-rows``: the
+bf16-decode kernel's switch from decoding in registers to packed tiles (quant.cpp).
 """
 
 from __future__ import annotations
@@ -44,9 +48,20 @@ def random_weight(qtype: int, n: int, k: int, rng: np.random.Generator) -> cpu_q
     return cpu_quant.QuantWeight(torch.from_numpy(np.ascontiguousarray(blocks)), qtype, (n, k))
 
 
+CPU_TIME = False
+
+
 def timed(fn, iters: int) -> float:
     for _ in range(3):
         fn()
+    if CPU_TIME:
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.process_time()
+            for _ in range(iters):
+                fn()
+            best = min(best, (time.process_time() - t0) / iters * 1e3)
+        return best
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
@@ -58,11 +73,21 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--type", default="Q4_1", choices=sorted(NAMES))
     ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--cpu-time", action="store_true")
+    ap.add_argument("--direct-max-rows", type=int, default=None)
     args = ap.parse_args()
+    global CPU_TIME
+    CPU_TIME = args.cpu_time
     print(f"uptime: {os.popen('uptime').read().strip()}; torch threads {torch.get_num_threads()}")
     rng = np.random.default_rng(0)
     cpu_gemm.load()
-    cpu_quant.load()
+    ext = cpu_quant.load()
+    if args.direct_max_rows is not None:
+        ext.set_direct_max_rows(args.direct_max_rows)
+    if args.cpu_time:
+        from pagewarden.kernels.cpu import pool as cpu_pool
+
+        cpu_pool.load().set_spin_us(0)
     total: dict[int, list[float]] = {}
     for n, k in SHAPES:
         qtype = NAMES["Q8_0"] if n == 49152 else NAMES[args.type]

@@ -18,14 +18,14 @@
 // at-load path (--quantization none) keeps. Products are vdpbf16ps (two bf16 products per
 // float32 lane), sums float32.
 //
-// Loop order (AVX512-BF16 path, x bf16): work items of the kernels' pool (pool.h) are
-// groups of ROWS = 16 output columns (silu_mul: 8 gate rows and the 8 matching up rows).
-// M <= 4 (decode): each 32-weight piece is decoded in registers and used at once for every
-// row of x; nothing is written but the outputs, so W is read from memory once, at its
-// quantized size. M > 4: the item first decodes its 16 rows into a per-thread bf16 scratch
-// (16 x K), then runs 4 x 4 (rows of x x rows of W) dot-product tiles over it, so each
-// weight is decoded once per call whatever M is. Each accumulator holds 16 lane partial
-// sums along K, reduced once at the end.
+// Loop order (AVX512-BF16 path, x bf16): M <= direct_max_rows() (4; set_direct_max_rows
+// changes it for benches and tests): work items of the kernels' pool (pool.h) are groups
+// of 16 output columns (silu_mul: 8 gate rows and the 8 matching up rows); each 32-weight
+// piece is decoded in registers and used at once for every 4 rows of x; nothing is written
+// but the outputs, so W is read from memory at its quantized size. Each accumulator holds
+// 16 lane partial sums along K, reduced once at the end. More rows: quant_tiles.cpp
+// decodes each weight once per call into gemm.cpp's packed bf16 tiles and runs gemm.cpp's
+// micro-kernel over them.
 //
 // Portable path (any x86-64, x float32 or bf16, or a build without AVX512-BF16): each row
 // is decoded to float32 by the scalar decoder below (the AVX2 build vectorises it) and
