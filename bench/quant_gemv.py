@@ -4,6 +4,7 @@ shapes, side by side in one run: ms per call and the ratios.
 
     python -m bench.quant_gemv [--rows 1 4 16 64] [--type Q4_1] [--iters 200]
     python -m bench.quant_gemv --cold 30 [--type Q4_1]   # weights streamed from memory
+        [--cpu-time | --process-time] [--direct-max-rows N]
 
 Weights are random blocks made by ``gguf.quants.quantize`` (Q4_0/1, Q5_0/1, Q8_0) or
 random bytes with small scales (K-quants). Noisy on a shared machine: note ``uptime``.
@@ -13,7 +14,9 @@ torch's threads (``--cpu-time``: one thread, its CPU time). ``--cold L`` keeps L
 copies of every shape (as many layers; 2 of the lm_head) and cycles through them, so the
 weights come from memory as they do end to end; one-row calls then also time the int8
 kernel's multi-row loop (``PAGEWARDEN_INT8_ROW=0``, the kernel before the one-row GEMV)
-and the bf16-decode column is left out.
+and the bf16-decode column is left out. ``--process-time`` times the process's CPU time
+instead (all threads, the pool's spin off, best of 3). ``--direct-max-rows``: the
+bf16-decode kernel's switch from decoding in registers to packed tiles (quant.cpp).
 """
 
 from __future__ import annotations
@@ -56,9 +59,21 @@ def random_weight(qtype: int, n: int, k: int, rng: np.random.Generator) -> cpu_q
 CLOCK = time.perf_counter
 
 
+#: ``--process-time``: best of 3 runs timed by the process's CPU time (all threads).
+PROCESS_TIME = False
+
+
 def timed(fn, iters: int) -> float:
     for _ in range(3):
         fn()
+    if PROCESS_TIME:
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.process_time()
+            for _ in range(iters):
+                fn()
+            best = min(best, (time.process_time() - t0) / iters * 1e3)
+        return best
     t0 = CLOCK()
     for _ in range(iters):
         fn()
@@ -120,15 +135,28 @@ def main() -> None:
         help="one thread, timed by its CPU time (time.thread_time): per-core figures that a "
         "loaded machine's preemptions do not inflate (memory stalls still count)",
     )
+    ap.add_argument(
+        "--process-time",
+        action="store_true",
+        help="time the process's CPU time (all threads, the pool's spin off, best of 3)",
+    )
+    ap.add_argument("--direct-max-rows", type=int, default=None)
     args = ap.parse_args()
+    global CLOCK, PROCESS_TIME
     if args.cpu_time:
-        global CLOCK
         CLOCK = time.thread_time
         torch.set_num_threads(1)
+    PROCESS_TIME = args.process_time
     print(f"uptime: {os.popen('uptime').read().strip()}; torch threads {torch.get_num_threads()}")
     rng = np.random.default_rng(0)
     cpu_gemm.load()
-    cpu_quant.load()
+    ext = cpu_quant.load()
+    if args.direct_max_rows is not None:
+        ext.set_direct_max_rows(args.direct_max_rows)
+    if args.process_time:
+        from pagewarden.kernels.cpu import pool as cpu_pool
+
+        cpu_pool.load().set_spin_us(0)
     if args.cold:
         cold(args, rng)
         print(f"uptime: {os.popen('uptime').read().strip()}")

@@ -96,6 +96,52 @@ def test_gemm_matches_float32_matmul(name, m, portable):
     assert (out - ref).abs().max() <= 0.005 * ref.abs().max()
 
 
+@pytest.fixture
+def direct_max_rows():
+    """Sets the rows up to which bf16 x decodes in registers (above: quant_tiles.cpp) for
+    one test, then restores it."""
+    ext = cpu_quant.load()
+    old = ext.set_direct_max_rows(4)
+    ext.set_direct_max_rows(old)
+    yield ext.set_direct_max_rows
+    ext.set_direct_max_rows(old)
+
+
+@pytest.mark.skipif(
+    not (cpu_quant.available() and cpu_quant.load().has_vector_kernel()), reason="no AVX512-BF16"
+)
+@pytest.mark.parametrize("name", sorted(TYPES))
+@pytest.mark.parametrize("m", [2, 5, 17, 70])  # row counts not multiples of the 4-row blocks
+def test_tiles_path_is_the_bf16_weight_product(name, m, direct_max_rows):
+    """Both bf16-decode paths (in registers; packed tiles decoded once per call) multiply
+    by exactly the bf16-rounded dequantized weights: float32 outputs equal the float32
+    product of bf16 x and those weights up to summation order (1e-5 of the largest), with
+    N = 200 (12.5 tiles of 16: a short tile and a short group), gate/up halves of 100
+    and x / residual rows strided."""
+    n, k = 200, 768
+    w = random_weight(name, n, k, seed=m)
+    wb = reference(w).bfloat16().float()
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k + 64, generator=g).bfloat16()[:, 32 : 32 + k]
+    residual = torch.randn(m, n + 8, generator=g).bfloat16()[:, :n]
+    exact = x.float() @ wb.T
+    head = QuantWeight(w.data, w.qtype, w.shape, float_out=True)
+    outs = []
+    for rows in (10**6, 0):  # every call in registers, then every call through tiles
+        direct_max_rows(rows)
+        out = cpu_quant.gemm(x, head, kernel="bf16")
+        assert out.dtype == torch.float32
+        assert (out - exact).abs().max() <= 1e-5 * exact.abs().max()
+        # bf16 outputs: one rounding of the float32 sum (+ residual)
+        with_res = cpu_quant.gemm(x, w, residual=residual, kernel="bf16").float()
+        want = exact + residual.float()
+        assert ((with_res - want).abs() <= want.abs() / 256 + 1e-5 * want.abs().max()).all()
+        outs.append(cpu_quant.gemm(x, w, silu_mul=True, kernel="bf16").float())
+    silu = torch.nn.functional.silu(exact[:, :100]) * exact[:, 100:]
+    for out in outs:  # SiLU: std::exp in registers, gemm.cpp's polynomial exp in tiles
+        assert ((out - silu).abs() <= silu.abs() / 128 + 1e-4 * silu.abs().max()).all()
+
+
 def q8_round(x: torch.Tensor) -> torch.Tensor:
     """x (M, K) bf16 rounded as the int8 kernel rounds it: per block of 32, scale
     max|x| / 127, round to nearest even; returned as float32 q * scale."""

@@ -18,14 +18,14 @@
 // at-load path (--quantization none) keeps. Products are vdpbf16ps (two bf16 products per
 // float32 lane), sums float32.
 //
-// Loop order (AVX512-BF16 path, x bf16): work items of the kernels' pool (pool.h) are
-// groups of ROWS = 16 output columns (silu_mul: 8 gate rows and the 8 matching up rows).
-// M <= 4 (decode): each 32-weight piece is decoded in registers and used at once for every
-// row of x; nothing is written but the outputs, so W is read from memory once, at its
-// quantized size. M > 4: the item first decodes its 16 rows into a per-thread bf16 scratch
-// (16 x K), then runs 4 x 4 (rows of x x rows of W) dot-product tiles over it, so each
-// weight is decoded once per call whatever M is. Each accumulator holds 16 lane partial
-// sums along K, reduced once at the end.
+// Loop order (AVX512-BF16 path, x bf16): M <= direct_max_rows() (4; set_direct_max_rows
+// changes it for benches and tests): work items of the kernels' pool (pool.h) are groups
+// of 16 output columns (silu_mul: 8 gate rows and the 8 matching up rows); each 32-weight
+// piece is decoded in registers and used at once for every 4 rows of x; nothing is written
+// but the outputs, so W is read from memory at its quantized size. Each accumulator holds
+// 16 lane partial sums along K, reduced once at the end. More rows: quant_tiles.cpp
+// decodes each weight once per call into gemm.cpp's packed bf16 tiles and runs gemm.cpp's
+// micro-kernel over them.
 //
 // Portable path (any x86-64, x float32 or bf16, or a build without AVX512-BF16): each row
 // is decoded to float32 by the scalar decoder below (the AVX2 build vectorises it) and
@@ -42,11 +42,16 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "pool.h"
 #include "quant_int8.h"
 #include "quant_scalar.h"
+#include "quant_tiles.h"
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include "quant_decode.h"
+#endif
 
 namespace {
 
@@ -94,115 +99,6 @@ void gemm_portable(const Problem& p, const T* x, int64_t ldx, const T* res, int6
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 constexpr bool kHasVector = true;
 
-inline float half_f16c(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-inline __m512 bcast_half(const uint8_t* p) { return _mm512_set1_ps(half_f16c(p)); }
-inline __m512 cvt(__m512i v) { return _mm512_cvtepi32_ps(v); }
-inline __m512i bytes16(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-
-// The 32 weights of piece s of block b as float32: lo = weights 0..15, hi = 16..31. The
-// same arithmetic, operation for operation, as decode32_scalar.
-template <int type>
-inline void decode32(const uint8_t* b, int s, __m512& lo, __m512& hi) {
-  const __m512i f = _mm512_set1_epi32(0xF);
-  switch (type) {
-    case Q4_0: {
-      const __m512 d = bcast_half(b), eight = _mm512_set1_ps(8.0f);
-      const __m512i v = bytes16(b + 2);
-      lo = _mm512_mul_ps(_mm512_sub_ps(cvt(_mm512_and_si512(v, f)), eight), d);
-      hi = _mm512_mul_ps(_mm512_sub_ps(cvt(_mm512_srli_epi32(v, 4)), eight), d);
-      return;
-    }
-    case Q4_1: {
-      const __m512 d = bcast_half(b), m = bcast_half(b + 2);
-      const __m512i v = bytes16(b + 4);
-      lo = _mm512_add_ps(_mm512_mul_ps(cvt(_mm512_and_si512(v, f)), d), m);
-      hi = _mm512_add_ps(_mm512_mul_ps(cvt(_mm512_srli_epi32(v, 4)), d), m);
-      return;
-    }
-    case Q5_0:
-    case Q5_1: {
-      const bool one = type == Q5_1;
-      const __m512 d = bcast_half(b);
-      uint32_t qh;
-      std::memcpy(&qh, b + (one ? 4 : 2), 4);
-      const __m512i v = bytes16(b + (one ? 8 : 6)), sixteen = _mm512_set1_epi32(16);
-      __m512i a = _mm512_and_si512(v, f), c = _mm512_srli_epi32(v, 4);
-      a = _mm512_mask_or_epi32(a, __mmask16(qh & 0xFFFF), a, sixteen);
-      c = _mm512_mask_or_epi32(c, __mmask16(qh >> 16), c, sixteen);
-      if (one) {
-        const __m512 m = bcast_half(b + 2);
-        lo = _mm512_add_ps(_mm512_mul_ps(cvt(a), d), m);
-        hi = _mm512_add_ps(_mm512_mul_ps(cvt(c), d), m);
-      } else {
-        lo = _mm512_mul_ps(cvt(_mm512_sub_epi32(a, sixteen)), d);
-        hi = _mm512_mul_ps(cvt(_mm512_sub_epi32(c, sixteen)), d);
-      }
-      return;
-    }
-    case Q8_0: {
-      const __m512 d = bcast_half(b);
-      lo = _mm512_mul_ps(cvt(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)))), d);
-      hi = _mm512_mul_ps(cvt(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)))), d);
-      return;
-    }
-    case Q4_K:
-    case Q5_K: {
-      int sc, mn;
-      scale_min_k4(s, b + 4, &sc, &mn);
-      const __m512 d1 = _mm512_set1_ps(half_f16c(b) * float(sc));
-      const __m512 m1 = _mm512_set1_ps(half_f16c(b + 2) * float(mn));
-      const bool five = type == Q5_K;
-      const uint8_t* qs = b + (five ? 48 : 16) + 32 * (s / 2);
-      __m512i a = bytes16(qs), c = bytes16(qs + 16);
-      if (s & 1) {
-        a = _mm512_srli_epi32(a, 4);
-        c = _mm512_srli_epi32(c, 4);
-      } else {
-        a = _mm512_and_si512(a, f);
-        c = _mm512_and_si512(c, f);
-      }
-      if (five) {
-        const __m512i one = _mm512_set1_epi32(1);
-        const __m512i ha = _mm512_and_si512(_mm512_srli_epi32(bytes16(b + 16), s), one);
-        const __m512i hc = _mm512_and_si512(_mm512_srli_epi32(bytes16(b + 32), s), one);
-        a = _mm512_or_si512(a, _mm512_slli_epi32(ha, 4));
-        c = _mm512_or_si512(c, _mm512_slli_epi32(hc, 4));
-      }
-      lo = _mm512_sub_ps(_mm512_mul_ps(d1, cvt(a)), m1);
-      hi = _mm512_sub_ps(_mm512_mul_ps(d1, cvt(c)), m1);
-      return;
-    }
-    case Q6_K: {
-      const float d = half_f16c(b + 208);
-      const int half = s / 4, t = s % 4;
-      const uint8_t* ql = b + 64 * half + (t & 1) * 32;
-      const uint8_t* qh = b + 128 + 32 * half;
-      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192 + 8 * half);
-      const int lshift = t >= 2 ? 4 : 0, hshift = 2 * t;
-      const __m512i three = _mm512_set1_epi32(3), bias = _mm512_set1_epi32(32);
-      __m512i a = _mm512_and_si512(_mm512_srli_epi32(bytes16(ql), lshift), f);
-      __m512i c = _mm512_and_si512(_mm512_srli_epi32(bytes16(ql + 16), lshift), f);
-      a = _mm512_or_si512(a, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(bytes16(qh), hshift), three), 4));
-      c = _mm512_or_si512(c, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(bytes16(qh + 16), hshift), three), 4));
-      lo = _mm512_mul_ps(_mm512_set1_ps(d * float(sc[2 * t])), cvt(_mm512_sub_epi32(a, bias)));
-      hi = _mm512_mul_ps(_mm512_set1_ps(d * float(sc[2 * t + 1])), cvt(_mm512_sub_epi32(c, bias)));
-      return;
-    }
-    default: return;
-  }
-}
-
-template <int type>
-inline __m512bh decode32_bf16(const uint8_t* b, int s) {
-  __m512 lo, hi;
-  decode32<type>(b, s, lo, hi);
-  return _mm512_cvtne2ps_pbh(hi, lo);  // element j < 16 from lo, 16 + j from hi
-}
-
 using bf16_bits = uint16_t;
 
 inline __m512bh load_bh(const bf16_bits* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
@@ -236,10 +132,10 @@ struct Vec {
       out[i * p.n_out + n] = float_to_bf16(v);
   }
 
-  // Dot products of weight rows [w0, w0 + C) with the first R (<= 4) rows of x, decoding
+  // Dot products of weight rows wrows[0, C) with rows [i0, i0 + R) (R <= 4) of x, decoding
   // in registers (the decode loop order); R x C independent accumulator chains.
   template <int R, int C>
-  void dots_direct(const int64_t* wrows, float (*sums)[4]) const {
+  void dots_direct(const int64_t* wrows, int64_t i0, float (*sums)[4]) const {
     __m512 acc[R][C];
     for (int i = 0; i < R; ++i)
       for (int j = 0; j < C; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -252,7 +148,7 @@ struct Vec {
         __m512bh wv[C];
         for (int j = 0; j < C; ++j) wv[j] = decode32_bf16<type>(rows[j] + off, s);
         for (int i = 0; i < R; ++i) {
-          const __m512bh xv = load_bh(x + i * ldx + k0);
+          const __m512bh xv = load_bh(x + (i0 + i) * ldx + k0);
           for (int j = 0; j < C; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
         }
       }
@@ -262,7 +158,7 @@ struct Vec {
   }
 
   template <int R>
-  void item_direct_r(int64_t n0, int64_t n1) const {
+  void item_direct_r(int64_t n0, int64_t n1, int64_t i0) const {
     constexpr int C = R <= 2 ? 4 : 2;  // weight rows per pass (silu: gate and up rows)
     float sums[4][4];
     const int per = p.silu ? C / 2 : C;
@@ -273,107 +169,34 @@ struct Vec {
         const int o = std::min(j % per, cnt - 1);  // a short pass repeats its last row
         wrows[j] = n + o + (p.silu && j >= per ? p.n_out : 0);
       }
-      dots_direct<R, C>(wrows, sums);
+      dots_direct<R, C>(wrows, i0, sums);
       for (int i = 0; i < R; ++i)
         for (int j = 0; j < cnt; ++j)
-          store(i, n + j, p.silu ? silu(sums[i][j]) * sums[i][j + per] : sums[i][j]);
+          store(i0 + i, n + j, p.silu ? silu(sums[i][j]) * sums[i][j + per] : sums[i][j]);
     }
   }
 
+  // Every row of x, 4 at a time (each group decodes the weights again).
   void item_direct(int64_t n0, int64_t n1) const {
-    switch (p.m) {
-      case 1: item_direct_r<1>(n0, n1); break;
-      case 2: item_direct_r<2>(n0, n1); break;
-      case 3: item_direct_r<3>(n0, n1); break;
-      default: item_direct_r<4>(n0, n1); break;
-    }
-  }
-
-  // Decoded rows: scratch holds `rows` weight rows of K bf16 each.
-  template <int R, int C>
-  void tile(const bf16_bits* scratch, int64_t i0, int j0, float (*sums)[4]) const {
-    __m512 acc[R][C];
-    for (int i = 0; i < R; ++i)
-      for (int j = 0; j < C; ++j) acc[i][j] = _mm512_setzero_ps();
-    for (int64_t k0 = 0; k0 < p.k; k0 += 32) {
-      __m512bh wv[C];
-      for (int j = 0; j < C; ++j) wv[j] = load_bh(scratch + (j0 + j) * p.k + k0);
-      for (int i = 0; i < R; ++i) {
-        const __m512bh xv = load_bh(x + (i0 + i) * ldx + k0);
-        for (int j = 0; j < C; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
-      }
-    }
-    for (int i = 0; i < R; ++i)
-      for (int j = 0; j < C; ++j) sums[i][j] = _mm512_reduce_add_ps(acc[i][j]);
-  }
-
-  template <int R>
-  void tile_rows(const bf16_bits* scratch, int64_t i0, int j0, int c, float (*sums)[4]) const {
-    switch (c) {
-      case 4: tile<R, 4>(scratch, i0, j0, sums); break;
-      case 3: tile<R, 3>(scratch, i0, j0, sums); break;
-      case 2: tile<R, 2>(scratch, i0, j0, sums); break;
-      default: tile<R, 1>(scratch, i0, j0, sums); break;
-    }
-  }
-
-  // Rows [n0, n1) of out (and their up rows for silu), through a decoded scratch.
-  void item_scratch(int64_t n0, int64_t n1, bf16_bits* scratch) const {
-    const int64_t cnt = n1 - n0;
-    const int rows = int(p.silu ? 2 * cnt : cnt);  // silu: gate rows then up rows
-    const int pieces = p.ti.block_weights / 32;
-    for (int r = 0; r < rows; ++r) {
-      const int64_t wrow = r < cnt ? n0 + r : n0 + (r - cnt) + p.n_out;
-      const uint8_t* row = p.w + wrow * p.row_bytes;
-      bf16_bits* dst = scratch + r * p.k;
-      for (int64_t blk = 0, k0 = 0; blk < p.k / p.ti.block_weights; ++blk)
-        for (int s = 0; s < pieces; ++s, k0 += 32)
-          _mm512_storeu_si512(dst + k0, reinterpret_cast<__m512i>(decode32_bf16<type>(row + blk * p.ti.block_bytes, s)));
-    }
-    float sums[4][4];
-    std::vector<float> gate(p.silu ? 4 * cnt : 0);
     for (int64_t i0 = 0; i0 < p.m; i0 += 4) {
-      const int r = int(std::min<int64_t>(4, p.m - i0));
-      for (int j0 = 0; j0 < rows; j0 += 4) {
-        const int c = std::min(4, rows - j0);
-        switch (r) {
-          case 4: tile_rows<4>(scratch, i0, j0, c, sums); break;
-          case 3: tile_rows<3>(scratch, i0, j0, c, sums); break;
-          case 2: tile_rows<2>(scratch, i0, j0, c, sums); break;
-          default: tile_rows<1>(scratch, i0, j0, c, sums); break;
-        }
-        for (int i = 0; i < r; ++i)
-          for (int j = 0; j < c; ++j) {
-            const int row = j0 + j;
-            if (!p.silu) {
-              store(i0 + i, n0 + row, sums[i][j]);
-            } else if (row < cnt) {
-              gate[i * cnt + row] = sums[i][j];
-            } else {
-              const int64_t o = row - cnt;
-              store(i0 + i, n0 + o, silu(gate[i * cnt + o]) * sums[i][j]);
-            }
-          }
+      switch (std::min<int64_t>(4, p.m - i0)) {
+        case 1: item_direct_r<1>(n0, n1, i0); break;
+        case 2: item_direct_r<2>(n0, n1, i0); break;
+        case 3: item_direct_r<3>(n0, n1, i0); break;
+        default: item_direct_r<4>(n0, n1, i0); break;
       }
     }
   }
 };
+
 template <int type>
 void run_vector(const Problem& p, const Vec<type>& v) {
   constexpr int64_t kRows = 16;
   const int64_t per_item = p.silu ? kRows / 2 : kRows;
   const int64_t items = (p.n_out + per_item - 1) / per_item;
-  if (p.m <= 4) {
-    pw::parallel_items(items, [&](int64_t it, int) {
-      v.item_direct(it * per_item, std::min(p.n_out, (it + 1) * per_item));
-    });
-  } else {
-    const int threads = pw::max_threads();
-    std::vector<bf16_bits> scratch(size_t(threads) * kRows * p.k);
-    pw::parallel_items(items, [&](int64_t it, int thread) {
-      v.item_scratch(it * per_item, std::min(p.n_out, (it + 1) * per_item), scratch.data() + thread * kRows * p.k);
-    });
-  }
+  pw::parallel_items(items, [&](int64_t it, int) {
+    v.item_direct(it * per_item, std::min(p.n_out, (it + 1) * per_item));
+  });
 }
 
 template <int type>
@@ -392,6 +215,18 @@ constexpr bool kHasVector = false;
 }  // namespace
 
 bool has_vector_kernel() { return kHasVector; }
+
+// bf16 x with more rows than this goes to quant_tiles.cpp (weights decoded once per call
+// into packed tiles); up to it, weights are decoded in registers for every 4 rows.
+int64_t& direct_max_rows() {
+  static int64_t rows = 4;
+  return rows;
+}
+
+int64_t set_direct_max_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 0, "direct_max_rows >= 0");
+  return std::exchange(direct_max_rows(), rows);
+}
 
 // The scalar decoder over a whole tensor (N, row_bytes) -> (N, K) float32: for tests.
 at::Tensor dequantize(const at::Tensor& w, int64_t type, int64_t k) {
@@ -448,6 +283,16 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, const c1
     return out;
   }
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  if (bf16 && !portable && p.m > direct_max_rows()) {  // quant_tiles.cpp
+    const TilesProblem q{p.type, p.w, p.row_bytes, p.m, p.k, p.n_out, p.silu,
+                         reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
+                         res.defined() ? reinterpret_cast<const uint16_t*>(res.data_ptr()) : nullptr,
+                         res.defined() ? res.stride(0) : 0,
+                         float_out ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr()),
+                         float_out ? out.data_ptr<float>() : nullptr};
+    gemm_tiles(q);
+    return out;
+  }
   if (bf16 && !portable) {
     switch (p.type) {
       case Q4_0: run_vector<Q4_0>(p, x, res, out, float_out); break;
@@ -482,6 +327,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_pool", &pw::set_pool, "hand work items to the pool behind a cpu_pool capsule");
   m.def("has_vector_kernel", &has_vector_kernel, "whether this build has the AVX512-BF16 path");
   m.def("dequantize", &dequantize, "scalar decoder: (N, row_bytes) uint8 -> (N, K) float32");
+  m.def("set_direct_max_rows", &set_direct_max_rows,
+        "rows up to which bf16 x decodes in registers (above: packed tiles); returns the old value");
   m.def("has_int8_kernel", &has_int8_kernel, "whether this build has the AVX512-VNNI int8 path");
   m.def("gemm", &gemm, "x @ W^T against GGUF-quantized W, fused epilogues (int8: quant_int8.cpp)");
 }

@@ -38,7 +38,7 @@ from pagewarden.kernels.cpu.fused import DISABLE_ENV
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name("quant.cpp"), Path(__file__).with_name("quant_int8.cpp")]
+_SOURCES = [Path(__file__).with_name(f) for f in ("quant.cpp", "quant_int8.cpp", "quant_tiles.cpp")]
 # No FMA contraction: the decoder must round exactly as ggml's float32 mul-then-add.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 #: Flags of the AVX2 build (no AVX-512): the portable path only; tests build it too.
