@@ -181,7 +181,7 @@ def pagewarden_child(spec: dict) -> dict:
         max_num_seqs=STREAMS,
         enable_prefix_caching=False,
     )
-    vocab = len(llm.get_tokenizer())
+    vocab = llm.get_tokenizer().vocab_size
     rng = random.Random(spec["seed"])
 
     def prompts(n: int) -> list[dict]:

@@ -1,7 +1,9 @@
 """bench/llamacpp.py reads llama.cpp's outputs and computes pagewarden's figures the way
 llama-bench and llama-batched-bench define theirs."""
 
+import importlib
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,3 +77,25 @@ def test_llama_env_keeps_the_users_policy_unless_told_and_finds_the_libraries(mo
     env = lcb.llama_env(Path("/x/bin"), "inherit")
     assert "OMP_WAIT_POLICY" not in env and env["LD_LIBRARY_PATH"] == "/x/bin:/opt/lib"
     assert lcb.llama_env(Path("/x/bin"), "PASSIVE")["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+def _tokens_module():
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)  # llamacpp_tokens imports bench.quant_tokens' prompts
+    return importlib.import_module("bench.llamacpp_tokens")
+
+
+def test_greedy_tool_output_parsed_into_prompt_and_generated_ids():
+    lct = _tokens_module()
+    out = "prompt: 504 3575\ngen: 7042 30 198\nprompt: 1\ngen: 2 3 4\n"
+    assert lct.parse_greedy_output(out) == [([504, 3575], [7042, 30, 198]), ([1], [2, 3, 4])]
+    with pytest.raises(lct.GreedyToolError):
+        lct.parse_greedy_output("prompt: 1\n")
+
+
+def test_common_prefix_counts_leading_equal_tokens():
+    lct = _tokens_module()
+    assert lct.common_prefix([1, 2, 3], [1, 2, 3]) == 3
+    assert lct.common_prefix([1, 2, 3], [1, 5, 3]) == 1
+    assert lct.common_prefix([7], [8]) == 0
