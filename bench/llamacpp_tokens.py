@@ -25,6 +25,7 @@ from pathlib import Path
 from bench.quant_tokens import P
 
 ROOT = Path(__file__).resolve().parents[1]
+TOP = 5  # logprobs asked of pagewarden per position, for the margin at a divergence
 VARIANTS = {  # name -> LLM keyword arguments
     "gguf": {"quantization": "gguf"},
     "none": {"quantization": "none"},
@@ -83,15 +84,44 @@ def llama_greedy(exe: Path, model: str, prompts: list[str], n: int, threads: int
     return parse_greedy_output(res.stdout)
 
 
+def divergence_gap(ours: list[int], top: list[list[tuple[int, float]]], ref: list[int]):
+    """At the first position where ``ours`` and ``ref`` differ: our top-1 logprob minus
+    our logprob of ref's token (nats; None if ref's token is outside our top list or the
+    sequences never differ)."""
+    k = common_prefix(ours, ref)
+    if k == min(len(ours), len(ref)):
+        return None
+    lps = dict(top[k])
+    return top[k][0][1] - lps[ref[k]] if ref[k] in lps else None
+
+
 def pagewarden_greedy(model: str, variant: str, prompt_ids: list[list[int]], n: int, threads: int):
-    """(pagewarden's own tokenization of P, its greedy ids from llama.cpp's prompt ids)."""
+    """(pagewarden's own tokenization of P, its greedy ids from llama.cpp's prompt ids,
+    the top-5 (id, logprob) at each generated position)."""
     from pagewarden import LLM, SamplingParams
 
     llm = LLM(model=model, kv_cache_memory="256MiB", cpu_threads=threads, **VARIANTS[variant])
-    sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=TOP)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sp, use_tqdm=False)
     own = [list(llm.get_tokenizer().encode(p)) for p in P]
-    return own, [list(o.outputs[0].token_ids) for o in outs]
+    tops = [[lp.top for lp in o.outputs[0].logprobs] for o in outs]
+    return own, [list(o.outputs[0].token_ids) for o in outs], tops
+
+
+def report_gaps(variant: str, ours: list, tops: list, ref: list) -> None:
+    """How close pagewarden's own choice was to llama.cpp's token where they first differ."""
+    gaps = [divergence_gap(o, t, r) for o, t, r in zip(ours, tops, ref)]
+    diverged = sum(common_prefix(o, r) < len(r) for o, r in zip(ours, ref))
+    found = sorted(g for g in gaps if g is not None)
+    if not diverged:
+        return
+    text = f"  at {variant}'s {diverged} first differences, llama.cpp's token is in its top {TOP} "
+    text += f"{len(found)} times"
+    if found:
+        text += (
+            f"; logprob gap to its top-1: median {found[len(found) // 2]:.3f}, max {found[-1]:.3f}"
+        )
+    print(text + " (nats)")
 
 
 def main() -> None:
@@ -111,9 +141,10 @@ def main() -> None:
     ref = llama_greedy(exe, model, P, args.tokens, args.threads)
     ids = [p for p, _ in ref]
     gens: dict[str, list[list[int]]] = {}
+    tops: dict[str, list] = {}
     own: list[list[int]] = []
     for v in args.variants:
-        own, gens[v] = pagewarden_greedy(model, v, ids, args.tokens, args.threads)
+        own, gens[v], tops[v] = pagewarden_greedy(model, v, ids, args.tokens, args.threads)
     print(f"{model}; {args.tokens} greedy tokens per prompt; end-of-text ignored")
     pairs = [(v, "llama.cpp") for v in gens]
     if "gguf" in gens and "none" in gens:
@@ -132,6 +163,8 @@ def main() -> None:
             f"{a} vs {b}: {full}/{len(P)} prompts all {args.tokens} tokens equal; mean common "
             f"prefix {sum(pre) / len(P):.1f}; agreement {sum(pre) / (len(P) * args.tokens):.1%}"
         )
+        if b == "llama.cpp":
+            report_gaps(a, gens[a], tops[a], get[b])
     print(f"uptime: {os.popen('uptime').read().strip()}")
 
 

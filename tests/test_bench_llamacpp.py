@@ -99,3 +99,11 @@ def test_common_prefix_counts_leading_equal_tokens():
     assert lct.common_prefix([1, 2, 3], [1, 2, 3]) == 3
     assert lct.common_prefix([1, 2, 3], [1, 5, 3]) == 1
     assert lct.common_prefix([7], [8]) == 0
+
+
+def test_divergence_gap_is_our_margin_over_llama_cpps_token_at_the_first_difference():
+    lct = _tokens_module()
+    top = [[(5, -0.1), (6, -0.5)], [(7, -1.0), (8, -1.25), (9, -3.0)]]
+    assert lct.divergence_gap([5, 7], top, [5, 8]) == pytest.approx(0.25)
+    assert lct.divergence_gap([5, 7], top, [5, 4]) is None  # outside our top list
+    assert lct.divergence_gap([5, 7], top, [5, 7]) is None  # never differ
