@@ -182,6 +182,14 @@ class AdmissionController:
             self._done_in_window += 1
             self._roll_window(time.monotonic())
 
+    def refresh(self) -> None:
+        """Roll the window if it is due (a metrics read calls this): an idle server's
+        limit shows its recovery without waiting for the next request."""
+        now = time.monotonic()
+        if now - self._window_start >= self.window_s:
+            with self._lock:
+                self._roll_window(now)
+
     def retry_after_s(self) -> float:
         """Seconds until a slot is likely free, jittered (see the module docstring)."""
         ahead = max(1, self.in_flight - self.admit_limit + 1)
