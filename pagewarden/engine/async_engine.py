@@ -52,6 +52,9 @@ class AdmissionObserver(Protocol):
     rejected: int  # 429s it sent itself (counted in the admission_rejections metric)
     limit: int  # its current in-flight limit
     in_flight: int  # requests it admitted and that are not answered yet
+    base_itl_s: float | None  # its unloaded time per token, once seen
+
+    def refresh(self) -> None: ...
 
     def first_token(self, queue_time_s: float) -> None: ...
 
@@ -247,11 +250,14 @@ class AsyncEngine:
 
     def stats(self) -> FrontendStats:
         gate = self.observer
+        if gate is not None:
+            gate.refresh()  # an idle gate's windows roll on reads too
         return self.frontend_stats.snapshot(
             engine_restarts=self.client.restarts,
             gate_rejections=gate.rejected if gate is not None else 0,
             admission_limit=gate.limit if gate is not None else 0,
             admission_in_flight=gate.in_flight if gate is not None else 0,
+            admission_itl_baseline_s=(gate.base_itl_s or 0.0) if gate is not None else 0.0,
         )
 
     @property

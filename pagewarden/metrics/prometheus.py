@@ -187,6 +187,13 @@ def _frontend_metrics(f: FrontendStats, m: str) -> Iterator[Metric]:
         f.admission_in_flight,
         m,
     )
+    yield _gauge(
+        "admission_itl_baseline_seconds",
+        "Admission control's unloaded time per token, what it compares admitted streams "
+        "with (0: not yet seen).",
+        f.admission_itl_baseline_s,
+        m,
+    )
     yield _counter(
         "engine_restarts",
         "Engine-core processes restarted after a crash or a stall.",

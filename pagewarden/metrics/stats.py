@@ -93,6 +93,8 @@ class FrontendStats:
     request_migrations: int = 0  # requests re-submitted after their replica died (serve/)
     admission_limit: int = 0  # the admission gate's current in-flight limit (0: no gate)
     admission_in_flight: int = 0  # generation requests the gate admitted, not yet answered
+    # The gate's unloaded time per token (its inter-token latency baseline; 0: not yet seen).
+    admission_itl_baseline_s: float = 0.0
 
 
 class FrontendStatsRecorder:
@@ -145,6 +147,7 @@ class FrontendStatsRecorder:
         request_migrations: int = 0,
         admission_limit: int = 0,
         admission_in_flight: int = 0,
+        admission_itl_baseline_s: float = 0.0,
     ) -> FrontendStats:
         """``gate_rejections``: 429s the server's admission gate sent before parsing."""
         with self._lock:
@@ -161,6 +164,7 @@ class FrontendStatsRecorder:
                 request_migrations=request_migrations,
                 admission_limit=admission_limit,
                 admission_in_flight=admission_in_flight,
+                admission_itl_baseline_s=admission_itl_baseline_s,
             )
 
 

@@ -136,12 +136,15 @@ class RemoteEngine:
 
     def stats(self) -> FrontendStats:
         gate = self.observer
+        if gate is not None:
+            gate.refresh()  # an idle gate's windows roll on reads too
         return self.frontend_stats.snapshot(
             engine_restarts=self.cluster().engine_restarts,
             gate_rejections=gate.rejected if gate is not None else 0,
             request_migrations=self.migrations,
             admission_limit=gate.limit if gate is not None else 0,
             admission_in_flight=gate.in_flight if gate is not None else 0,
+            admission_itl_baseline_s=(gate.base_itl_s or 0.0) if gate is not None else 0.0,
         )
 
 

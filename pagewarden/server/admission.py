@@ -31,14 +31,23 @@ key alone), so one tenant's flood cannot take the slots of another.
     A spike that fills the batch slows every admitted stream by the batch's size (a
     step at batch 180 takes several times one at batch 4); this keeps admitted
     requests near their unloaded speed and turns the rest away instead of letting
-    every stream crawl. The baseline never rises: on a machine that became slower for
-    good, raise the ratio.
+    every stream crawl. The baseline rises only in light windows (recovery, below).
 
-  Either over its target cuts the limit by a quarter; both under raise it by one. A
+  Either over its target cuts the limit to three quarters of the window's peak in
+  flight (a limit above that peak did not slow anyone); both under raise it by one. A
   window where the limit did not bind never cuts it: a slow first token there comes
   from a burst the engine is already holding (32 prompts arriving at once take about
   2.5 s to prefill on 2 cores), and a lower limit would only turn away requests the
   engine serves;
+- onset: the gate admits at most ``burst`` (32) requests beyond ``proven``, the most
+  requests that produced tokens at once in a window within both targets
+  (``admit_limit``). The limit starts at capacity, and a spike's first instant would
+  otherwise fill the whole batch before any window could see it: 1,024 connections
+  filled 90 slots at once, and every request admitted then took 10x its unloaded time
+  while the limit fell to 2 above them. Requests not yet past their first token do not
+  count as proof (the window's latencies do not come from them yet). A client at
+  concurrency 32 (vLLM's serving benchmark) starts within the burst and, never turned
+  away, never cuts the limit;
 - recovery: a window that is light (at most half the limit in flight at its peak, idle
   included) halves the distance from the limit to capacity, and lets the ITL baseline
   rise to the window's mean time per token where that is higher (by at most half per
@@ -84,6 +93,9 @@ BODY_TIMEOUT_S = 30.0
 RECOVERY_SHARE = 0.5
 BASELINE_RISE = 1.5
 RECOVERY_S = 3.0
+#: Default of ``burst``: requests admitted beyond the most that ran within the latency
+#: targets. A client at concurrency 32 (vLLM's serving benchmark) starts within it.
+ONSET_BURST = 32
 
 
 class AdmissionController:
@@ -102,12 +114,15 @@ class AdmissionController:
         enabled: bool = True,
         min_limit: int = 2,
         window_s: float = 0.5,
+        burst: int = ONSET_BURST,
         rng: random.Random | None = None,
     ) -> None:
         if capacity < 1 or target_queue_s <= 0 or (fixed_limit is not None and fixed_limit < 1):
             raise ValueError("admission: capacity, target and fixed limit must be positive")
         if target_itl_ratio <= 1:
             raise ValueError("admission: the inter-token latency ratio must be above 1")
+        if burst < 1:
+            raise ValueError("admission: the onset burst must be positive")
         self.capacity = capacity
         self.min_limit = min(min_limit, capacity)
         self.enabled = enabled
@@ -117,12 +132,21 @@ class AdmissionController:
         self.target_itl_ratio = target_itl_ratio
         self.base_itl_s: float | None = None  # lowest window mean time per token seen
         self.window_s = window_s
+        self.burst = burst
         self.in_flight = 0
+        # Admitted requests without a first token yet (an estimate: one answered before
+        # its first token is dropped once fewer are in flight than waiting).
+        self.waiting = 0
+        # The most requests producing tokens at once in a window whose latency was within
+        # both targets; the gate admits at most ``burst`` beyond it (``admit_limit``).
+        self.proven = 0
+        self.admit_limit = self.limit if self.fixed else min(self.limit, burst)
         self.rejected = 0
         self._rng = rng or random.Random()
         self._lock = threading.Lock()
         self._window_start = time.monotonic()
         self._window_peak = 0  # most requests in flight at once in the window
+        self._window_running = 0  # most of them past their first token at once
         self._window_max_queue = 0.0
         self._window_saturated = False
         self._window_token_time = 0.0  # seconds streams waited for the window's tokens
@@ -137,10 +161,11 @@ class AdmissionController:
         if now - self._window_start >= self.window_s:
             with self._lock:
                 self._roll_window(now)
-        if self.enabled and self.in_flight >= self.limit:
+        if self.enabled and self.in_flight >= self.admit_limit:
             self.note_rejected()
             return False
         self.in_flight += 1
+        self.waiting += 1
         self._window_peak = max(self._window_peak, self.in_flight)
         return True
 
@@ -153,12 +178,21 @@ class AdmissionController:
         """An admitted request was answered (any outcome)."""
         with self._lock:
             self.in_flight -= 1
+            self.waiting = min(self.waiting, self.in_flight)
             self._done_in_window += 1
             self._roll_window(time.monotonic())
 
+    def refresh(self) -> None:
+        """Roll the window if it is due (a metrics read calls this): an idle server's
+        limit shows its recovery without waiting for the next request."""
+        now = time.monotonic()
+        if now - self._window_start >= self.window_s:
+            with self._lock:
+                self._roll_window(now)
+
     def retry_after_s(self) -> float:
         """Seconds until a slot is likely free, jittered (see the module docstring)."""
-        ahead = max(1, self.in_flight - self.limit + 1)
+        ahead = max(1, self.in_flight - self.admit_limit + 1)
         rate = max(self._drain_rate, 1.0)
         return min(30.0, max(0.05, ahead / rate) * self._rng.uniform(0.5, 1.5))
 
@@ -166,6 +200,8 @@ class AdmissionController:
     def first_token(self, queue_time_s: float) -> None:
         with self._lock:
             self._window_max_queue = max(self._window_max_queue, queue_time_s)
+            self.waiting = max(0, self.waiting - 1)
+            self._note_running()
             if self.in_flight >= self.limit:
                 self._window_saturated = True
             self._roll_window(time.monotonic())
@@ -175,7 +211,12 @@ class AdmissionController:
         with self._lock:
             self._window_token_time += gap_s
             self._window_tokens += tokens
+            self._note_running()
             self._roll_window(time.monotonic())
+
+    def _note_running(self) -> None:
+        """Requests producing tokens now: the batch the window's latencies come from."""
+        self._window_running = max(self._window_running, self.in_flight - self.waiting)
 
     def finished(self) -> None:
         """The engine finished a request (the gate counts answers in ``leave``)."""
@@ -197,10 +238,18 @@ class AdmissionController:
                 self.base_itl_s = min(itl, self.base_itl_s * BASELINE_RISE)
             else:
                 self.base_itl_s = min(self.base_itl_s, itl)
+        slow_itl = itl is not None and itl > self.target_itl_ratio * self.base_itl_s
+        slow = self._window_max_queue > self.target_queue_s or slow_itl
+        running = self._window_running
+        if slow:
+            self.proven = min(self.proven, math.floor(running * 0.75))
+        elif itl is not None:
+            self.proven = max(self.proven, running)
         if not self.fixed and self._window_saturated:  # cut only where the limit binds
-            slow_itl = itl is not None and itl > self.target_itl_ratio * self.base_itl_s
-            if self._window_max_queue > self.target_queue_s or slow_itl:
-                self.limit = max(self.min_limit, math.floor(self.limit * 0.75))
+            if slow:
+                # From what was in flight: a limit above the window's peak did not slow it.
+                ran = min(self.limit, self._window_peak)
+                self.limit = max(self.min_limit, math.floor(ran * 0.75))
             else:
                 self.limit = min(self.capacity, self.limit + 1)
         # Windows in which nothing rolled (no request, no token: the engine sat idle) are
@@ -212,6 +261,8 @@ class AdmissionController:
             self.limit = self.capacity - math.floor(gap)
         self._window_start = now
         self._window_peak = self.in_flight
+        self._window_running = self.in_flight - self.waiting
+        self.admit_limit = self.limit if self.fixed else min(self.limit, self.proven + self.burst)
         self._window_max_queue = 0.0
         self._window_saturated = False
         self._window_token_time = 0.0
@@ -262,7 +313,7 @@ class AdmissionGate:
             await self.app(scope, receive, send)
             return
         ctl = self.controller
-        if ctl.enabled and ctl.in_flight >= ctl.limit:  # shed before reading the body
+        if ctl.enabled and ctl.in_flight >= ctl.admit_limit:  # shed before reading the body
             ctl.note_rejected()
             await self._reject(send, ctl.retry_after_s())
             return

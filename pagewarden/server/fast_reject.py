@@ -146,7 +146,7 @@ def reject_fast_protocol(
             self.header_due = None
             if (
                 controller.enabled
-                and controller.in_flight >= controller.limit
+                and controller.in_flight >= controller.admit_limit
                 and self.parser.get_method() == b"POST"
                 and self.url.split(b"?", 1)[0] in _PATHS
                 and self.parser.get_http_version() == "1.1"

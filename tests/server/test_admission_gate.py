@@ -29,7 +29,7 @@ def test_limit_counts_in_flight_requests():
 
 
 def test_limit_adapts_to_queue_time():
-    ctl = AdmissionController(40, target_queue_s=0.5, window_s=0.0)
+    ctl = AdmissionController(40, target_queue_s=0.5, window_s=0.0, burst=40)  # limit alone
     start = ctl.limit
     assert start == 40  # the engine's capacity
     for _ in range(32):  # a burst below the limit: slow first tokens move nothing
@@ -71,7 +71,7 @@ def test_limit_adapts_to_queue_time():
 def test_limit_adapts_to_inter_token_latency(monkeypatch):
     clock = types.SimpleNamespace(now=0.0)
     monkeypatch.setattr(admission.time, "monotonic", lambda: clock.now)
-    ctl = AdmissionController(40, target_itl_ratio=2.5, window_s=1.0)
+    ctl = AdmissionController(40, target_itl_ratio=2.5, window_s=1.0, burst=40)
 
     def window(gap: float, n: int) -> None:
         """n token gaps of `gap` seconds in one window, then the window closes."""
@@ -101,6 +101,57 @@ def test_limit_adapts_to_inter_token_latency(monkeypatch):
     ctl.inter_token(0.2, tokens=4)  # one gap that brought 4 tokens counts as 4 tokens
     window(0.1, 3)  # 0.6 s for 8 tokens: 75 ms a token, over 2.5 x 20 ms
     assert ctl.limit == 24
+
+
+def test_a_flood_onset_admits_a_burst_beyond_what_ran_healthy(monkeypatch):
+    """The limit starts at capacity, but the gate admits at most ``burst`` requests
+    beyond the most that produced tokens at once within the latency targets: a spike's
+    first instant no longer fills the whole batch before any window can see it."""
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(admission.time, "monotonic", lambda: clock.now)
+    ctl = AdmissionController(90, window_s=1.0, burst=32)
+
+    def window(gap: float, n: int) -> None:
+        for _ in range(n):
+            ctl.inter_token(gap)
+        clock.now += 1.0
+        ctl.inter_token(gap)
+
+    assert ctl.limit == 90 and ctl.admit_limit == 32
+    for _ in range(12):  # twelve streams run at the unloaded speed
+        assert ctl.try_enter()
+        ctl.first_token(0.05)
+    window(0.02, 24)
+    assert ctl.proven == 12 and ctl.admit_limit == 44
+    accepted = sum(ctl.try_enter() for _ in range(1000))  # the flood's first instant
+    assert accepted == 32 and ctl.in_flight == 44 and ctl.limit == 90
+    window(0.02, 24)  # the 32 have no first token: healthy tokens prove nothing of them
+    assert ctl.proven == 12 and ctl.admit_limit == 44
+    for _ in range(32):
+        ctl.first_token(0.3)
+    assert not ctl.try_enter()
+    window(0.07, 44)  # 44 streams at 3.5x the baseline, the gate full: cut from the peak
+    assert ctl.limit == 33 and ctl.proven == 12 and ctl.admit_limit == 33
+
+
+def test_a_client_at_concurrency_32_is_never_refused(monkeypatch):
+    """vLLM's serving benchmark at concurrency 32 from an idle server: slow windows
+    where nobody was turned away cut nothing, and 32 fit in the onset burst."""
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(admission.time, "monotonic", lambda: clock.now)
+    ctl = AdmissionController(90, window_s=0.5)
+    for _ in range(32):
+        assert ctl.try_enter()
+    for _ in range(200):  # answers come back and the client sends the next request
+        for _ in range(32):
+            ctl.first_token(3.0)  # a slow prefill of 32 prompts ...
+            ctl.inter_token(0.1, 4)  # ... and tokens 5x slower than ...
+        ctl.inter_token(0.02, 8)  # ... the unloaded speed
+        clock.now += 0.25
+        for _ in range(8):
+            ctl.leave()
+            assert ctl.try_enter()
+    assert ctl.rejected == 0 and ctl.limit == 90 and ctl.admit_limit == 32
 
 
 def test_disabled_or_pinned_limit_does_not_move():
@@ -217,7 +268,7 @@ def test_an_idle_engine_forgets_a_burst_within_the_recovery_time(monkeypatch):
     16-stream load under it is never refused."""
     clock = types.SimpleNamespace(now=0.0)
     monkeypatch.setattr(admission.time, "monotonic", lambda: clock.now)
-    ctl = AdmissionController(64, target_queue_s=2.0, window_s=0.5)
+    ctl = AdmissionController(64, target_queue_s=2.0, window_s=0.5, burst=64)
     for _ in range(64):
         assert ctl.try_enter()
     for _ in range(60):  # a saturated, slow burst
