@@ -107,7 +107,7 @@ def test_the_limit_recovers_after_one_client_abandons_its_streams(spike, tiny_ll
             )
         )
         assert abandoned >= 8 * 2  # every wave had some streams admitted and abandoned
-        assert min(limits_seen) <= CAPACITY // 2, limits_seen  # the burst did cut the limit
+        assert min(limits_seen) < CAPACITY, limits_seen  # the burst did cut the limit
 
         idle = _wait_for(lambda: spike.metric(url, "admission_in_flight") == 0, 60)
         assert idle is not None, "abandoned streams were never answered"
