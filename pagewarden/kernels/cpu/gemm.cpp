@@ -37,6 +37,10 @@
 
 #include "pool.h"
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include "gemm_tile.h"
+#endif
+
 namespace {
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -46,39 +50,6 @@ constexpr int MR = 4;  // rows of x per micro-kernel call
 constexpr int NR = 6;  // column tiles (of 16) per group
 
 using bf16_bits = uint16_t;
-
-// exp(x) for x <= 0 on 16 lanes: x = n ln2 + r, exp(r) by its degree-6 Taylor polynomial.
-inline __m512 exp_nonpos(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-
-// The gated epilogues: none, silu(gate) * up, gelu_tanh(gate) * up.
-enum Act : int64_t { kNone = 0, kSilu = 1, kGeluTanh = 2 };
-
-// g * sigmoid(s) * u = g * u / (1 + exp(-s)), with exp taken of -|s| only (no overflow).
-// SiLU: s = g. GELU-tanh: 0.5 g (1 + tanh(z)) = g sigmoid(2 z), z = sqrt(2/pi) (g + 0.044715 g^3).
-template <Act A>
-inline __m512 gated(__m512 g, __m512 u) {
-  __m512 s = g;
-  if constexpr (A == kGeluTanh) {
-    const __m512 g2 = _mm512_mul_ps(g, g);
-    const __m512 inner = _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), g2, _mm512_set1_ps(1.0f));
-    s = _mm512_mul_ps(_mm512_mul_ps(g, inner), _mm512_set1_ps(1.5957691216057308f));
-  }
-  const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(s)));
-  const __mmask16 neg = _mm512_cmp_ps_mask(s, _mm512_setzero_ps(), _CMP_LT_OQ);
-  const __m512 num = _mm512_mask_mul_ps(g, neg, g, e);  // s >= 0: g;  s < 0: g e^s
-  return _mm512_mul_ps(_mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
-}
 
 inline __m256i round_bf16(__m512 v) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)); }
 
@@ -102,23 +73,10 @@ struct Args {
 // Rows [m0, m0 + R) x tiles [t0, t0 + C) of the product; writes their outputs.
 template <int R, int C>
 void micro(const Args& a, int64_t m0, int64_t t0) {
-  __m512 acc[R][C];
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < C; ++j) acc[i][j] = _mm512_setzero_ps();
   const bf16_bits* xr[R];
   for (int i = 0; i < R; ++i) xr[i] = a.x + (m0 + i) * a.ldx;
-  const bf16_bits* wt = a.w + t0 * a.pairs * 32;
-  for (int64_t p = 0; p < a.pairs; ++p) {
-    __m512bh b[C];
-    for (int j = 0; j < C; ++j)
-      b[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(wt + (j * a.pairs + p) * 32));
-    for (int i = 0; i < R; ++i) {
-      int32_t pair;  // x[m, 2p] and x[m, 2p + 1] (a 4-byte load; rows need no alignment)
-      std::memcpy(&pair, xr[i] + 2 * p, sizeof pair);
-      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-      for (int j = 0; j < C; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, b[j]);
-    }
-  }
+  __m512 acc[R][C];
+  dot_tiles<R, C>(xr, a.w + t0 * a.pairs * 32, a.pairs, acc);
   for (int i = 0; i < R; ++i) {
     bf16_bits* o = a.out + (m0 + i) * a.ldout;
     if (a.act != kNone) {  // tiles alternate gate, up: tile pair j/2 is output tile t0/2 + j/2

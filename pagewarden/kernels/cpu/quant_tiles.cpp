@@ -9,10 +9,10 @@
 // of gemm.cpp's packed tiles (K / 2, 16, 2): each 32-weight piece of 16 rows is decoded
 // by quant_decode.h (bit for bit ggml's float32 weights, rounded to bf16) into 16
 // registers, transposed as 16 x 16 32-bit pairs and stored. Then gemm.cpp's micro-kernel
-// (a copy, with this file's epilogues) runs over every MR = 4 rows of x: MR x NR float32
+// (gemm_tile.h, shared; this file's epilogues) runs over every MR = 4 rows of x: MR x NR float32
 // accumulators over all of K, NR 64-byte loads of W, MR broadcasts of an x pair and
 // MR x NR vdpbf16ps per k pair. The decode is paid once per weight per call, whatever M
-// is, and the inner loop is --quantization none's. SiLU is gemm.cpp's (exp by a degree-6
+// is, and the inner loop is --quantization none's. SiLU is gemm_tile.h's (exp by a degree-6
 // polynomial), the same as the bf16 path's fused gate_up.
 
 #include "quant_tiles.h"
@@ -30,6 +30,7 @@
 #include "quant_scalar.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include "gemm_tile.h"
 #include "quant_decode.h"
 
 namespace {
@@ -39,52 +40,6 @@ constexpr int NR = 6;   // column tiles per group (an even number: silu pairs)
 constexpr int TW = 16;  // output columns per tile
 
 using bf16_bits = uint16_t;
-
-// exp(x) for x <= 0 on 16 lanes (gemm.cpp's): x = n ln2 + r, exp(r) by its degree-6 Taylor polynomial.
-inline __m512 exp_nonpos(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-
-// silu(g) * u = g * u / (1 + exp(-g)), exp taken of -|g| only (gemm.cpp's gated<kSilu>).
-inline __m512 silu_mul(__m512 g, __m512 u) {
-  const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-  const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-  const __m512 num = _mm512_mask_mul_ps(g, neg, g, e);
-  return _mm512_mul_ps(_mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
-}
-
-// r[j] lane i <- r[i] lane j, for 16 x 16 32-bit lanes.
-inline void transpose16(__m512i* r) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int h = 0; h < 16; h += 8)
-    for (int i = 0; i < 4; ++i) {
-      t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
-      t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
-    }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-  }
-}
 
 // Weight rows rows[0, 16) decoded to bf16 as one packed tile (K / 2, 16, 2) at dst (a
 // short tile repeats its last row: those columns are never stored).
@@ -122,29 +77,17 @@ struct Args {
 template <int R, int C>
 void micro(const Args& a, int64_t m0) {
   const TilesProblem& p = a.p;
-  __m512 acc[R][C];
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < C; ++j) acc[i][j] = _mm512_setzero_ps();
   const bf16_bits* xr[R];
   for (int i = 0; i < R; ++i) xr[i] = p.x + (m0 + i) * p.ldx;
-  for (int64_t k = 0; k < a.pairs; ++k) {
-    __m512bh b[C];
-    for (int j = 0; j < C; ++j)
-      b[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(a.w + (j * a.pairs + k) * 2 * TW));
-    for (int i = 0; i < R; ++i) {
-      int32_t pair;  // x[m, 2k] and x[m, 2k + 1]
-      std::memcpy(&pair, xr[i] + 2 * k, sizeof pair);
-      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-      for (int j = 0; j < C; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, b[j]);
-    }
-  }
+  __m512 acc[R][C];
+  dot_tiles<R, C>(xr, a.w, a.pairs, acc);
   for (int i = 0; i < R; ++i) {
     const int64_t row = m0 + i;
     const int step = p.silu ? 2 : 1;
     for (int j = 0; j + step - 1 < C; j += step) {
       const int64_t col = a.col0 + j / step * TW;
       const __mmask16 mask = p.n_out - col >= TW ? 0xFFFF : (1u << (p.n_out - col)) - 1;
-      __m512 v = p.silu ? silu_mul(acc[i][j], acc[i][j + 1]) : acc[i][j];
+      __m512 v = p.silu ? gated<kSilu>(acc[i][j], acc[i][j + 1]) : acc[i][j];
       if (p.res) {
         const __m256i r = _mm256_maskz_loadu_epi16(mask, p.res + row * p.ldres + col);
         v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)));
