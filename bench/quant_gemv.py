@@ -1,6 +1,8 @@
 """Quantized GEMMs (kernels/cpu/quant: the int8 kernel and the bf16-decode kernel) against
 the bf16 tile GEMM of ``--quantization none`` (kernels/cpu/gemm) at the default model's
-shapes, side by side in one run: ms per call and the ratios.
+shapes, side by side in one run: ms per call and the ratios. Columns: int8 (quant_int8.cpp:
+the one-row GEMV, or its multi-row loop), int8-tiles (quant_int8_tiles.cpp, 2 rows and
+more), bf16-decode (registers up to 4 rows, then quant_tiles.cpp) and none.
 
     python -m bench.quant_gemv [--rows 1 4 16 64] [--type Q4_1] [--iters 200]
     python -m bench.quant_gemv --cold 30 [--type Q4_1]   # weights streamed from memory
@@ -162,6 +164,15 @@ def main() -> None:
         print(f"uptime: {os.popen('uptime').read().strip()}")
         return
     total: dict[int, list[float]] = {}
+    big = 1 << 30
+
+    def int8(x, w, tiles_from: int) -> None:  # the int8 kernel, tiles from this many rows
+        old = ext.set_int8_tiles_min_rows(tiles_from)
+        try:
+            cpu_quant.gemm(x, w, kernel="int8")
+        finally:
+            ext.set_int8_tiles_min_rows(old)
+
     for n, k in SHAPES:
         qtype = NAMES["Q8_0"] if n == 49152 else NAMES[args.type]
         w = random_weight(qtype, n, k, rng)
@@ -169,22 +180,23 @@ def main() -> None:
         for m in args.rows:
             x = torch.randn(m, k).bfloat16()
             iters = max(5, args.iters // max(1, m // 8))
-            t8 = timed(lambda x=x, w=w: cpu_quant.gemm(x, w, kernel="int8"), iters)
+            t8 = timed(lambda x=x, w=w: int8(x, w, big), iters)
+            tt = timed(lambda x=x, w=w: int8(x, w, 2), iters) if m > 1 else t8
             tq = timed(lambda x=x, w=w: cpu_quant.gemm(x, w, kernel="bf16"), iters)
             tb = timed(lambda x=x, t=tiles, n=n: cpu_gemm.gemm(x, t, n), iters)
-            acc = total.setdefault(m, [0.0, 0.0, 0.0])
-            for i, t in enumerate((t8, tq, tb)):
+            acc = total.setdefault(m, [0.0, 0.0, 0.0, 0.0])
+            for i, t in enumerate((t8, tt, tq, tb)):
                 acc[i] += t
             print(
                 f"{w.type_name:5s} N={n:6d} K={k:5d} M={m:4d}  int8 {t8:8.3f} ms  "
-                f"bf16-decode {tq:8.3f} ms  none {tb:8.3f} ms  none/int8 {tb / t8:5.2f}x  "
-                f"none/bf16-decode {tb / tq:5.2f}x"
+                f"int8-tiles {tt:8.3f} ms  bf16-decode {tq:8.3f} ms  none {tb:8.3f} ms  "
+                f"none/int8-tiles {tb / tt:5.2f}x  none/bf16-decode {tb / tq:5.2f}x"
             )
-    for m, (t8, tq, tb) in total.items():
+    for m, (t8, tt, tq, tb) in total.items():
         print(
-            f"sum of one layer's shapes + lm_head, M={m}: int8 {t8:.3f} ms, bf16-decode "
-            f"{tq:.3f} ms, none {tb:.3f} ms; none/int8 {tb / t8:.2f}x, none/bf16-decode "
-            f"{tb / tq:.2f}x"
+            f"sum of one layer's shapes + lm_head, M={m}: int8 {t8:.3f} ms, int8-tiles "
+            f"{tt:.3f} ms, bf16-decode {tq:.3f} ms, none {tb:.3f} ms; none/int8-tiles "
+            f"{tb / tt:.2f}x, none/bf16-decode {tb / tq:.2f}x"
         )
     print(f"uptime: {os.popen('uptime').read().strip()}")
 

@@ -147,7 +147,9 @@ def q8_round(x: torch.Tensor) -> torch.Tensor:
     max|x| / 127, round to nearest even; returned as float32 q * scale."""
     blocks = x.float().view(x.shape[0], -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # full_like / amax: one division, as the kernel (127.0 / amax is reciprocal(amax) * 127,
+    # two roundings: a tie such as 63.5 can then round the other way)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     return (torch.round(blocks * inv) * (amax / 127.0)).view(x.shape)
 
 
@@ -227,8 +229,10 @@ def test_auto_kernel_rule_and_refusals():
     ext = cpu_quant.load()
     one = torch.randn(1, 256).bfloat16()
     many = torch.randn(cpu_quant.INT8_MAX_ROWS + 1, 256).bfloat16()
+    batch = torch.randn(cpu_quant.INT8_TILES_MIN_ROWS, 256).bfloat16()
     assert cpu_quant.pick_kernel(ext, one, w) == "int8"
     assert cpu_quant.pick_kernel(ext, many, w) == "bf16"
+    assert cpu_quant.pick_kernel(ext, batch, w) == "int8"  # quant_int8_tiles.cpp
     assert cpu_quant.pick_kernel(ext, one.float(), w) == "bf16"
     with pytest.raises(ValueError, match="int8"):
         cpu_quant.gemm(one.float(), w, kernel="int8")
@@ -262,8 +266,8 @@ def test_avx2_build_compiles_and_matches():
     for name in ("Q4_1", "Q6_K"):
         w = random_weight(name, 24, 512)
         assert torch.equal(ext.dequantize(w.data, w.qtype, 512), reference(w))
-        assert not ext.has_int8_kernel()
-        for m in (3, 1):  # one row: no int8 GEMV in this build, the portable path
+        assert not ext.has_int8_kernel() and not ext.has_int8_tiles_kernel()
+        for m in (70, 3, 1):  # no int8 GEMV nor int8 tiles in this build: the portable path
             x = torch.randn(m, 512).bfloat16()
             assert_close(cpu_quant.gemm(x, w, ext=ext), x.float() @ reference(w).T)
 

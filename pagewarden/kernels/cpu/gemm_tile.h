@@ -1,8 +1,9 @@
 // What gemm.cpp (the bf16 GEMM of --quantization none) and quant_tiles.cpp (the many-row
 // bf16-decode path of the quantized GEMM) share: the epilogues' exp / SiLU / GELU-tanh, the
 // register-blocked vdpbf16ps micro-kernel over packed (K / 2, 16, 2) bf16 tiles, and a
-// 16 x 16 32-bit transpose (quant_tiles.cpp, quant_int8_tiles.cpp). Include only where
-// __AVX512BF16__ and __AVX512BW__ are defined.
+// 16 x 16 32-bit transpose and the quantized tiles' epilogue (quant_tiles.cpp,
+// quant_int8_tiles.cpp). Include only where __AVX512BW__ and __AVX512VL__ are defined;
+// dot_tiles needs __AVX512BF16__ as well.
 #pragma once
 
 #include <immintrin.h>
@@ -61,6 +62,46 @@ inline void dot_tiles(const uint16_t* const* xr, const uint16_t* w, int64_t pair
       std::memcpy(&pair, xr[i] + 2 * p, sizeof pair);
       const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
       for (int j = 0; j < C; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, b[j]);
+    }
+  }
+}
+
+// v rounded to bf16, nearest even (vcvtneps2bf16 where the build has AVX512-BF16).
+inline __m256i to_bf16(__m512 v) {
+#if defined(__AVX512BF16__)
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+#else
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);  // NaN stays a (quiet) NaN
+  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(r);
+#endif
+}
+
+// Writes rows [m0, m0 + R) of a group of C column tiles whose first output column is col0
+// (quant_tiles.cpp, quant_int8_tiles.cpp): p.silu: the tiles alternate gate, up and out =
+// silu(gate) * up; + p.res (bf16, row stride ldres) where set; bf16 p.out or float32
+// p.out_f32, (M, n_out) contiguous.
+template <int R, int C, class P>
+inline void tiles_epilogue(const P& p, const __m512 (&acc)[R][C], int64_t m0, int64_t col0) {
+  constexpr int TW = 16;
+  for (int i = 0; i < R; ++i) {
+    const int64_t row = m0 + i;
+    const int step = p.silu ? 2 : 1;
+    for (int j = 0; j + step - 1 < C; j += step) {
+      const int64_t col = col0 + j / step * TW;
+      const __mmask16 mask = p.n_out - col >= TW ? 0xFFFF : (1u << (p.n_out - col)) - 1;
+      __m512 v = p.silu ? gated<kSilu>(acc[i][j], acc[i][j + 1]) : acc[i][j];
+      if (p.res) {
+        const __m256i r = _mm256_maskz_loadu_epi16(mask, p.res + row * p.ldres + col);
+        v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)));
+      }
+      if (p.out_f32)
+        _mm512_mask_storeu_ps(p.out_f32 + row * p.n_out + col, mask, v);
+      else
+        _mm256_mask_storeu_epi16(p.out + row * p.n_out + col, mask, to_bf16(v));
     }
   }
 }

@@ -25,7 +25,8 @@
 // but the outputs, so W is read from memory at its quantized size. Each accumulator holds
 // 16 lane partial sums along K, reduced once at the end. More rows: quant_tiles.cpp
 // decodes each weight once per call into gemm.cpp's packed bf16 tiles and runs gemm.cpp's
-// micro-kernel over them.
+// micro-kernel over them. int8 calls (quant.py's pick_kernel): 1 row and 2 rows
+// quant_int8.cpp, from int8_tiles_min_rows() (3) quant_int8_tiles.cpp.
 //
 // Portable path (any x86-64, x float32 or bf16, or a build without AVX512-BF16): each row
 // is decoded to float32 by the scalar decoder below (the AVX2 build vectorises it) and
@@ -47,6 +48,7 @@
 
 #include "pool.h"
 #include "quant_int8.h"
+#include "quant_int8_tiles.h"
 #include "quant_scalar.h"
 #include "quant_tiles.h"
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -228,6 +230,19 @@ int64_t set_direct_max_rows(int64_t rows) {
   return std::exchange(direct_max_rows(), rows);
 }
 
+// int8 calls with at least this many rows run quant_int8_tiles.cpp (weights decoded once
+// per call into int8 tiles), fewer quant_int8.cpp (set_int8_tiles_min_rows: benches, tests;
+// at 2 rows quant_int8.cpp's loop measured faster, at 4 the tiles: bench/quant_gemv.py).
+int64_t& int8_tiles_min_rows() {
+  static int64_t rows = 3;
+  return rows;
+}
+
+int64_t set_int8_tiles_min_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 2, "int8_tiles_min_rows >= 2");
+  return std::exchange(int8_tiles_min_rows(), rows);
+}
+
 // The scalar decoder over a whole tensor (N, row_bytes) -> (N, K) float32: for tests.
 at::Tensor dequantize(const at::Tensor& w, int64_t type, int64_t k) {
   TypeInfo ti;
@@ -279,7 +294,11 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, const c1
                         res.defined() ? res.stride(0) : 0,
                         float_out ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr()),
                         float_out ? out.data_ptr<float>() : nullptr};
-    gemm_int8(q);
+    if (p.m >= int8_tiles_min_rows() && has_int8_tiles_kernel())  // quant_int8_tiles.cpp
+      gemm_int8_tiles(TilesProblem{q.type, q.w, q.row_bytes, q.m, q.k, q.n_out, q.silu, q.x, q.ldx, q.res, q.ldres,
+                                   q.out, q.out_f32});
+    else
+      gemm_int8(q);
     return out;
   }
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -329,6 +348,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "scalar decoder: (N, row_bytes) uint8 -> (N, K) float32");
   m.def("set_direct_max_rows", &set_direct_max_rows,
         "rows up to which bf16 x decodes in registers (above: packed tiles); returns the old value");
+  m.def("set_int8_tiles_min_rows", &set_int8_tiles_min_rows,
+        "rows from which int8 calls run the int8 tiles (below: quant_int8.cpp); returns the old value");
+  m.def("has_int8_tiles_kernel", &has_int8_tiles_kernel, "whether this build has the int8 tiles (AVX512-VNNI)");
   m.def("has_int8_kernel", &has_int8_kernel, "whether this build has the AVX512-VNNI int8 path");
   m.def("gemm", &gemm, "x @ W^T against GGUF-quantized W, fused epilogues (int8: quant_int8.cpp)");
 }

@@ -38,7 +38,10 @@ from pagewarden.kernels.cpu.fused import DISABLE_ENV
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(f) for f in ("quant.cpp", "quant_int8.cpp", "quant_tiles.cpp")]
+_SOURCES = [
+    Path(__file__).with_name(f)
+    for f in ("quant.cpp", "quant_int8.cpp", "quant_tiles.cpp", "quant_int8_tiles.cpp")
+]
 # No FMA contraction: the decoder must round exactly as ggml's float32 mul-then-add.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 #: Flags of the AVX2 build (no AVX-512): the portable path only; tests build it too.
@@ -48,9 +51,12 @@ AVX2_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=of
 Kernel = Literal["int8", "bf16"]
 #: Environment override of ``pick_kernel`` (int8 | bf16; anything else: the rule).
 KERNEL_ENV = "PAGEWARDEN_QUANT_KERNEL"
-#: ``pick_kernel``: the int8 kernel up to this many rows, the bf16-decode kernel above
-#: (bench/quant_gemv.py, docs/quantization.md).
+#: ``pick_kernel``: the int8 kernel up to this many rows (the one-row GEMV) and from
+#: ``INT8_TILES_MIN_ROWS`` (quant_int8_tiles.cpp); between, the bf16-decode kernel (weights
+#: decoded in registers: quant.cpp's direct path, up to 4 rows). Measured with
+#: bench/quant_gemv.py --process-time (docs/quantization.md).
 INT8_MAX_ROWS = 1
+INT8_TILES_MIN_ROWS = 5
 #: ``pick_kernel`` overridden for the whole process (benches; ``KERNEL_ENV`` at import).
 FORCED_KERNEL: str | None = os.environ.get(KERNEL_ENV, "").strip().lower() or None
 
@@ -153,12 +159,14 @@ def _require() -> ModuleType:
 
 def pick_kernel(ext: ModuleType, x: torch.Tensor, w: QuantWeight) -> Kernel:
     """The kernel ``gemm`` uses for x (M, K) against ``w`` under ``kernel="auto"``: int8
-    where it exists (bf16 x, an AVX512-VNNI build) and M <= ``INT8_MAX_ROWS``, else bf16."""
+    where it exists (bf16 x, an AVX512-VNNI build) and M <= ``INT8_MAX_ROWS`` or M >=
+    ``INT8_TILES_MIN_ROWS``, else bf16."""
     forced = FORCED_KERNEL
     if forced in ("int8", "bf16"):
         return "int8" if forced == "int8" and _int8_ok(ext, x) else "bf16"
     rows = x.shape[0]
-    return "int8" if rows <= INT8_MAX_ROWS and _int8_ok(ext, x) else "bf16"
+    int8 = rows <= INT8_MAX_ROWS or rows >= INT8_TILES_MIN_ROWS
+    return "int8" if int8 and _int8_ok(ext, x) else "bf16"
 
 
 def _int8_ok(ext: ModuleType, x: torch.Tensor) -> bool:

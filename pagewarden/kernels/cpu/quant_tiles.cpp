@@ -81,23 +81,7 @@ void micro(const Args& a, int64_t m0) {
   for (int i = 0; i < R; ++i) xr[i] = p.x + (m0 + i) * p.ldx;
   __m512 acc[R][C];
   dot_tiles<R, C>(xr, a.w, a.pairs, acc);
-  for (int i = 0; i < R; ++i) {
-    const int64_t row = m0 + i;
-    const int step = p.silu ? 2 : 1;
-    for (int j = 0; j + step - 1 < C; j += step) {
-      const int64_t col = a.col0 + j / step * TW;
-      const __mmask16 mask = p.n_out - col >= TW ? 0xFFFF : (1u << (p.n_out - col)) - 1;
-      __m512 v = p.silu ? gated<kSilu>(acc[i][j], acc[i][j + 1]) : acc[i][j];
-      if (p.res) {
-        const __m256i r = _mm256_maskz_loadu_epi16(mask, p.res + row * p.ldres + col);
-        v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)));
-      }
-      if (p.out_f32)
-        _mm512_mask_storeu_ps(p.out_f32 + row * p.n_out + col, mask, v);
-      else
-        _mm256_mask_storeu_epi16(p.out + row * p.n_out + col, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-    }
-  }
+  tiles_epilogue<R, C>(p, acc, m0, a.col0);
 }
 
 template <int C>

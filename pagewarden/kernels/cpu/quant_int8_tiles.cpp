@@ -1,0 +1,316 @@
+// The many-row int8 path of the quantized GEMM (llama.cpp's numerics, as a register-blocked
+// GEMM): out (M, N) = x (M, K) @ W^T, W in GGUF blocks, epilogues + residual, silu(gate) *
+// up, float32 outputs (logits). quant.cpp sends it int8 calls of 2 rows and more.
+//
+// Numerics: those of quant_int8.cpp. Each 32 (Q6_K: 16) weights are w = A * u - B with u
+// the unsigned quant in [0, 255] (Q8_0: q + 128) and A, B float32 from the file's scales;
+// the activations are rounded per block of 32 to x ~ dx * v (v int8, dx = max|x| / 127), so
+//     sum w x ~ sum_blocks (A dx) * sum(u v) - B * (dx * sum v)
+// with sum(u v) exact in int32 (vpdpbusd: unsigned u x signed v, 4 products per lane).
+//
+// Layouts (per call, per thread: the scratch of one group, L2-resident):
+//     xq   (M, K) int8 and, per 16 activations h, xd[h] = dx and xs[h] = dx * sum v (of the
+//          16 (Q6_K) or of the block of 32, at its first half); quantized once per call
+//     tile 16 weight rows as (K / 4, 16, 4) uint8: one 64-byte load is 4 consecutive k of
+//          16 output columns, the operand of vpdpbusd; beside it A and B as (K / 16, 16)
+//          float32 (a 32-weight block's values at both of its halves)
+//
+// Loop order: output columns in tiles of 16 (silu: gate tile 0, up tile 0, ...), groups of
+// NR = 4 tiles are the pool's work items: an item decodes its group's 64 weight rows once
+// (16 rows x 64 weights at a time: transposed as 16 x 16 32-bit quads), then runs every
+// MR = 3 rows of x through the micro-kernel: per block, MR x NR int32 accumulators over its
+// 8 (Q6_K: 4) k quads (NR 64-byte loads, MR 4-byte broadcasts, MR x NR vpdpbusd per quad),
+// then per (row, tile) int32 -> float32, * dx, FMA by A, FMA of -B by dx * sum v into the
+// MR x NR float32 accumulators (24 + 4 registers). The epilogues are quant_tiles.cpp's.
+
+#include "quant_int8_tiles.h"
+
+#include <torch/extension.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "pool.h"
+#include "quant_scalar.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include "gemm_tile.h"
+
+namespace {
+
+constexpr int MR = 3;   // rows of x per micro-kernel call
+constexpr int NR = 4;   // column tiles per group (an even number: silu pairs)
+constexpr int TW = 16;  // output columns per tile
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+inline __m256i ld32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+// 16 packed nibble bytes -> 32 bytes: low nibbles first, then high nibbles (natural order).
+inline __m256i nibbles(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), f = _mm_set1_epi8(0xF);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), f), _mm_and_si128(v, f));
+}
+
+// Piece s (32 weights) of block b: the unsigned quants u in k order, and per half of 16
+// a[h], bias[h] with w = a u - bias (quant_int8.cpp's decode, scalar scales).
+template <int type>
+inline __m256i decode_u(const uint8_t* b, int s, float* a, float* bias) {
+  const __m256i f = _mm256_set1_epi8(0xF);
+  __m256i u;
+  float A = 0.0f, B = 0.0f;
+  if constexpr (type == Q4_0 || type == Q4_1) {
+    u = nibbles(b + (type == Q4_1 ? 4 : 2));
+    A = half_at(b);
+    B = type == Q4_1 ? -half_at(b + 2) : 8.0f * A;
+  } else if constexpr (type == Q5_0 || type == Q5_1) {
+    constexpr bool one = type == Q5_1;
+    uint32_t qh;
+    std::memcpy(&qh, b + (one ? 4 : 2), 4);
+    u = nibbles(b + (one ? 8 : 6));
+    u = _mm256_mask_blend_epi8(__mmask32(qh), u, _mm256_or_si256(u, _mm256_set1_epi8(16)));
+    A = half_at(b);
+    B = one ? -half_at(b + 2) : 16.0f * A;
+  } else if constexpr (type == Q8_0) {
+    u = _mm256_xor_si256(ld32(b + 2), _mm256_set1_epi8(char(0x80)));
+    A = half_at(b);
+    B = 128.0f * A;
+  } else if constexpr (type == Q4_K || type == Q5_K) {
+    int sc, mn;
+    scale_min_k4(s, b + 4, &sc, &mn);
+    constexpr bool five = type == Q5_K;
+    const __m256i qs = ld32(b + (five ? 48 : 16) + 32 * (s / 2));
+    u = (s & 1) ? _mm256_and_si256(_mm256_srli_epi16(qs, 4), f) : _mm256_and_si256(qs, f);
+    if constexpr (five) {
+      const __mmask32 hi = _mm256_test_epi8_mask(ld32(b + 16), _mm256_set1_epi8(char(1 << s)));
+      u = _mm256_mask_blend_epi8(hi, u, _mm256_or_si256(u, _mm256_set1_epi8(16)));
+    }
+    A = half_at(b) * float(sc);
+    B = half_at(b + 2) * float(mn);
+  } else {  // Q6_K: a scale per 16 weights, offset 32
+    const float d = half_at(b + 208);
+    const int half = s / 4, t = s % 4;
+    const __m256i ql = ld32(b + 64 * half + (t & 1) * 32);
+    const __m256i qh = ld32(b + 128 + 32 * half);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192 + 8 * half);
+    const __m256i lo = _mm256_and_si256(t >= 2 ? _mm256_srli_epi16(ql, 4) : ql, f);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), _mm256_set1_epi8(3));
+    u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+    for (int h = 0; h < 2; ++h) {
+      a[h] = d * float(sc[2 * t + h]);
+      bias[h] = 32.0f * a[h];
+    }
+    return u;
+  }
+  a[0] = a[1] = A;
+  bias[0] = bias[1] = B;
+  return u;
+}
+
+// The activations quantized (the calling thread's; workers only read them during a call).
+struct QuantRows {
+  std::vector<int8_t> q;  // (M, K)
+  std::vector<float> d;   // (M, K / 16): dx of the block holding these 16
+  std::vector<float> s;   // (M, K / 16): dx * sum v over the 16 (SB 16) or the block (SB 32)
+};
+
+template <int SB>
+void quantize(const TilesProblem& p, QuantRows* out) {
+  const int64_t nb = p.k / 32, nh = p.k / 16;
+  out->q.resize(size_t(p.m * p.k));
+  out->d.assign(size_t(p.m * nh), 0.0f);
+  out->s.assign(size_t(p.m * nh), 0.0f);
+  pw::parallel_ranges(0, p.m * nb, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t bi = b0; bi < b1; ++bi) {
+      const int64_t i = bi / nb, blk = bi % nb;
+      const uint16_t* src = p.x + i * p.ldx + blk * 32;
+      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(ld32(reinterpret_cast<const uint8_t*>(src))), 16));
+      const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(ld32(reinterpret_cast<const uint8_t*>(src + 16))), 16));
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+      const __m512 idv = _mm512_set1_ps(id);
+      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, idv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, idv));
+      int8_t* dst = out->q.data() + i * p.k + blk * 32;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qlo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qhi));
+      const float s0 = float(_mm512_reduce_add_epi32(qlo)), s1 = float(_mm512_reduce_add_epi32(qhi));
+      const int64_t h = i * nh + 2 * blk;
+      out->d[size_t(h)] = out->d[size_t(h + 1)] = d;
+      if constexpr (SB == 16) {
+        out->s[size_t(h)] = d * s0;
+        out->s[size_t(h + 1)] = d * s1;
+      } else {
+        out->s[size_t(h)] = d * (s0 + s1);
+      }
+    }
+  });
+}
+
+// One group's decoded tiles: tile j's quads at q + j * qstride, its A / B at a / b + j * sstride.
+struct Group {
+  uint8_t* q;
+  float* a;
+  float* b;
+  int64_t qstride, sstride;
+};
+
+// Weight rows rows[0, 16) as one tile (a short tile repeats its last row: never stored).
+template <int type>
+void decode_tile(const TilesProblem& p, const TypeInfo& ti, const uint8_t* const* rows, uint8_t* q, float* a, float* b) {
+  const int per_block = ti.block_weights / 32;
+  const int64_t np = p.k / 32;
+  for (int64_t pc = 0; pc < np; pc += 2) {
+    const int halves = pc + 1 < np ? 4 : 2;
+    __m512i v[16];
+    for (int r = 0; r < TW; ++r) {
+      float av[4], bv[4];
+      const __m256i u0 = decode_u<type>(rows[r] + pc / per_block * ti.block_bytes, int(pc % per_block), av, bv);
+      __m256i u1 = _mm256_setzero_si256();
+      if (halves == 4) u1 = decode_u<type>(rows[r] + (pc + 1) / per_block * ti.block_bytes, int((pc + 1) % per_block), av + 2, bv + 2);
+      v[r] = _mm512_inserti64x4(_mm512_castsi256_si512(u0), u1, 1);
+      for (int h = 0; h < halves; ++h) {
+        a[(2 * pc + h) * TW + r] = av[h];
+        b[(2 * pc + h) * TW + r] = bv[h];
+      }
+    }
+    transpose16(v);  // v[j]: k quad 8 pc + j of the 16 rows
+    for (int j = 0; j < 4 * halves; ++j) _mm512_storeu_si512(q + (8 * pc + j) * 64, v[j]);
+  }
+}
+
+inline void prefetch_l2(const uint8_t* p, int64_t n) {
+  for (int64_t o = 0; o < n; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T1);
+}
+
+// Rows [m0, m0 + R) x the group's tiles [0, C); SB: weights per scale (32, Q6_K 16).
+template <int R, int C, int SB>
+void micro(const TilesProblem& p, const QuantRows& x, const Group& g, int64_t m0, int64_t col0) {
+  constexpr int quads = SB / 4;
+  const int64_t nh = p.k / 16;
+  const int8_t* xr[R];
+  const float* xd[R];
+  const float* xs[R];
+  for (int i = 0; i < R; ++i) {
+    xr[i] = x.q.data() + (m0 + i) * p.k;
+    xd[i] = x.d.data() + (m0 + i) * nh;
+    xs[i] = x.s.data() + (m0 + i) * nh;
+  }
+  __m512 acc[R][C];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < C; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < p.k / SB; ++sb) {
+    __m512i ia[R][C];
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < C; ++j) ia[i][j] = _mm512_setzero_si512();
+    for (int t = 0; t < quads; ++t) {
+      const int64_t kq = sb * quads + t;
+      __m512i w[C];
+      for (int j = 0; j < C; ++j) w[j] = _mm512_loadu_si512(g.q + j * g.qstride + kq * 64);
+      for (int i = 0; i < R; ++i) {
+        int32_t quad;
+        std::memcpy(&quad, xr[i] + kq * 4, 4);
+        const __m512i xv = _mm512_set1_epi32(quad);
+        for (int j = 0; j < C; ++j) ia[i][j] = _mm512_dpbusd_epi32(ia[i][j], w[j], xv);
+      }
+    }
+    const int64_t h = sb * SB / 16;
+    for (int j = 0; j < C; ++j) {
+      const __m512 a = _mm512_loadu_ps(g.a + j * g.sstride + h * TW);
+      const __m512 b = _mm512_loadu_ps(g.b + j * g.sstride + h * TW);
+      for (int i = 0; i < R; ++i) {
+        const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(ia[i][j]), _mm512_set1_ps(xd[i][h]));
+        acc[i][j] = _mm512_fnmadd_ps(b, _mm512_set1_ps(xs[i][h]), _mm512_fmadd_ps(dot, a, acc[i][j]));
+      }
+    }
+  }
+  tiles_epilogue<R, C>(p, acc, m0, col0);
+}
+
+template <int C, int SB>
+void all_rows(const TilesProblem& p, const QuantRows& x, const Group& g, int64_t col0) {
+  int64_t m0 = 0;
+  for (; m0 + MR <= p.m; m0 += MR) micro<MR, C, SB>(p, x, g, m0, col0);
+  switch (p.m - m0) {
+    case 2: micro<2, C, SB>(p, x, g, m0, col0); break;
+    case 1: micro<1, C, SB>(p, x, g, m0, col0); break;
+    default: break;
+  }
+}
+
+template <int type>
+void run(const TilesProblem& p) {
+  constexpr int SB = type == Q6_K ? 16 : 32;
+  TypeInfo ti{};
+  type_info(type, &ti);
+  thread_local QuantRows mine;  // the caller's; a worker's own thread_local would be empty
+  quantize<SB>(p, &mine);
+  const QuantRows& x = mine;
+  const int64_t out_tiles = (p.n_out + TW - 1) / TW;
+  const int64_t tiles = p.silu ? 2 * out_tiles : out_tiles;
+  const int64_t groups = (tiles + NR - 1) / NR;
+  const int64_t qstride = p.k * TW, sstride = p.k;  // bytes; floats
+  pw::parallel_items(groups, [&](int64_t gi, int) {
+    thread_local std::vector<uint8_t> qs;
+    thread_local std::vector<float> ab;
+    if (qs.size() < size_t(NR * qstride)) qs.resize(size_t(NR * qstride));
+    if (ab.size() < size_t(2 * NR * sstride)) ab.resize(size_t(2 * NR * sstride));
+    const Group g{qs.data(), ab.data(), ab.data() + NR * sstride, qstride, sstride};
+    const int64_t t0 = gi * NR;
+    const int c = int(std::min<int64_t>(NR, tiles - t0));
+    auto first_row = [&](int64_t t, int* cnt) {  // tile t's rows: cnt from this one
+      const int64_t n0 = (p.silu ? t / 2 : t) * TW;
+      const int64_t base = p.silu && (t & 1) ? p.n_out : 0;  // an up tile: rows [n_out, N)
+      *cnt = int(std::min<int64_t>(TW, p.n_out - n0));
+      return p.w + (base + n0) * p.row_bytes;
+    };
+    int cnt = 0;
+    prefetch_l2(first_row(t0, &cnt), cnt * p.row_bytes);
+    for (int j = 0; j < c; ++j) {
+      const uint8_t* row0 = first_row(t0 + j, &cnt);
+      if (j + 1 < c) {
+        int next = 0;
+        const uint8_t* ahead = first_row(t0 + j + 1, &next);
+        prefetch_l2(ahead, next * p.row_bytes);
+      }
+      const uint8_t* rows[TW];
+      for (int r = 0; r < TW; ++r) rows[r] = row0 + std::min(r, cnt - 1) * p.row_bytes;
+      decode_tile<type>(p, ti, rows, g.q + j * qstride, g.a + j * sstride, g.b + j * sstride);
+    }
+    const int64_t col0 = (p.silu ? t0 / 2 : t0) * TW;
+    switch (c) {
+      case 4: all_rows<4, SB>(p, x, g, col0); break;
+      case 3: all_rows<3, SB>(p, x, g, col0); break;
+      case 2: all_rows<2, SB>(p, x, g, col0); break;
+      default: all_rows<1, SB>(p, x, g, col0); break;
+    }
+  });
+}
+
+}  // namespace
+
+bool has_int8_tiles_kernel() { return true; }
+
+void gemm_int8_tiles(const TilesProblem& p) {
+  switch (p.type) {
+    case Q4_0: run<Q4_0>(p); break;
+    case Q4_1: run<Q4_1>(p); break;
+    case Q5_0: run<Q5_0>(p); break;
+    case Q5_1: run<Q5_1>(p); break;
+    case Q8_0: run<Q8_0>(p); break;
+    case Q4_K: run<Q4_K>(p); break;
+    case Q5_K: run<Q5_K>(p); break;
+    case Q6_K: run<Q6_K>(p); break;
+    default: TORCH_CHECK(false, "cpu_quant int8 tiles: unsupported type ", p.type);
+  }
+}
+#else
+bool has_int8_tiles_kernel() { return false; }
+
+void gemm_int8_tiles(const TilesProblem&) { TORCH_CHECK(false, "cpu_quant int8 tiles: this build has no AVX512-VNNI path"); }
+#endif

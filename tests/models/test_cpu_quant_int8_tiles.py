@@ -1,0 +1,96 @@
+"""The many-row int8 path of the quantized GEMM (kernels/cpu/quant_int8_tiles.cpp): x
+quantized to int8 per block of 32 once per call, weights decoded once per call into int8
+tiles with per-block scales, vpdpbusd. For every kernel type, against the gguf package's
+dequantize (``reference``) times x rounded as the kernel rounds it (``q8_round``) in
+float32. Bound: |out - exact| <= |exact| / 256 + 1e-4 max|exact| (bf16 rounding of the
+outputs; float32 sums in another order); SiLU outputs |exact| / 128 (polynomial exp). The
+error against the unrounded x is the int8 activations' (about 1/254 of each block's largest
+value per activation), as the one-row int8 kernel: tests/models/test_cpu_quant.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagewarden.kernels.cpu import quant as cpu_quant
+from pagewarden.kernels.cpu.quant import QuantWeight
+from tests.models.test_cpu_quant import TYPES, needs_int8, q8_round, random_weight, reference
+
+
+@pytest.fixture
+def tiles_from():
+    """Sets the rows from which int8 calls run the int8 tiles; restored afterwards."""
+    ext = cpu_quant.load()
+    old = ext.set_int8_tiles_min_rows(3)
+    ext.set_int8_tiles_min_rows(old)
+    yield ext.set_int8_tiles_min_rows
+    ext.set_int8_tiles_min_rows(old)
+
+
+def near(out: torch.Tensor, want: torch.Tensor, rel: float = 256) -> bool:
+    top = want.abs().max()
+    return bool(((out.float() - want).abs() <= want.abs() / rel + 1e-4 * top).all())
+
+
+@needs_int8
+@pytest.mark.parametrize("name", sorted(TYPES))
+@pytest.mark.parametrize("m", [2, 5, 17, 70])  # 1 / 2 / 3 row blocks of 3 and remainders
+def test_int8_tiles_match_q8_activations_times_float32_weights(name, m, tiles_from):
+    tiles_from(2)
+    assert cpu_quant.load().has_int8_tiles_kernel()
+    k = 96 if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") else 512  # 3 blocks: a lone last one
+    n = (
+        2 * 72
+    )  # silu: 72 gate + 72 up rows (a partial tile); plain: 144 = 9 tiles (a partial group)
+    w = random_weight(name, n, k, seed=m)
+    ref_w = reference(w)
+    g = torch.Generator().manual_seed(m)
+    wide = torch.randn(m, k + 40, generator=g).bfloat16()
+    x = wide[:, 8 : 8 + k]  # strided rows (stride k + 40)
+    x[0, :32] = 0.0  # an all-zero block: scale 0
+    exact = q8_round(x) @ ref_w.T
+    assert near(cpu_quant.gemm(x, w, kernel="int8"), exact)
+    residual = torch.randn(m, n, generator=g).bfloat16()
+    assert near(cpu_quant.gemm(x, w, residual=residual, kernel="int8"), exact + residual.float())
+    silu = torch.nn.functional.silu(exact[:, : n // 2]) * exact[:, n // 2 :]
+    assert near(cpu_quant.gemm(x, w, silu_mul=True, kernel="int8"), silu, rel=128)
+    head = cpu_quant.gemm(x, QuantWeight(w.data, w.qtype, w.shape, float_out=True), kernel="int8")
+    assert head.dtype == torch.float32
+    assert ((head - exact).abs() <= exact.abs() / 4096 + 1e-5 * exact.abs().max()).all()
+    odd = w.rows(0, 37)  # odd N: the last tile has 5 columns
+    assert near(cpu_quant.gemm(x, odd, kernel="int8"), exact[:, :37])
+
+
+@needs_int8
+@pytest.mark.parametrize("name", ["Q4_1", "Q6_K", "Q8_0"])
+def test_int8_tiles_agree_with_the_int8_loop(name, tiles_from):
+    """The tiles and quant_int8.cpp's multi-row loop: the same int8 activations and integer
+    products, only the float32 summation order differs."""
+    w = random_weight(name, 200, 512, seed=3)
+    x = torch.randn(9, 512).bfloat16()
+    tiles_from(2)
+    tiles = cpu_quant.gemm(x, w, kernel="int8").float()
+    tiles_from(1 << 30)
+    loop = cpu_quant.gemm(x, w, kernel="int8").float()
+    assert near(tiles, loop)
+    assert not torch.equal(tiles, torch.zeros_like(tiles))
+
+
+@needs_int8
+def test_auto_sends_a_batch_to_the_int8_tiles_with_its_accuracy(tiles_from):
+    """kernel="auto" at INT8_TILES_MIN_ROWS rows is the int8 path: its output is q8_round's
+    product, and its distance from the bf16 x product is the activations' 8-bit rounding."""
+    w = random_weight("Q4_1", 64, 576, seed=5)
+    x = torch.randn(cpu_quant.INT8_TILES_MIN_ROWS + 59, 576).bfloat16()
+    ref_w = reference(w)
+    out = cpu_quant.gemm(x, w).float()
+    assert near(out, q8_round(x) @ ref_w.T)
+    plain = x.float() @ ref_w.T
+    err = (out - plain).abs().mean() / plain.abs().mean()
+    assert 1e-4 < err < 1e-2  # measurably the int8 rounding, and small
+
+
+def test_int8_tiles_min_rows_refuses_below_two():
+    ext = cpu_quant.load()
+    with pytest.raises(RuntimeError, match="int8_tiles_min_rows"):
+        ext.set_int8_tiles_min_rows(1)
