@@ -229,10 +229,11 @@ def test_auto_kernel_rule_and_refusals():
     ext = cpu_quant.load()
     one = torch.randn(1, 256).bfloat16()
     many = torch.randn(cpu_quant.INT8_MAX_ROWS + 1, 256).bfloat16()
-    batch = torch.randn(cpu_quant.INT8_TILES_MIN_ROWS, 256).bfloat16()
+    batch = torch.randn(64, 256).bfloat16()
     assert cpu_quant.pick_kernel(ext, one, w) == "int8"
     assert cpu_quant.pick_kernel(ext, many, w) == "bf16"
-    assert cpu_quant.pick_kernel(ext, batch, w) == "int8"  # quant_int8_tiles.cpp
+    assert cpu_quant.INT8_TILES_MIN_ROWS is None  # prefill in int8 loses "Paris"
+    assert cpu_quant.pick_kernel(ext, batch, w) == "bf16"
     assert cpu_quant.pick_kernel(ext, one.float(), w) == "bf16"
     with pytest.raises(ValueError, match="int8"):
         cpu_quant.gemm(one.float(), w, kernel="int8")

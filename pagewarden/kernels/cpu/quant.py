@@ -51,12 +51,16 @@ AVX2_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=of
 Kernel = Literal["int8", "bf16"]
 #: Environment override of ``pick_kernel`` (int8 | bf16; anything else: the rule).
 KERNEL_ENV = "PAGEWARDEN_QUANT_KERNEL"
-#: ``pick_kernel``: the int8 kernel up to this many rows (the one-row GEMV) and from
-#: ``INT8_TILES_MIN_ROWS`` (quant_int8_tiles.cpp); between, the bf16-decode kernel (weights
-#: decoded in registers: quant.cpp's direct path, up to 4 rows). Measured with
-#: bench/quant_gemv.py --process-time (docs/quantization.md).
+#: ``pick_kernel``: the int8 kernel up to this many rows (the one-row GEMV), the bf16-decode
+#: kernel above (bench/quant_gemv.py, docs/quantization.md).
 INT8_MAX_ROWS = 1
-INT8_TILES_MIN_ROWS = 5
+#: ``pick_kernel``: the int8 kernel also from this many rows (quant_int8_tiles.cpp: 1.06x
+#: none's bf16 GEMM at 64 rows, 1.13x at 512, where the bf16-decode tiles are 0.86x /
+#: 0.94x), or never (None, the default): int8-rounded activations in a prompt's prefill
+#: turn the default model's greedy chat answer from "Paris" to "L'Etoile, ..." (the int8
+#: multi-row loop does too), so many-row calls stay bf16 until only decode batches can be
+#: sent there. ``PAGEWARDEN_QUANT_KERNEL=int8`` sends every call to int8.
+INT8_TILES_MIN_ROWS: int | None = None
 #: ``pick_kernel`` overridden for the whole process (benches; ``KERNEL_ENV`` at import).
 FORCED_KERNEL: str | None = os.environ.get(KERNEL_ENV, "").strip().lower() or None
 
@@ -160,12 +164,13 @@ def _require() -> ModuleType:
 def pick_kernel(ext: ModuleType, x: torch.Tensor, w: QuantWeight) -> Kernel:
     """The kernel ``gemm`` uses for x (M, K) against ``w`` under ``kernel="auto"``: int8
     where it exists (bf16 x, an AVX512-VNNI build) and M <= ``INT8_MAX_ROWS`` or M >=
-    ``INT8_TILES_MIN_ROWS``, else bf16."""
+    ``INT8_TILES_MIN_ROWS`` (when set), else bf16."""
     forced = FORCED_KERNEL
     if forced in ("int8", "bf16"):
         return "int8" if forced == "int8" and _int8_ok(ext, x) else "bf16"
     rows = x.shape[0]
-    int8 = rows <= INT8_MAX_ROWS or rows >= INT8_TILES_MIN_ROWS
+    tiles_from = INT8_TILES_MIN_ROWS
+    int8 = rows <= INT8_MAX_ROWS or (tiles_from is not None and rows >= tiles_from)
     return "int8" if int8 and _int8_ok(ext, x) else "bf16"
 
 
