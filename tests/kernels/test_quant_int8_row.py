@@ -92,3 +92,26 @@ def test_one_row_gemv_reads_nothing_past_the_weight(name):
             got = cpu_quant.gemm(x, guarded, kernel="int8", **kwargs)
             assert torch.equal(got, cpu_quant.gemm(x, w, kernel="int8", **kwargs)), (k, kwargs)
         del guarded, arr
+
+
+@needs_int8
+def test_auto_rule_for_one_bf16_row_is_decided_in_cpp():
+    """``gemm``'s kernel="auto" for one bf16 row goes through the extension's gemv_auto
+    (checks in C++): the int8 GEMV's outputs exactly; None where the rule does not apply."""
+    ext = cpu_quant.load()
+    w = random_weight("Q4_1", 6, 96, seed=3)
+    x = torch.randn(1, 96).bfloat16()
+    residual = torch.randn(1, 6).bfloat16()
+    head = QuantWeight(w.data, w.qtype, w.shape, float_out=True)
+    assert torch.equal(cpu_quant.gemm(x, w), cpu_quant.gemm(x, w, kernel="int8"))
+    assert cpu_quant.gemm(x, head).dtype == torch.float32
+    assert torch.equal(cpu_quant.gemm(x, head), cpu_quant.gemm(x, head, kernel="int8"))
+    for kwargs in ({"residual": residual}, {"silu_mul": True}):
+        want = cpu_quant.gemm(x, w, kernel="int8", **kwargs)
+        assert torch.equal(cpu_quant.gemm(x, w, **kwargs), want)
+        assert torch.equal(cpu_quant.gemm(x, head, **kwargs), want)  # logits only alone
+    for other in (torch.randn(2, 96).bfloat16(), x.float(), torch.randn(96, 2).bfloat16().t()[:1]):
+        assert ext.gemv_auto(other, w.data, w.qtype, None, False, False) is None
+    assert ext.gemv_auto(x, w.data, w.qtype, residual.float(), False, False) is None
+    mixed = cpu_quant.gemm(x, w, residual=residual.float())  # the general path converts
+    assert torch.equal(mixed, cpu_quant.gemm(x, w, residual=residual, kernel="int8"))
