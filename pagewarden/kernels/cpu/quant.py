@@ -194,6 +194,10 @@ def gemm(
     (weights decoded to bf16), or auto (``pick_kernel``); ``portable`` forces the scalar
     path."""
     ext = ext or _require()
+    if kernel == "auto" and not portable and FORCED_KERNEL in (None, "int8") and INT8_MAX_ROWS:
+        out = ext.gemv_auto(x, w.data, w.qtype, residual, silu_mul, w.float_out)  # one bf16 row
+        if out is not None:
+            return out
     if kernel == "int8" and not (_int8_ok(ext, x) and not portable):
         raise ValueError("the int8 quantized GEMM needs bf16 activations and an AVX512-VNNI build")
     if kernel == "auto":

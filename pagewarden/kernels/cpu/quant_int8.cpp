@@ -283,7 +283,7 @@ void run_row(const Int8Problem& p) {
   TypeInfo ti;
   type_info(type, &ti);
   const row1::RowGemv<type> g{xr, p.k, ti.block_bytes};
-  constexpr int C = row1::kRowsPerPass;
+  constexpr int C = row1::rows_per_pass(type);
   const int per = p.silu ? C / 2 : C;
   const int64_t passes = (p.n_out + per - 1) / per;
   const int64_t per_item = std::max<int64_t>(4, passes / (8 * int64_t(pw::max_threads())));

@@ -1,0 +1,117 @@
+"""The one-row int8 GEMV of kernels/cpu/quant_int8_row.h (a single stream's decode step):
+odd shapes of the 4-blocks-per-step Q4_0 / Q4_1 path, and no read past a weight's last
+byte (the weight placed against a page that cannot be read), for every type."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+import numpy as np
+import pytest
+import torch
+
+from pagewarden.kernels.cpu import quant as cpu_quant
+from pagewarden.kernels.cpu.quant import QuantWeight
+from tests.models.test_cpu_quant import TYPES, needs_int8, q8_round, random_weight, reference
+
+pytest.importorskip("gguf")
+
+
+def expected(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    return q8_round(x) @ reference(w).T  # what the int8 kernel computes, in float32
+
+
+def _outputs(x: torch.Tensor, w: QuantWeight, residual: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The int8 GEMV's float32 logits, residual add and (even rows) SiLU*up outputs."""
+    head = QuantWeight(w.data, w.qtype, w.shape, float_out=True)
+    out = {
+        "head": cpu_quant.gemm(x, head, kernel="int8"),
+        "res": cpu_quant.gemm(x, w, residual=residual, kernel="int8").float(),
+    }
+    if w.shape[0] % 2 == 0:
+        out["silu"] = cpu_quant.gemm(x, w, silu_mul=True, kernel="int8").float()
+    return out
+
+
+@needs_int8
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])
+def test_four_block_steps_at_odd_block_and_row_counts(name, monkeypatch):
+    """K of 1 to 5 blocks and 17, 18 (a short last step of 1, 2 or 3 blocks, or none);
+    rows not a multiple of the 8 per pass; residual and SiLU*up epilogues. Against the
+    multi-row loop (PAGEWARDEN_INT8_ROW=0: the same int8 activations and integer products,
+    another float32 summation order) and the float32 product of the int8-rounded x."""
+    for k in (32, 64, 96, 128, 160, 544, 576):
+        for n in (1, 7, 9, 18):
+            w = random_weight(name, n, k, seed=n * k)
+            x = torch.randn(1, k, generator=torch.Generator().manual_seed(k + n)).bfloat16()
+            residual = torch.randn(1, n).bfloat16()
+            row = _outputs(x, w, residual)
+            monkeypatch.setenv("PAGEWARDEN_INT8_ROW", "0")
+            loop = _outputs(x, w, residual)
+            monkeypatch.delenv("PAGEWARDEN_INT8_ROW")
+            exact = expected(x, w)
+            top = exact.abs().max()
+            assert (row["head"] - loop["head"]).abs().max() <= 1e-5 * top, (k, n)
+            assert (row["head"] - exact).abs().max() <= 0.01 * top, (k, n)  # rare rounding ties
+            for key in ("res", "silu"):
+                if key in row:  # one bf16 step of the output
+                    step = loop[key].abs() / 128 + 1e-4 * top
+                    assert ((row[key] - loop[key]).abs() <= step).all(), (k, n, key)
+
+
+def _guarded(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
+    """A writable uint8 array of ``nbytes`` whose last byte is the last of a page, the next
+    page unreadable (a read past the end faults)."""
+    page = mmap.PAGESIZE
+    pages = (nbytes + page - 1) // page
+    region = mmap.mmap(-1, (pages + 1) * page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.mprotect(ctypes.c_void_p(base + pages * page), page, 0) == 0  # PROT_NONE
+    arr = np.frombuffer(region, np.uint8, count=nbytes, offset=pages * page - nbytes)
+    return region, arr
+
+
+@needs_int8
+@pytest.mark.parametrize("name", sorted(TYPES))
+def test_one_row_gemv_reads_nothing_past_the_weight(name):
+    """The last row's last blocks are read with masked loads: a weight that ends where an
+    unreadable page begins computes (no fault) the same as a copy of it."""
+    per_block = cpu_quant.KERNEL_TYPES[TYPES[name]][1]
+    for k in (544, 96) if per_block == 32 else (256, 512):
+        n = 10
+        w = random_weight(name, n, k, seed=k)
+        region, arr = _guarded(w.nbytes)
+        arr[:] = w.data.numpy().reshape(-1)
+        guarded = QuantWeight(torch.from_numpy(arr).view(w.data.shape), w.qtype, w.shape)
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(1)).bfloat16()
+        residual = torch.randn(1, n).bfloat16()
+        for kwargs in ({}, {"residual": residual}, {"silu_mul": True}):
+            got = cpu_quant.gemm(x, guarded, kernel="int8", **kwargs)
+            assert torch.equal(got, cpu_quant.gemm(x, w, kernel="int8", **kwargs)), (k, kwargs)
+        del guarded, arr
+
+
+@needs_int8
+def test_auto_rule_for_one_bf16_row_is_decided_in_cpp():
+    """``gemm``'s kernel="auto" for one bf16 row goes through the extension's gemv_auto
+    (checks in C++): the int8 GEMV's outputs exactly; None where the rule does not apply."""
+    ext = cpu_quant.load()
+    w = random_weight("Q4_1", 6, 96, seed=3)
+    x = torch.randn(1, 96).bfloat16()
+    residual = torch.randn(1, 6).bfloat16()
+    head = QuantWeight(w.data, w.qtype, w.shape, float_out=True)
+    assert torch.equal(cpu_quant.gemm(x, w), cpu_quant.gemm(x, w, kernel="int8"))
+    assert cpu_quant.gemm(x, head).dtype == torch.float32
+    assert torch.equal(cpu_quant.gemm(x, head), cpu_quant.gemm(x, head, kernel="int8"))
+    for kwargs in ({"residual": residual}, {"silu_mul": True}):
+        want = cpu_quant.gemm(x, w, kernel="int8", **kwargs)
+        assert torch.equal(cpu_quant.gemm(x, w, **kwargs), want)
+        assert torch.equal(cpu_quant.gemm(x, head, **kwargs), want)  # logits only alone
+    for other in (torch.randn(2, 96).bfloat16(), x.float(), torch.randn(96, 2).bfloat16().t()[:1]):
+        assert ext.gemv_auto(other, w.data, w.qtype, None, False, False) is None
+    assert ext.gemv_auto(x, w.data, w.qtype, residual.float(), False, False) is None
+    mixed = cpu_quant.gemm(x, w, residual=residual.float())  # the general path converts
+    assert torch.equal(mixed, cpu_quant.gemm(x, w, residual=residual, kernel="int8"))
