@@ -2,6 +2,7 @@
 
     python bench/profile_step.py                       # 64 prompts x 128 tokens, standard
     python bench/profile_step.py --integrity strict --num-prompts 16 --decode-steps 10
+    python bench/profile_step.py --quantization gguf --num-prompts 1 --decode-steps 60
 
 Runs the real engine (default GGUF unless ``--model``), prefix caching off. The first
 step (fresh prompts only, no cached context) is the prefill step; once every request
@@ -119,6 +120,7 @@ def make_engine(args: argparse.Namespace) -> EngineCore:
         model=args.model,
         dtype=args.dtype,
         integrity=args.integrity,
+        quantization=args.quantization,
         enable_prefix_caching=False,
         max_num_batched_tokens=max(args.num_prompts * args.input_len, 2048),
     )
@@ -161,6 +163,12 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--integrity", default="standard")
+    ap.add_argument(
+        "--quantization",
+        choices=("auto", "gguf", "none"),
+        default=EngineConfig.quantization,
+        help="GGUF weights: keep quantized (gguf), where kernels exist (auto), or bf16 (none)",
+    )
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--decode-steps", type=int, default=20)

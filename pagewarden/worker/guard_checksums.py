@@ -27,6 +27,10 @@ from pagewarden.worker.integrity import (
     verify_slots,
 )
 
+#: The most blocks a step may read for its scrub picks to be checksummed by the
+#: attention kernel (``ChecksumChecks._fuse_scrub``); larger steps scrub from the cache.
+FUSED_SCRUB_MAX_BLOCKS = 64
+
 
 class ChecksumChecks(GuardState):
     """Seals, checksum verification and the scrubber (a base of ``KVGuard``)."""
@@ -82,7 +86,12 @@ class ChecksumChecks(GuardState):
         reqs = [r for r in out.requests if r.positions.start > 0]
         faults = self._check_contents(reqs)
         found = {b for f in faults for b in f.block_ids}
-        faults += [f for f in self._scrub() if not found.issuperset(f.block_ids)]
+        self._deferred_scrub = None
+        if self._fuse_scrub(out):
+            # The kernel checksums the picks it reads (after_write, _fused_scrub_faults).
+            self._deferred_scrub = self._scrub_picks()
+        else:
+            faults += [f for f in self._scrub() if not found.issuperset(f.block_ids)]
         # From now on a request's context grows only by blocks it wrote and sealed itself.
         self._seen.update(r.req_id for r in out.requests)
         return self._attach_readers(faults, out.requests)
@@ -149,7 +158,7 @@ class ChecksumChecks(GuardState):
         (``check_reads`` left these to the kernel)."""
         checks = meta.read_checks
         assert checks is not None
-        if checks.read_sums is None:
+        if checks.read_sums is None or not self.strict:  # standard: only the scrub picks
             return []
         bs, device = self.block_size, checks.read_sums.device
         tables = meta.block_index.view(meta.num_seqs, meta.max_blocks)  # (S, max_blocks)
@@ -212,29 +221,77 @@ class ChecksumChecks(GuardState):
 
     def _scrub(self) -> list[KVFault]:
         """Re-verify the next ``scrub_blocks_per_step`` sealed blocks (round robin)."""
+        picked = self._scrub_picks()
+        return _scrub_fault(self._verify_sealed(picked) if picked is not None else [])
+
+    def _scrub_picks(self) -> torch.Tensor | None:
+        """The next ``scrub_blocks_per_step`` sealed block ids after the cursor, round
+        robin (the cursor moves past them and they count as scrubbed); None: no pick."""
         if self.scrub_blocks_per_step <= 0:
-            return []
-        sealed_ids = self.sealed.nonzero().view(-1)
-        if not sealed_ids.numel():
-            return []
-        after = sealed_ids[sealed_ids >= self._scrub_cursor]
-        picked = torch.cat([after, sealed_ids])[
-            : min(self.scrub_blocks_per_step, sealed_ids.numel())
-        ]
+            return None
+        sealed_ids = self.sealed.nonzero().view(-1)  # ascending
+        n = sealed_ids.numel()
+        if not n:
+            return None
+        k = min(self.scrub_blocks_per_step, n)
+        i = int(torch.searchsorted(sealed_ids, self._scrub_cursor))
+        picked = sealed_ids[i : i + k]
+        if picked.numel() < k:  # wrap around to the start
+            picked = torch.cat([picked, sealed_ids[: k - picked.numel()]])
         self._scrub_cursor = int(picked[-1]) + 1
-        self.counters.scrubbed_blocks += picked.numel()
-        bad = self._verify_sealed(picked)
-        if not bad:
+        self.counters.scrubbed_blocks += k
+        return picked
+
+    def _fuse_scrub(self, out: SchedulerOutput) -> bool:
+        """Whether this step's scrub picks are checksummed by the attention kernel as it
+        reads them (``standard`` on the CPU with a checking kernel, a step reading at
+        most ``FUSED_SCRUB_MAX_BLOCKS`` blocks): at one stream the scrubber's separate
+        pass is a fixed read of a few blocks from memory, while the kernel's sums
+        cost a little per block it reads anyway (the picks are its reads at one stream)."""
+        if self.strict or not self.fused_reads or self.scrub_blocks_per_step <= 0:
+            return False
+        if out.is_empty or self.caches[0].device.type != "cpu":
+            return False
+        bs = self.block_size
+        read = sum((r.positions.stop + bs - 1) // bs for r in out.requests)
+        return read <= FUSED_SCRUB_MAX_BLOCKS
+
+    def _fused_scrub_faults(
+        self, reqs: list[ScheduledRequest], meta: AttentionMetadata
+    ) -> list[KVFault]:
+        """The deferred scrub picks (``check_reads``), verified after the forward pass:
+        a pick that some sequence read, as a full context block, in every layer, by the
+        kernel's sum of it; any other pick from the cache, as ``_scrub`` does. Picks
+        that stopped being sealed in this step (a new life started in ``bind``, a
+        quarantine) are skipped, as the next pick round would."""
+        picked, self._deferred_scrub = self._deferred_scrub, None
+        if picked is None:
             return []
-        return [
-            KVFault(
-                "checksum",
-                tuple(bad),
-                {},
-                "scrub",
-                "the scrubber found a sealed block whose content changed",
-            )
-        ]
+        picked = picked[self.sealed[picked]]
+        if not picked.numel():
+            return []
+        want = dict(zip(picked.tolist(), self.block_sums[picked].tolist()))
+        checks = meta.read_checks
+        bad: set[int] = set()
+        covered: set[int] = set()
+        if checks is None or checks.read_sums is None or checks.read_layers is None:
+            reqs = []  # no kernel sums (a hook swapped the checks): all from the cache
+        else:
+            width, n_layers, bs = meta.max_blocks, len(self.caches), self.block_size
+            tables = meta.block_index.tolist()  # (S * max_blocks,)
+            layers = checks.read_layers.view(-1).tolist()
+            sums = checks.block_sums().view(-1).tolist()
+        for i, r in enumerate(reqs):
+            for lb in range(r.positions.start // bs):  # full context blocks
+                b = tables[i * width + lb]
+                if b in want and layers[i * width + lb] == n_layers:
+                    covered.add(b)
+                    if sums[i * width + lb] != want[b]:
+                        bad.add(b)
+        self.counters.block_verifies += len(covered)
+        rest = [b for b in want if b not in covered]
+        bad.update(self._verify_sealed(torch.tensor(rest, dtype=torch.int64)))
+        return _scrub_fault(sorted(bad))
 
     def _seal_written(self, block_ids: list[int]) -> None:
         """Seal blocks written whole by this step: their slot sums were just taken from
@@ -345,3 +402,11 @@ class ChecksumChecks(GuardState):
             "a block loaded from a KV tier does not checksum in the pool to its entry's sum",
         )
         return self._attach_readers([fault], out.requests)
+
+
+def _scrub_fault(bad: list[int]) -> list[KVFault]:
+    """The scrubber's fault for the blocks in ``bad`` (none when empty)."""
+    if not bad:
+        return []
+    detail = "the scrubber found a sealed block whose content changed"
+    return [KVFault("checksum", tuple(bad), {}, "scrub", detail)]
