@@ -12,6 +12,9 @@ may return to service. See ``kv_guard.py`` for when each runs.
 
 from __future__ import annotations
 
+import bisect
+
+import numpy
 import torch
 
 from pagewarden.kernels.attention import AttentionMetadata
@@ -89,7 +92,7 @@ class ChecksumChecks(GuardState):
         self._deferred_scrub = None
         if self._fuse_scrub(out):
             # The kernel checksums the picks it reads (after_write, _fused_scrub_faults).
-            self._deferred_scrub = self._scrub_picks()
+            self._deferred_scrub = self._scrub_picks() or None
         else:
             faults += [f for f in self._scrub() if not found.issuperset(f.block_ids)]
         # From now on a request's context grows only by blocks it wrote and sealed itself.
@@ -222,23 +225,28 @@ class ChecksumChecks(GuardState):
     def _scrub(self) -> list[KVFault]:
         """Re-verify the next ``scrub_blocks_per_step`` sealed blocks (round robin)."""
         picked = self._scrub_picks()
-        return _scrub_fault(self._verify_sealed(picked) if picked is not None else [])
+        if not picked:
+            return []
+        return _scrub_fault(self._verify_sealed(torch.tensor(picked, dtype=torch.int64)))
 
-    def _scrub_picks(self) -> torch.Tensor | None:
-        """The next ``scrub_blocks_per_step`` sealed block ids after the cursor, round
-        robin (the cursor moves past them and they count as scrubbed); None: no pick."""
+    def _scrub_picks(self) -> list[int]:
+        """The next ``scrub_blocks_per_step`` sealed block ids from the cursor on, round
+        robin (the cursor moves past them and they count as scrubbed)."""
         if self.scrub_blocks_per_step <= 0:
-            return None
-        sealed_ids = self.sealed.nonzero().view(-1)  # ascending
-        n = sealed_ids.numel()
-        if not n:
-            return None
-        k = min(self.scrub_blocks_per_step, n)
-        i = int(torch.searchsorted(sealed_ids, self._scrub_cursor))
+            return []
+        # Plain lists (numpy's nonzero on the CPU): torch's nonzero and a handful of torch
+        # ops on a few ids cost more than the bisect, at one stream a good part of a step.
+        if self.sealed.device.type == "cpu":
+            sealed_ids = numpy.flatnonzero(self.sealed.numpy()).tolist()  # ascending
+        else:
+            sealed_ids = self.sealed.nonzero().view(-1).tolist()
+        k = min(self.scrub_blocks_per_step, len(sealed_ids))
+        if not k:
+            return []
+        i = bisect.bisect_left(sealed_ids, self._scrub_cursor)
         picked = sealed_ids[i : i + k]
-        if picked.numel() < k:  # wrap around to the start
-            picked = torch.cat([picked, sealed_ids[: k - picked.numel()]])
-        self._scrub_cursor = int(picked[-1]) + 1
+        picked += sealed_ids[: k - len(picked)]  # wrap around to the start
+        self._scrub_cursor = picked[-1] + 1
         self.counters.scrubbed_blocks += k
         return picked
 
@@ -265,22 +273,23 @@ class ChecksumChecks(GuardState):
         that stopped being sealed in this step (a new life started in ``bind``, a
         quarantine) are skipped, as the next pick round would."""
         picked, self._deferred_scrub = self._deferred_scrub, None
-        if picked is None:
+        if not picked:
             return []
-        picked = picked[self.sealed[picked]]
-        if not picked.numel():
-            return []
-        want = dict(zip(picked.tolist(), self.block_sums[picked].tolist()))
+        # numpy views of the CPU tensors (_fuse_scrub): a few ids, where torch's indexing
+        # ops cost tens of microseconds each.
+        sealed, block_sums = self.sealed.numpy(), self.block_sums.numpy()
+        want = {b: int(block_sums[b]) for b in picked if sealed[b]}
         checks = meta.read_checks
         bad: set[int] = set()
         covered: set[int] = set()
+        width, n_layers, bs = meta.max_blocks, len(self.caches), self.block_size
         if checks is None or checks.read_sums is None or checks.read_layers is None:
             reqs = []  # no kernel sums (a hook swapped the checks): all from the cache
         else:
-            width, n_layers, bs = meta.max_blocks, len(self.caches), self.block_size
-            tables = meta.block_index.tolist()  # (S * max_blocks,)
-            layers = checks.read_layers.view(-1).tolist()
-            sums = checks.block_sums().view(-1).tolist()
+            tables = meta.block_index.numpy().tolist()  # (S * max_blocks,)
+            layers = checks.read_layers.numpy().reshape(-1).tolist()
+            # (S, n_kv, max_blocks) summed over kv heads, wrapping mod 2^64 as torch's sum
+            sums = checks.read_sums.numpy().sum(axis=1, dtype=numpy.int64).reshape(-1).tolist()
         for i, r in enumerate(reqs):
             for lb in range(r.positions.start // bs):  # full context blocks
                 b = tables[i * width + lb]
@@ -290,7 +299,8 @@ class ChecksumChecks(GuardState):
                         bad.add(b)
         self.counters.block_verifies += len(covered)
         rest = [b for b in want if b not in covered]
-        bad.update(self._verify_sealed(torch.tensor(rest, dtype=torch.int64)))
+        if rest:
+            bad.update(self._verify_sealed(torch.tensor(rest, dtype=torch.int64)))
         return _scrub_fault(sorted(bad))
 
     def _seal_written(self, block_ids: list[int]) -> None:
