@@ -165,9 +165,9 @@ def main() -> None:
     ap.add_argument("--integrity", default="standard")
     ap.add_argument(
         "--quantization",
-        default="none",
         choices=("auto", "gguf", "none"),
-        help="GGUF weights: none dequantizes at load, gguf keeps them quantized",
+        default=EngineConfig.quantization,
+        help="GGUF weights: keep quantized (gguf), where kernels exist (auto), or bf16 (none)",
     )
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)

@@ -12,6 +12,9 @@ may return to service. See ``kv_guard.py`` for when each runs.
 
 from __future__ import annotations
 
+import bisect
+
+import numpy
 import torch
 
 from pagewarden.kernels.attention import AttentionMetadata
@@ -26,6 +29,10 @@ from pagewarden.worker.integrity import (
     verify_blocks,
     verify_slots,
 )
+
+#: The most blocks a step may read for its scrub picks to be checksummed by the
+#: attention kernel (``ChecksumChecks._fuse_scrub``); larger steps scrub from the cache.
+FUSED_SCRUB_MAX_BLOCKS = 64
 
 
 class ChecksumChecks(GuardState):
@@ -82,7 +89,12 @@ class ChecksumChecks(GuardState):
         reqs = [r for r in out.requests if r.positions.start > 0]
         faults = self._check_contents(reqs)
         found = {b for f in faults for b in f.block_ids}
-        faults += [f for f in self._scrub() if not found.issuperset(f.block_ids)]
+        self._deferred_scrub = None
+        if self._fuse_scrub(out):
+            # The kernel checksums the picks it reads (after_write, _fused_scrub_faults).
+            self._deferred_scrub = self._scrub_picks() or None
+        else:
+            faults += [f for f in self._scrub() if not found.issuperset(f.block_ids)]
         # From now on a request's context grows only by blocks it wrote and sealed itself.
         self._seen.update(r.req_id for r in out.requests)
         return self._attach_readers(faults, out.requests)
@@ -149,7 +161,7 @@ class ChecksumChecks(GuardState):
         (``check_reads`` left these to the kernel)."""
         checks = meta.read_checks
         assert checks is not None
-        if checks.read_sums is None:
+        if checks.read_sums is None or not self.strict:  # standard: only the scrub picks
             return []
         bs, device = self.block_size, checks.read_sums.device
         tables = meta.block_index.view(meta.num_seqs, meta.max_blocks)  # (S, max_blocks)
@@ -212,29 +224,84 @@ class ChecksumChecks(GuardState):
 
     def _scrub(self) -> list[KVFault]:
         """Re-verify the next ``scrub_blocks_per_step`` sealed blocks (round robin)."""
+        picked = self._scrub_picks()
+        if not picked:
+            return []
+        return _scrub_fault(self._verify_sealed(torch.tensor(picked, dtype=torch.int64)))
+
+    def _scrub_picks(self) -> list[int]:
+        """The next ``scrub_blocks_per_step`` sealed block ids from the cursor on, round
+        robin (the cursor moves past them and they count as scrubbed)."""
         if self.scrub_blocks_per_step <= 0:
             return []
-        sealed_ids = self.sealed.nonzero().view(-1)
-        if not sealed_ids.numel():
+        # Plain lists (numpy's nonzero on the CPU): torch's nonzero and a handful of torch
+        # ops on a few ids cost more than the bisect, at one stream a good part of a step.
+        if self.sealed.device.type == "cpu":
+            sealed_ids = numpy.flatnonzero(self.sealed.numpy()).tolist()  # ascending
+        else:
+            sealed_ids = self.sealed.nonzero().view(-1).tolist()
+        k = min(self.scrub_blocks_per_step, len(sealed_ids))
+        if not k:
             return []
-        after = sealed_ids[sealed_ids >= self._scrub_cursor]
-        picked = torch.cat([after, sealed_ids])[
-            : min(self.scrub_blocks_per_step, sealed_ids.numel())
-        ]
-        self._scrub_cursor = int(picked[-1]) + 1
-        self.counters.scrubbed_blocks += picked.numel()
-        bad = self._verify_sealed(picked)
-        if not bad:
+        i = bisect.bisect_left(sealed_ids, self._scrub_cursor)
+        picked = sealed_ids[i : i + k]
+        picked += sealed_ids[: k - len(picked)]  # wrap around to the start
+        self._scrub_cursor = picked[-1] + 1
+        self.counters.scrubbed_blocks += k
+        return picked
+
+    def _fuse_scrub(self, out: SchedulerOutput) -> bool:
+        """Whether this step's scrub picks are checksummed by the attention kernel as it
+        reads them (``standard`` on the CPU with a checking kernel, a step reading at
+        most ``FUSED_SCRUB_MAX_BLOCKS`` blocks): at one stream the scrubber's separate
+        pass is a fixed read of a few blocks from memory, while the kernel's sums
+        cost a little per block it reads anyway (the picks are its reads at one stream)."""
+        if self.strict or not self.fused_reads or self.scrub_blocks_per_step <= 0:
+            return False
+        if out.is_empty or self.caches[0].device.type != "cpu":
+            return False
+        bs = self.block_size
+        read = sum((r.positions.stop + bs - 1) // bs for r in out.requests)
+        return read <= FUSED_SCRUB_MAX_BLOCKS
+
+    def _fused_scrub_faults(
+        self, reqs: list[ScheduledRequest], meta: AttentionMetadata
+    ) -> list[KVFault]:
+        """The deferred scrub picks (``check_reads``), verified after the forward pass:
+        a pick that some sequence read, as a full context block, in every layer, by the
+        kernel's sum of it; any other pick from the cache, as ``_scrub`` does. Picks
+        that stopped being sealed in this step (a new life started in ``bind``, a
+        quarantine) are skipped, as the next pick round would."""
+        picked, self._deferred_scrub = self._deferred_scrub, None
+        if not picked:
             return []
-        return [
-            KVFault(
-                "checksum",
-                tuple(bad),
-                {},
-                "scrub",
-                "the scrubber found a sealed block whose content changed",
-            )
-        ]
+        # numpy views of the CPU tensors (_fuse_scrub): a few ids, where torch's indexing
+        # ops cost tens of microseconds each.
+        sealed, block_sums = self.sealed.numpy(), self.block_sums.numpy()
+        want = {b: int(block_sums[b]) for b in picked if sealed[b]}
+        checks = meta.read_checks
+        bad: set[int] = set()
+        covered: set[int] = set()
+        width, n_layers, bs = meta.max_blocks, len(self.caches), self.block_size
+        if checks is None or checks.read_sums is None or checks.read_layers is None:
+            reqs = []  # no kernel sums (a hook swapped the checks): all from the cache
+        else:
+            tables = meta.block_index.numpy().tolist()  # (S * max_blocks,)
+            layers = checks.read_layers.numpy().reshape(-1).tolist()
+            # (S, n_kv, max_blocks) summed over kv heads, wrapping mod 2^64 as torch's sum
+            sums = checks.read_sums.numpy().sum(axis=1, dtype=numpy.int64).reshape(-1).tolist()
+        for i, r in enumerate(reqs):
+            for lb in range(r.positions.start // bs):  # full context blocks
+                b = tables[i * width + lb]
+                if b in want and layers[i * width + lb] == n_layers:
+                    covered.add(b)
+                    if sums[i * width + lb] != want[b]:
+                        bad.add(b)
+        self.counters.block_verifies += len(covered)
+        rest = [b for b in want if b not in covered]
+        if rest:
+            bad.update(self._verify_sealed(torch.tensor(rest, dtype=torch.int64)))
+        return _scrub_fault(sorted(bad))
 
     def _seal_written(self, block_ids: list[int]) -> None:
         """Seal blocks written whole by this step: their slot sums were just taken from
@@ -345,3 +412,11 @@ class ChecksumChecks(GuardState):
             "a block loaded from a KV tier does not checksum in the pool to its entry's sum",
         )
         return self._attach_readers([fault], out.requests)
+
+
+def _scrub_fault(bad: list[int]) -> list[KVFault]:
+    """The scrubber's fault for the blocks in ``bad`` (none when empty)."""
+    if not bad:
+        return []
+    detail = "the scrubber found a sealed block whose content changed"
+    return [KVFault("checksum", tuple(bad), {}, "scrub", detail)]

@@ -84,6 +84,9 @@ class GuardState:
         self._seen: set[str] = set()  # requests whose context was verified
         self._scrub_cursor = 1
         self._swapped_in: set[int] = set()  # blocks verified on arrival this step
+        # Scrub picks this step's attention kernel checksums as it reads them, verified
+        # after the forward pass (``guard_checksums._fuse_scrub``); None: scrubbed at once.
+        self._deferred_scrub: list[int] | None = None
         # The host tier's copy of the same state (tags, slot sums, seals, block sums).
         self.host = TierState(num_host_blocks, block_size)
         if self.sums_on:

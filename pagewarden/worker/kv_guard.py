@@ -114,8 +114,9 @@ class KVGuard(ChecksumChecks):
         if self.fused_reads:
             expected = self._expected_tags(list(out.requests))
             n_kv = self.caches[0].shape[3]
+            sums = self.strict or self._deferred_scrub is not None
             meta.read_checks = allocate_read_checks(
-                expected.to(self.tags.tags.device), meta.max_blocks, n_kv, self.strict
+                expected.to(self.tags.tags.device), meta.max_blocks, n_kv, sums
             )
 
     def after_write(
@@ -154,6 +155,7 @@ class KVGuard(ChecksumChecks):
             faults += self._fused_sum_faults(reqs, meta)
         else:
             faults = self._check_tags(reqs, meta)
+        faults += self._fused_scrub_faults(reqs, meta)  # the picks check_reads deferred
         faults += self._check_slot_mapping(reqs, meta)
         if self.sums_on:
             # From the bytes at the slots the model actually wrote.
@@ -205,6 +207,8 @@ class KVGuard(ChecksumChecks):
         checks = meta.read_checks
         assert checks is not None and meta.num_seqs == len(reqs)
         self.counters.tag_checks += sum(r.positions.stop for r in reqs)
+        if checks.tag_faults.device.type == "cpu" and not checks.tag_faults.numpy().any():
+            return []  # numpy's any on the CPU: torch's nonzero costs more, every step
         bad = checks.tag_faults.nonzero().cpu()  # (n, 2): sequence, logical block
         if not bad.numel():
             return []

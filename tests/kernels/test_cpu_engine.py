@@ -123,3 +123,50 @@ def test_a_float16_cache_keeps_the_torch_path_under_the_default_backend(tiny_lla
     assert not llm.engine.runner.guard.fused_reads  # torch path: the guard checks reads
     out = llm.generate(["hello"], SamplingParams(temperature=0.0, max_tokens=3))
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def _scrub_detection(tiny_llama_dir, prompt, max_fused_blocks, monkeypatch):
+    """Standard, one request: flip a bit of its first sealed block, then step; returns
+    (steps until the fault is found, blocks verified from the cache, failures)."""
+    from pagewarden.worker import guard_checksums
+
+    monkeypatch.setattr(guard_checksums, "FUSED_SCRUB_MAX_BLOCKS", max_fused_blocks)
+    llm = _llm(tiny_llama_dir, "cpu", integrity="standard", scrub_blocks_per_step=1)
+    engine, guard = llm.engine, llm.engine.runner.guard
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine.add_request("r", prompt, params)
+    while not engine.scheduler.running or engine.scheduler.running[0].num_computed_tokens < 40:
+        engine.step()
+    request = engine.scheduler.running[0]
+    first = engine.scheduler.kv.tables[request.req_id].ids[0]
+    assert bool(guard.sealed[first])
+    from_cache: list[int] = []
+    verify = guard._verify_sealed
+    monkeypatch.setattr(
+        guard, "_verify_sealed", lambda ids: from_cache.extend(ids.tolist()) or verify(ids)
+    )
+    flip_bit(engine.kv_store.caches, first, 1, random.Random(0))
+    steps = 0
+    while not llm.stats().integrity.failures:
+        steps += 1
+        assert steps <= 3, "ceil(sealed blocks / scrub_blocks_per_step) = 3 steps at most"
+        engine.step()
+    found = list(from_cache)  # until the fault was found (its recompute reads afresh)
+    while engine.has_unfinished():
+        engine.step()
+    return steps, found, dict(llm.stats().integrity.failures)
+
+
+def test_standard_scrub_picks_are_checksummed_by_the_kernel_as_it_reads_them(
+    tiny_llama_dir, vocab, monkeypatch
+):
+    """At one stream the scrubber's picks are the blocks the step reads: the kernel sums
+    them as it reads (no pass over the cache), and a flip is found by "scrub" in the
+    same step as when the scrubber reads them from the cache."""
+    prompt = random_prompts(1, vocab, 40, 40, seed=11)[0]  # 2 full blocks and 8 tokens
+    fused = _scrub_detection(tiny_llama_dir, prompt, 64, monkeypatch)
+    monkeypatch.undo()
+    separate = _scrub_detection(tiny_llama_dir, prompt, 0, monkeypatch)
+    assert fused[2] == separate[2] == {("checksum", "scrub"): 1}
+    assert fused[0] == separate[0]  # detection latency unchanged, in steps
+    assert separate[1] and not fused[1]  # the fused run read no block from the cache
