@@ -59,12 +59,13 @@ logger = logging.getLogger("pagewarden.engine.proc")
 
 #: While idle, the core sends a heartbeat this often (seconds).
 HEARTBEAT_S = 0.2
+#: Requests reaching an idle core: it waits for the rest of their burst before its first
+#: step, until no message came for GATHER_QUIET_S or GATHER_MAX_S passed (seconds).
+GATHER_QUIET_S = 0.02
+GATHER_MAX_S = 0.1
 #: Requests reaching a busy core are held (its running requests go on decoding) until
 #: no request came for BUSY_QUIET_S or the first held one waited BUSY_MAX_S (seconds),
 #: then admitted together: one prefill step for the burst, not a small one per arrival.
-#: An idle core steps at once on what has arrived: the rest of a burst gathers during
-#: that first step (vLLM's client opening 32 streams: 1 prompt, then 16, then 15; the
-#: median request starts in the second step, and the first step stalls nobody).
 BUSY_QUIET_S = 0.015
 BUSY_MAX_S = 0.1
 #: Where the opt-in step trace goes (a file path; unset: no trace): a line per step
@@ -74,9 +75,8 @@ TRACE_PATH = os.environ.get("PAGEWARDEN_STEP_TRACE")
 
 def release_due(now: float, first: float, last: float, busy: bool) -> bool:
     """Whether held requests (the first arrived at ``first``, the last at ``last``) are
-    handed to the core now: at once when it is idle (the rest of the burst gathers
-    during its first step), else once the burst went quiet or its first request waited
-    long enough.
+    handed to the core now: at once when it is idle (the idle gather waits for the rest
+    of the burst), else once the burst went quiet or its first request waited long enough.
 
     Every step that prefills newly admitted prompts stalls the streams already decoding
     for the whole step; a burst admitted over several steps stalls them several times,
@@ -303,6 +303,22 @@ class _Dashboard:
             out.send(("dashboard", take_snapshot(core)))
 
 
+def _gather_burst(inbox: _Inbox) -> None:
+    """Wait while more requests of a burst are still arriving at an idle core.
+
+    A client that opens many streams at once reaches the core over tens of milliseconds
+    (the HTTP process parses and tokenizes each request). Stepping on the first one
+    spreads the burst's prompts over more prefill steps, and every prefill step stalls
+    the streams that started before it: those stalls are the inter-token latency tail
+    (bench/serve.py). A lone request waits GATHER_QUIET_S."""
+    deadline = time.monotonic() + GATHER_MAX_S
+    while not inbox.stop:
+        inbox.wake.clear()
+        left = deadline - time.monotonic()
+        if left <= 0 or not inbox.wake.wait(min(GATHER_QUIET_S, left)):
+            return
+
+
 def _trace_line(core, t0: float, outputs) -> str:
     """One step of the opt-in step trace (PAGEWARDEN_STEP_TRACE=file): start, seconds,
     tokens streamed, first tokens, running, waiting."""
@@ -316,6 +332,7 @@ def _loop(core, inbox: _Inbox, out: Connection) -> None:
     last_send = 0.0
     failed_steps = 0
     dashboard = _Dashboard()
+    idle = True
     trace = inbox.trace
     while not inbox.stop:
         dashboard.serve(core, inbox, out)
@@ -328,7 +345,12 @@ def _loop(core, inbox: _Inbox, out: Connection) -> None:
                 last_send = now
             inbox.wake.wait(HEARTBEAT_S)
             inbox.wake.clear()
+            idle = True
             continue
+        if idle:
+            _gather_burst(inbox)
+            inbox.release(busy=False)
+            idle = False
         try:
             t0 = time.monotonic()
             outputs = core.step()

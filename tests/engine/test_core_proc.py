@@ -102,6 +102,31 @@ def test_a_failed_step_writes_the_flight_record_before_anything_else():
     assert core.recorder.reasons == ["engine step raised RuntimeError('boom')"] * 2
 
 
+def test_an_idle_core_waits_for_the_rest_of_a_burst_before_its_first_step():
+    # Requests of one burst arrive 1 ms apart (as a client opening many streams reaches
+    # the core); the first step must not start on the first of them.
+    import threading
+    import time
+
+    core, inbox = _setup(steps=1, fail_at=set(), culprits=set())
+    arrived: list[int] = []
+    seen_at_first_step: list[int] = []
+    step = core.step
+    core.step = lambda: (seen_at_first_step.append(len(arrived)), step())[1]
+
+    def burst() -> None:
+        for i in range(10):
+            arrived.append(i)
+            inbox.wake.set()
+            time.sleep(0.001)
+
+    feeder = threading.Thread(target=burst)
+    feeder.start()
+    _loop(core, inbox, _Conn())
+    feeder.join()
+    assert seen_at_first_step == [10]
+
+
 def test_held_requests_reach_an_idle_core_at_once_and_a_busy_one_after_the_burst():
     from pagewarden.engine.core_proc import BUSY_MAX_S, BUSY_QUIET_S, release_due
 
