@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import signal
 import threading
 import time
@@ -60,8 +61,27 @@ logger = logging.getLogger("pagewarden.engine.proc")
 HEARTBEAT_S = 0.2
 #: Requests reaching an idle core: it waits for the rest of their burst before its first
 #: step, until no message came for GATHER_QUIET_S or GATHER_MAX_S passed (seconds).
-GATHER_QUIET_S = 0.004
-GATHER_MAX_S = 0.05
+GATHER_QUIET_S = 0.02
+GATHER_MAX_S = 0.1
+#: Requests reaching a busy core are held (its running requests go on decoding) until
+#: no request came for BUSY_QUIET_S or the first held one waited BUSY_MAX_S (seconds),
+#: then admitted together: one prefill step for the burst, not a small one per arrival.
+BUSY_QUIET_S = 0.015
+BUSY_MAX_S = 0.1
+#: Where the opt-in step trace goes (a file path; unset: no trace): a line per step
+#: ("step", start, seconds, outputs, first tokens, running, waiting) and per arrival.
+TRACE_PATH = os.environ.get("PAGEWARDEN_STEP_TRACE")
+
+
+def release_due(now: float, first: float, last: float, busy: bool) -> bool:
+    """Whether held requests (the first arrived at ``first``, the last at ``last``) are
+    handed to the core now: at once when it is idle (the idle gather waits for the rest
+    of the burst), else once the burst went quiet or its first request waited long enough.
+
+    Every step that prefills newly admitted prompts stalls the streams already decoding
+    for the whole step; a burst admitted over several steps stalls them several times,
+    and those stalls are the inter-token latency tail (bench/serve.py)."""
+    return not busy or now - last >= BUSY_QUIET_S or now - first >= BUSY_MAX_S
 
 
 @dataclass(frozen=True)
@@ -95,6 +115,11 @@ class _Inbox:
         self.params: dict[str, tuple[list[int], SamplingParams]] = {}
         self.snapshot_wanted = False
         self.debug: list[tuple] = []  # "inject" and "pause" messages, applied between steps
+        # Probed "add" messages not yet handed to the core, and when the first and the
+        # last of them arrived (see ``release_due``).
+        self.held: dict[str, tuple] = {}
+        self.first_held = self.last_held = 0.0
+        self.trace = open(TRACE_PATH, "a", buffering=1) if TRACE_PATH else None  # noqa: SIM115
 
     def run(self) -> None:
         try:
@@ -108,12 +133,13 @@ class _Inbox:
         self.wake.set()
 
     def _apply(self, msg: tuple) -> None:
-        from pagewarden.engine.core import RequestRejected
-
         if msg[0] == "stop":
             self.stop = True
         elif msg[0] == "abort":
-            self.core.abort_request(msg[1])
+            with self._lock:
+                held = self.held.pop(msg[1], None)
+            if held is None:
+                self.core.abort_request(msg[1])
         elif msg[0] == "dashboard":
             self.snapshot_wanted = True
         elif msg[0] in ("inject", "pause"):
@@ -130,12 +156,35 @@ class _Inbox:
             if error is not None:
                 self.fail(rid, f"the request's parameters fail in the sampler: {error}")
                 return
-            try:
-                self.core.add_request(rid, ids, params, prompt=prompt, cache_salt=salt)
-            except (RequestRejected, ValueError) as exc:
-                self.fail(rid, str(exc))
-                return
+            now = time.monotonic()
+            if self.trace is not None:
+                self.trace.write(f"arrive {now:.4f}\n")
             with self._lock:
+                if not self.held:
+                    self.first_held = now
+                self.last_held = now
+                self.held[rid] = msg
+
+    def has_held(self) -> bool:
+        return bool(self.held)
+
+    def release(self, busy: bool) -> None:
+        """Hand the held requests to the core when ``release_due`` says so (under the
+        lock, so that an abort finds each request either held or in the core)."""
+        from pagewarden.engine.core import RequestRejected
+
+        with self._lock:
+            if not self.held:
+                return
+            if not release_due(time.monotonic(), self.first_held, self.last_held, busy):
+                return
+            held, self.held = list(self.held.values()), {}
+            for _, rid, ids, params, prompt, salt in held:
+                try:
+                    self.core.add_request(rid, ids, params, prompt=prompt, cache_salt=salt)
+                except (RequestRejected, ValueError) as exc:
+                    self._failed.append((rid, str(exc)))
+                    continue
                 self.params[rid] = (ids, params)
 
     def fail(self, rid: str, message: str) -> None:
@@ -270,13 +319,24 @@ def _gather_burst(inbox: _Inbox) -> None:
             return
 
 
+def _trace_line(core, t0: float, outputs) -> str:
+    """One step of the opt-in step trace (PAGEWARDEN_STEP_TRACE=file): start, seconds,
+    tokens streamed, first tokens, running, waiting."""
+    firsts = sum(len(o.outputs[0].token_ids) == 1 for o in outputs if o.outputs)
+    sched = core.scheduler
+    dt = time.monotonic() - t0
+    return f"step {t0:.4f} {dt:.4f} {len(outputs)} {firsts} {len(sched.running)} {len(sched.waiting)}\n"
+
+
 def _loop(core, inbox: _Inbox, out: Connection) -> None:
     last_send = 0.0
     failed_steps = 0
     dashboard = _Dashboard()
     idle = True
+    trace = inbox.trace
     while not inbox.stop:
         dashboard.serve(core, inbox, out)
+        inbox.release(busy=core.has_unfinished())
         failed = _fail_outputs(core, inbox, inbox.take_failed())
         if not core.has_unfinished() or dashboard.paused():
             now = time.monotonic()
@@ -289,9 +349,13 @@ def _loop(core, inbox: _Inbox, out: Connection) -> None:
             continue
         if idle:
             _gather_burst(inbox)
+            inbox.release(busy=False)
             idle = False
         try:
+            t0 = time.monotonic()
             outputs = core.step()
+            if trace is not None:
+                trace.write(_trace_line(core, t0, outputs))
             failed_steps = 0
         except Exception as exc:  # noqa: BLE001 - isolated below, or re-raised
             if core.recorder is not None:

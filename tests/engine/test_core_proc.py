@@ -125,3 +125,50 @@ def test_an_idle_core_waits_for_the_rest_of_a_burst_before_its_first_step():
     _loop(core, inbox, _Conn())
     feeder.join()
     assert seen_at_first_step == [10]
+
+
+def test_held_requests_reach_an_idle_core_at_once_and_a_busy_one_after_the_burst():
+    from pagewarden.engine.core_proc import BUSY_MAX_S, BUSY_QUIET_S, release_due
+
+    assert release_due(now=0.0, first=0.0, last=0.0, busy=False)  # idle: the gather waits
+    # Busy: held while the burst is still arriving and its first request is young.
+    assert not release_due(now=1.0, first=1.0 - BUSY_MAX_S / 2, last=1.0, busy=True)
+    quiet = 1.0 - BUSY_QUIET_S * 1.01
+    assert release_due(now=1.0, first=quiet, last=quiet, busy=True)
+    # A burst that never goes quiet is released once its first request waited BUSY_MAX_S.
+    assert release_due(now=1.0, first=1.0 - BUSY_MAX_S * 1.01, last=1.0, busy=True)
+
+
+class _AddingCore:
+    def __init__(self) -> None:
+        self.added: list[str] = []
+        self.aborted: list[str] = []
+
+    def add_request(self, rid, ids, params, prompt=None, cache_salt=None) -> None:
+        if ids == [999]:
+            from pagewarden.engine.core import RequestRejected
+
+            raise RequestRejected("too long")
+        self.added.append(rid)
+
+    def abort_request(self, rid: str) -> None:
+        self.aborted.append(rid)
+
+
+def test_the_inbox_holds_adds_until_released_and_drops_a_held_abort():
+    core = _AddingCore()
+    inbox = _Inbox(core, None, lambda ids, params: None)
+    for rid, ids in (("a", [1]), ("b", [2]), ("c", [999])):
+        inbox._apply(("add", rid, ids, SamplingParams(), None, None))
+    assert core.added == [] and inbox.has_held()
+    inbox._apply(("abort", "b"))  # never reached the core: nothing to abort there
+    assert core.aborted == []
+    inbox.first_held = inbox.last_held = 1e18  # a burst still arriving (far future)
+    inbox.release(busy=True)
+    assert core.added == [] and inbox.has_held()
+    inbox.release(busy=False)
+    assert core.added == ["a"] and not inbox.has_held()
+    assert set(inbox.params) == {"a"}
+    assert inbox.take_failed() == [("c", "too long")]  # rejected at release, failed alone
+    inbox._apply(("abort", "a"))  # in the core now
+    assert core.aborted == ["a"]
