@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 
 from pagewarden.kernels.attention import AttentionMetadata
+from pagewarden.kernels.cpu import quant as cpu_quant
 from pagewarden.kv.block_pool import EvictedBlock
 from pagewarden.models.llama import LlamaForCausalLM
 from pagewarden.sched.output import (
@@ -134,6 +135,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Compute the step's tokens' K/V and sample for the requests that ask for it."""
+        # A decode batch's quantized GEMMs may round activations to int8 per row, as one
+        # stream's do; a prompt's prefill stays bf16 (kernels/cpu/quant.pick_kernel).
+        decode = bool(out.requests) and all(len(r.token_ids) == 1 for r in out.requests)
+        with cpu_quant.decode_batch(decode):
+            return self._execute(out)
+
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         guard = self.guard
         if self.threads is not None:
             self.threads.before_step(sum(len(r.token_ids) for r in out.requests))

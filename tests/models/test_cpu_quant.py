@@ -235,6 +235,14 @@ def test_auto_kernel_rule_and_refusals():
     assert cpu_quant.INT8_TILES_MIN_ROWS is None  # prefill in int8 loses "Paris"
     assert cpu_quant.pick_kernel(ext, batch, w) == "bf16"
     assert cpu_quant.pick_kernel(ext, one.float(), w) == "bf16"
+    few = torch.randn(cpu_quant.INT8_DECODE_MIN_ROWS - 1, 256).bfloat16()
+    with cpu_quant.decode_batch(True):  # a decode batch: int8 tiles from 5 rows
+        assert cpu_quant.pick_kernel(ext, batch, w) == "int8"
+        assert cpu_quant.pick_kernel(ext, few, w) == "bf16"
+        assert cpu_quant.pick_kernel(ext, batch.float(), w) == "bf16"
+        with cpu_quant.decode_batch(False):
+            assert cpu_quant.pick_kernel(ext, batch, w) == "bf16"
+    assert cpu_quant.pick_kernel(ext, batch, w) == "bf16"
     with pytest.raises(ValueError, match="int8"):
         cpu_quant.gemm(one.float(), w, kernel="int8")
     with pytest.raises(ValueError, match="int8"):
@@ -326,6 +334,32 @@ def test_llm_with_gguf_quantization_answers_greedy_chat():
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     out = llm.chat(msgs, SamplingParams(max_tokens=16, temperature=0.0))
     assert "Paris" in out[0].outputs[0].text
+
+
+@needs_int8
+def test_gguf_decode_batches_use_int8_and_prefill_stays_bf16(monkeypatch):
+    """Six greedy chats at once under ``quantization="gguf"``: the prefill's many-row
+    GEMMs run the bf16-decode kernel, the six-row decode steps the int8 tiles, and every
+    answer is still right (int8-rounded prefill activations lose "Paris")."""
+    from pagewarden import LLM
+    from pagewarden.sampling_params import SamplingParams
+
+    picks: list[tuple[int, str]] = []
+    pick = cpu_quant.pick_kernel
+
+    def spy(ext, x, w):
+        kernel = pick(ext, x, w)
+        picks.append((x.shape[0], kernel))
+        return kernel
+
+    monkeypatch.setattr(cpu_quant, "pick_kernel", spy)
+    llm = LLM(quantization="gguf", kv_cache_memory="64MiB", device="cpu")
+    msgs = [[{"role": "user", "content": "What is the capital of France?"}]] * 6
+    outs = llm.chat(msgs, SamplingParams(max_tokens=12, temperature=0.0))
+    assert all("Paris" in o.outputs[0].text for o in outs)
+    assert ("int8" in {k for rows, k in picks if rows == 6}) and all(
+        k == "bf16" for rows, k in picks if rows > 6
+    )
 
 
 def test_fused_shards_of_mixed_types_are_dequantized_into_the_dense_weight():

@@ -23,8 +23,11 @@ at load, as before).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -61,6 +64,14 @@ INT8_MAX_ROWS = 1
 #: multi-row loop does too), so many-row calls stay bf16 until only decode batches can be
 #: sent there. ``PAGEWARDEN_QUANT_KERNEL=int8`` sends every call to int8.
 INT8_TILES_MIN_ROWS: int | None = None
+#: ``pick_kernel``: within ``decode_batch(True)`` (a step where every sequence brings one
+#: token, set by the worker), the int8 kernel from this many rows: a decode batch's rows
+#: are rounded per row exactly as one-stream decode's int8 GEMV rounds its one row, and
+#: the tiles beat the bf16-decode tiles from 5 rows (docs/quantization.md).
+INT8_DECODE_MIN_ROWS = 5
+_DECODE_BATCH: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "pagewarden_quant_decode_batch", default=False
+)
 #: ``pick_kernel`` overridden for the whole process (benches; ``KERNEL_ENV`` at import).
 FORCED_KERNEL: str | None = os.environ.get(KERNEL_ENV, "").strip().lower() or None
 
@@ -163,15 +174,29 @@ def _require() -> ModuleType:
 
 def pick_kernel(ext: ModuleType, x: torch.Tensor, w: QuantWeight) -> Kernel:
     """The kernel ``gemm`` uses for x (M, K) against ``w`` under ``kernel="auto"``: int8
-    where it exists (bf16 x, an AVX512-VNNI build) and M <= ``INT8_MAX_ROWS`` or M >=
-    ``INT8_TILES_MIN_ROWS`` (when set), else bf16."""
+    where it exists (bf16 x, an AVX512-VNNI build) and M <= ``INT8_MAX_ROWS``, M >=
+    ``INT8_TILES_MIN_ROWS`` (when set) or, in a ``decode_batch``, M >=
+    ``INT8_DECODE_MIN_ROWS``; else bf16."""
     forced = FORCED_KERNEL
     if forced in ("int8", "bf16"):
         return "int8" if forced == "int8" and _int8_ok(ext, x) else "bf16"
     rows = x.shape[0]
     tiles_from = INT8_TILES_MIN_ROWS
     int8 = rows <= INT8_MAX_ROWS or (tiles_from is not None and rows >= tiles_from)
+    if not int8 and rows >= INT8_DECODE_MIN_ROWS and _DECODE_BATCH.get():
+        int8 = bool(ext.has_int8_tiles_kernel())
     return "int8" if int8 and _int8_ok(ext, x) else "bf16"
+
+
+@contextlib.contextmanager
+def decode_batch(decode: bool) -> Iterator[None]:
+    """Within: the rows ``gemm`` gets are a decode batch (one new token per sequence) when
+    ``decode``, so ``pick_kernel`` may send them to the int8 tiles (``INT8_DECODE_MIN_ROWS``)."""
+    token = _DECODE_BATCH.set(decode)
+    try:
+        yield
+    finally:
+        _DECODE_BATCH.reset(token)
 
 
 def _int8_ok(ext: ModuleType, x: torch.Tensor) -> bool:
