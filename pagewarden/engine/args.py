@@ -78,8 +78,7 @@ def _add_scheduler_args(parser: argparse.ArgumentParser, d: EngineConfig) -> Non
         "--max-num-batched-tokens",
         type=int,
         default=d.max_num_batched_tokens,
-        help="most prompt tokens in one step, besides one decode token per running request "
-        "(chunked prefill splits longer prompts)",
+        help="most tokens in one step (chunked prefill splits longer prompts)",
     )
     parser.add_argument(
         "--max-model-len",

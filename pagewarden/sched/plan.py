@@ -11,38 +11,17 @@ from pagewarden.sched.request import Request
 @dataclass
 class StepPlan:
     """The requests scheduled so far this step, the copies they need and the token budget
-    left. ``preempted`` is set once the pool ran dry: such a step admits nobody new.
-
-    The budget (``max_num_batched_tokens``) is spent by prompt tokens (prefill chunks,
-    recomputes); a decode's one token is bounded by the seats (``max_num_seqs``) and
-    costs none of it. Were decodes charged, a step with d decodes would prefill d tokens
-    fewer than the budget, so it would split the last prompt that fits and finish it one
-    step later: a burst of 32 prompts of 128 tokens at 2048 would start in three groups
-    (16, 15, 1) instead of two, and every group that restarts while others decode stalls
-    them for a whole prefill step (the served inter-token latency tail)."""
+    left. ``preempted`` is set once the pool ran dry: such a step admits nobody new."""
 
     budget: int
     requests: list[ScheduledRequest] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: bool = False
 
-    def grant(self, req: Request) -> int:
-        """How many of ``req``'s missing tokens this step may compute: a decode's one
-        token always, else as many as the budget left allows."""
-        gap = req.num_computable_tokens - req.num_computed_tokens
-        return gap if is_decode(req) else min(gap, self.budget)
-
     def add(self, req: Request, num_new: int, block_table: list[int], block_size: int) -> None:
         """Schedule ``num_new`` of ``req``'s tokens from ``num_computed_tokens`` on."""
-        decode = is_decode(req)
         self.requests.append(scheduled_request(req, num_new, block_table, block_size))
-        if not decode:
-            self.budget -= num_new
-
-
-def is_decode(req: Request) -> bool:
-    """True when ``req`` has one token left to compute, the one it sampled last."""
-    return bool(req.output_token_ids) and req.num_computable_tokens - req.num_computed_tokens == 1
+        self.budget -= num_new
 
 
 def scheduled_request(

@@ -282,9 +282,9 @@ class Scheduler:
         preemption.restart_past_rope_switch(self)
         # Preemption pops from the back of ``running``; the iterator stops short of it.
         for req in self.running:
-            if len(plan.requests) >= max_seqs:
+            if plan.budget <= 0 or len(plan.requests) >= max_seqs:
                 break
-            num_new = plan.grant(req)  # a decode needs no budget (see StepPlan)
+            num_new = min(req.num_computable_tokens - req.num_computed_tokens, plan.budget)
             if num_new <= 0:
                 continue
             copies = self._allocate_or_preempt(req, num_new, plan)
