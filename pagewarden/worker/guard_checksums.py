@@ -279,6 +279,7 @@ class ChecksumChecks(GuardState):
         # ops cost tens of microseconds each.
         sealed, block_sums = self.sealed.numpy(), self.block_sums.numpy()
         want = {b: int(block_sums[b]) for b in picked if sealed[b]}
+        self.counters.scrubbed_blocks -= len(picked) - len(want)  # skipped: not scrubbed
         checks = meta.read_checks
         bad: set[int] = set()
         covered: set[int] = set()
