@@ -136,6 +136,7 @@ class DecoderForCausalLM(nn.Module):
                 elif isinstance(module, RMSNorm):
                     module.prepare()
         if device.type == "cpu":
+            cpu_linear.to_hugepages(self)  # the streamed weights in 2 MiB pages
             cpu_fused.load()  # built now (once per machine), not in the first request
         for rope in self.ropes:
             rope.reset()

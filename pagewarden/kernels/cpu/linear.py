@@ -31,6 +31,7 @@ gathered rows of a quantized embedding table.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -39,9 +40,11 @@ from torch import nn
 
 from pagewarden.kernels.cpu import fused as cpu_fused
 from pagewarden.kernels.cpu import gemm as cpu_gemm
+from pagewarden.kernels.cpu import hugepages
 from pagewarden.kernels.cpu import quant as cpu_quant
 
 Packing = Literal["tiles", "onednn", "mkl"]
+Put = Callable[[torch.Tensor], None]  # stores a moved tensor where its holder keeps it
 
 _TILES = "gemm_tiles"  # cpu_gemm tiles, plain column order
 _GATE_UP = "gemm_tiles_gate_up"  # cpu_gemm tiles, gate and up interleaved (silu fused)
@@ -95,6 +98,46 @@ def pack(
         layer.__dict__[_ONEDNN] = torch.ops.mkldnn._reorder_linear_weight(weight, None)
     elif packing == "mkl" and wide:
         layer.__dict__[_MKL] = torch.ops.mkl._mkl_reorder_linear_weight(weight, 1)
+
+
+def to_hugepages(model: nn.Module) -> int:
+    """Move what the CPU kernels stream into huge pages (``kernels/cpu/hugepages``): the
+    layers' quantized blocks and packed tiles, and parameters of at least
+    ``hugepages.MIN_BYTES``. A tensor shared by several modules (a tied lm_head) stays
+    one tensor. Returns the bytes moved; 0 where ``hugepages.enabled()`` is false."""
+    if not hugepages.enabled():
+        return 0
+    # one entry per tensor: the tensor, and where each holder stores its moved copy
+    moves: dict[tuple[int, torch.dtype, tuple[int, ...]], tuple[torch.Tensor, list[Put]]] = {}
+
+    def want(t: torch.Tensor | None, put: Put) -> None:
+        if t is None or t.device.type != "cpu" or not t.is_contiguous():
+            return
+        if t.numel() * t.element_size() >= hugepages.MIN_BYTES:
+            moves.setdefault((t.data_ptr(), t.dtype, tuple(t.shape)), (t, []))[1].append(put)
+
+    for module in model.modules():
+        d = module.__dict__
+        for key in (_TILES, _GATE_UP):
+            want(d.get(key), lambda new, d=d, key=key: d.__setitem__(key, new))
+        q = d.get(_QUANT)
+        if q is not None:
+            want(q.data, lambda new, q=q: setattr(q, "data", new))
+        for p in module.parameters(recurse=False):
+            want(p.data, lambda new, p=p: setattr(p, "data", new))
+    if not moves:
+        return 0
+    groups = list(moves.values())
+    with torch.no_grad():
+        copies = hugepages.relocate([t for t, _ in groups])
+    for (_, puts), new in zip(groups, copies):
+        for put in puts:
+            put(new)
+    moved = sum(t.numel() * t.element_size() for t in copies)
+    moves.clear()  # the old tensors: freed now, before the heap is trimmed
+    groups.clear()
+    hugepages.release_freed_heap()
+    return moved
 
 
 def unpack(layer: nn.Linear) -> None:
