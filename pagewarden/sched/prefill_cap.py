@@ -1,0 +1,75 @@
+"""How many prefill tokens a step may carry beside the streams it decodes.
+
+Every token a step prefills delays the streams that decode in it: a step that prefills a
+group of prompts takes many decode steps' time, and the gaps it puts in every decoding
+stream are the inter-token latency tail (one such step per group is the price of
+starting the group; ``bench/serve.py`` measures it). With ``D`` the requests that
+decode this step, ``c`` half of ``D`` rounded up to whole KV blocks, and ``W`` the prefill
+work pending (the uncomputed tokens of running requests still prefilling and of waiting
+ones, before any prefix-cache hit):
+
+- **Small work is chunked.** When ``W`` fits in ``k = min(MAX_CHUNK_STEPS, D)`` chunks of
+  ``c`` tokens, the step prefills at most ``c``: it grows by about half a decode step's
+  tokens, so a lone request arriving while many streams decode stalls none of them, and
+  starts within ``k`` steps. Chunking costs the newcomer a step per chunk and spares each
+  of the ``D`` streams one stall, so it is done for no more chunks than ``D``.
+- **A group gets the whole token budget, and group steps are ``MAX_CHUNK_STEPS`` steps
+  apart.** A burst of prompts is prefilled as vLLM does it, in full steps, so each stall
+  is shared by many prompts. A group step is not taken within ``MAX_CHUNK_STEPS`` steps of
+  the last one (meanwhile the work is chunked at ``c``): the streams a group step started
+  are then that many tokens ahead of the next group, so when they finish and come back (a
+  closed-loop client sends its next requests) their prefill step is over before the next
+  group comes back, and neither waits behind the other's. Two groups started in
+  back-to-back steps finish one step apart and keep colliding: every round, the second
+  waits out the first's whole prefill step before its own.
+
+With nothing decoding nobody is stalled: the whole budget (a group step). The cap only
+ever lowers a step below ``max_num_batched_tokens``, which keeps vLLM's meaning (decode
+tokens count in it).
+
+    D, W, s steps since the last group step                    this step's prefill cap
+    D = 0                                                      budget (a group step)
+    W <= min(MAX_CHUNK_STEPS, D) * c                           c
+    W >  min(MAX_CHUNK_STEPS, D) * c, s <  MAX_CHUNK_STEPS     c
+    W >  min(MAX_CHUNK_STEPS, D) * c, s >= MAX_CHUNK_STEPS     budget (a group step)
+"""
+
+from __future__ import annotations
+
+from pagewarden.sched.state import SchedulerState
+
+__all__ = ["MAX_CHUNK_STEPS", "prefill_cap"]
+
+#: Small work is chunked over at most this many steps, and group steps are at least this
+#: many steps apart: this bounds the steps either rule adds to a time to first token.
+MAX_CHUNK_STEPS = 8
+
+
+def prefill_cap(sched: SchedulerState) -> int:
+    """The most prefill tokens ``sched``'s step ``num_steps`` may schedule (at most its
+    token budget); records it in ``last_group_step`` when it is a group step. Running
+    requests count in order up to ``max_num_seqs`` (the ones a step can take); a request
+    one token behind is a decode."""
+    budget = sched.max_num_batched_tokens
+    num_decodes = pending = 0
+    for i, req in enumerate(sched.running):
+        gap = req.num_computable_tokens - req.num_computed_tokens
+        if gap == 1 and i < sched.max_num_seqs:
+            num_decodes += 1
+        elif gap > 1:
+            pending += gap
+    block_size = sched.config.block_size
+    cap = -(-num_decodes // 2 // block_size) * block_size  # half the decodes, whole blocks
+    limit = min(MAX_CHUNK_STEPS, num_decodes) * cap
+    for req in sched.waiting:  # stops once past the limit (a queue can be long)
+        if pending > limit:
+            break
+        pending += req.num_computable_tokens - req.num_computed_tokens
+    if pending == 0:
+        return budget  # nothing to prefill: no cap, and no group step
+    last = sched.last_group_step
+    spaced = last is None or sched.num_steps - last >= MAX_CHUNK_STEPS
+    if num_decodes == 0 or (pending > limit and spaced):
+        sched.last_group_step = sched.num_steps
+        return budget
+    return min(cap, budget)
