@@ -22,16 +22,26 @@ ones, before any prefix-cache hit):
   group comes back, and neither waits behind the other's. Two groups started in
   back-to-back steps finish one step apart and keep colliding: every round, the second
   waits out the first's whole prefill step before its own.
+- **A part-filled group waits for more work** while at least ``MAX_CHUNK_STEPS``
+  streams decode: group work under half a step (``W < (budget - D) / 2``) is chunked at
+  ``c`` until more comes or it has waited ``2 * MAX_CHUNK_STEPS`` steps. Each group step
+  stalls every decoding stream once, and the inter-token p99 is decided by whether those
+  stalls pass 1% of all gaps: a burst split into a small group and a remainder would
+  cost a stall per part, in every round. Waiting lets the small part join the next
+  group, so the groups settle into full steps.
 
 With nothing decoding nobody is stalled: the whole budget (a group step). The cap only
 ever lowers a step below ``max_num_batched_tokens``, which keeps vLLM's meaning (decode
 tokens count in it).
 
-    D, W, s steps since the last group step                    this step's prefill cap
+    first match, top down (s: steps since the last group step,
+    w: steps since group-sized work started waiting)           this step's prefill cap
     D = 0                                                      budget (a group step)
-    W <= min(MAX_CHUNK_STEPS, D) * c                           c
-    W >  min(MAX_CHUNK_STEPS, D) * c, s <  MAX_CHUNK_STEPS     c
-    W >  min(MAX_CHUNK_STEPS, D) * c, s >= MAX_CHUNK_STEPS     budget (a group step)
+    W <= min(MAX_CHUNK_STEPS, D) * c                           c        (small work)
+    s < MAX_CHUNK_STEPS                                        c        (spacing)
+    W >= (budget - D) / 2  or  D < MAX_CHUNK_STEPS
+        or  w >= 2 * MAX_CHUNK_STEPS                           budget (a group step)
+    otherwise                                                  c        (waits for more)
 """
 
 from __future__ import annotations
@@ -47,7 +57,8 @@ MAX_CHUNK_STEPS = 8
 
 def prefill_cap(sched: SchedulerState) -> int:
     """The most prefill tokens ``sched``'s step ``num_steps`` may schedule (at most its
-    token budget); records it in ``last_group_step`` when it is a group step. Running
+    token budget); records a group step in ``last_group_step`` and when group-sized work
+    started waiting in ``group_wait_since``. Running
     requests count in order up to ``max_num_seqs`` (the ones a step can take); a request
     one token behind is a decode."""
     budget = sched.max_num_batched_tokens
@@ -61,15 +72,28 @@ def prefill_cap(sched: SchedulerState) -> int:
     block_size = sched.config.block_size
     cap = -(-num_decodes // 2 // block_size) * block_size  # half the decodes, whole blocks
     limit = min(MAX_CHUNK_STEPS, num_decodes) * cap
-    for req in sched.waiting:  # stops once past the limit (a queue can be long)
-        if pending > limit:
+    half_step = (budget - num_decodes) // 2
+    for req in sched.waiting:  # stops once past both bounds (a queue can be long)
+        if pending > max(limit, half_step):
             break
         pending += req.num_computable_tokens - req.num_computed_tokens
-    if pending == 0:
-        return budget  # nothing to prefill: no cap, and no group step
-    last = sched.last_group_step
-    spaced = last is None or sched.num_steps - last >= MAX_CHUNK_STEPS
-    if num_decodes == 0 or (pending > limit and spaced):
-        sched.last_group_step = sched.num_steps
-        return budget
-    return min(cap, budget)
+    if pending == 0 or (pending <= limit and num_decodes > 0):
+        sched.group_wait_since = None  # no group-sized work waits
+        return budget if pending == 0 else min(cap, budget)  # nothing, or small work
+    if num_decodes == 0:
+        return _group_step(sched, budget)
+    now, last = sched.num_steps, sched.last_group_step
+    if sched.group_wait_since is None:
+        sched.group_wait_since = now
+    if last is not None and now - last < MAX_CHUNK_STEPS:
+        return min(cap, budget)  # spacing
+    waited = now - sched.group_wait_since
+    if pending >= half_step or num_decodes < MAX_CHUNK_STEPS or waited >= 2 * MAX_CHUNK_STEPS:
+        return _group_step(sched, budget)
+    return min(cap, budget)  # a part-filled group waits for more work
+
+
+def _group_step(sched: SchedulerState, budget: int) -> int:
+    sched.last_group_step = sched.num_steps
+    sched.group_wait_since = None
+    return budget

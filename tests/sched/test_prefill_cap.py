@@ -190,3 +190,34 @@ def test_every_request_finishes_with_the_same_tokens() -> None:
     assert {rid: n for rid, n in outputs.items() if rid.startswith("w")} == {
         f"w{i}": 7 for i in range(6)
     }
+
+
+def test_a_part_filled_group_waits_for_more_work() -> None:
+    """With many decodes, group work under half a step waits (chunked) for more: the next
+    requests that come join it, and one stall starts them all."""
+    s = _sched(max_num_batched_tokens=256)
+    runner = FakeModelRunner(BS, verify=True)
+    _decoding(s, runner, 10)  # cap 8; small up to 64 tokens; half a step: 123 tokens
+    dec = {f"d{i}": 1 for i in range(10)}
+    for rid in "ab":
+        s.add_request(_req(rid, 40, max_tokens=5))  # 80 tokens: a group, part-filled
+    assert [_tokens(_step(s, runner)) for _ in range(4)] == [{**dec, "a": 8}] * 4
+    for rid in "cd":
+        s.add_request(_req(rid, 40, max_tokens=5))  # 48 + 80 = 128 tokens: over half
+    out = _step(s, runner)
+    assert _tokens(out) == {**dec, "a": 8, "b": 40, "c": 40, "d": 40}
+    assert s.last_group_step == s.num_steps and s.group_wait_since is None
+
+
+def test_a_part_filled_group_waits_at_most_twice_the_spacing() -> None:
+    s = _sched(max_num_batched_tokens=512)
+    runner = FakeModelRunner(BS, verify=True)
+    _decoding(s, runner, 10)  # cap 8; small up to 64 tokens; half a step: 251 tokens
+    for rid in "ab":
+        s.add_request(_req(rid, 120, max_tokens=5))  # 240 tokens
+    waited = [_tokens(_step(s, runner)) for _ in range(2 * MAX_CHUNK_STEPS)]
+    # 16 capped steps: 8 prefill tokens each (a is whole after 15 and decodes in the 16th)
+    assert [t.get("a", 0) + t.get("b", 0) for t in waited] == [8] * 15 + [1 + 8]
+    out = _step(s, runner)  # then the 112 tokens left go in one group step
+    assert _tokens(out) == {**{f"d{i}": 1 for i in range(10)}, "a": 1, "b": 112}
+    assert s.last_group_step == s.num_steps
