@@ -58,9 +58,9 @@ MAX_CHUNK_STEPS = 8
 def prefill_cap(sched: SchedulerState) -> int:
     """The most prefill tokens ``sched``'s step ``num_steps`` may schedule (at most its
     token budget); records a group step in ``last_group_step`` and when group-sized work
-    started waiting in ``group_wait_since``. Running
-    requests count in order up to ``max_num_seqs`` (the ones a step can take); a request
-    one token behind is a decode."""
+    started waiting in ``group_wait_since``. Running requests count in order up to
+    ``max_num_seqs`` (the ones a step can take), a request one token behind as a decode;
+    waiting ones count only while a seat is free (otherwise none can start)."""
     budget = sched.max_num_batched_tokens
     num_decodes = pending = 0
     for i, req in enumerate(sched.running):
@@ -73,7 +73,8 @@ def prefill_cap(sched: SchedulerState) -> int:
     cap = -(-num_decodes // 2 // block_size) * block_size  # half the decodes, whole blocks
     limit = min(MAX_CHUNK_STEPS, num_decodes) * cap
     half_step = (budget - num_decodes) // 2
-    for req in sched.waiting:  # stops once past both bounds (a queue can be long)
+    seats = len(sched.running) < sched.max_num_seqs
+    for req in sched.waiting if seats else ():  # stops past both bounds (queues can be long)
         if pending > max(limit, half_step):
             break
         pending += req.num_computable_tokens - req.num_computed_tokens

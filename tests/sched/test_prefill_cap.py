@@ -221,3 +221,14 @@ def test_a_part_filled_group_waits_at_most_twice_the_spacing() -> None:
     out = _step(s, runner)  # then the 112 tokens left go in one group step
     assert _tokens(out) == {**{f"d{i}": 1 for i in range(10)}, "a": 1, "b": 112}
     assert s.last_group_step == s.num_steps
+
+
+def test_waiting_requests_without_a_seat_are_not_pending_work() -> None:
+    s = _sched(max_num_seqs=6)
+    runner = FakeModelRunner(BS, verify=True)
+    _decoding(s, runner, 6)
+    last = s.last_group_step
+    for rid in "abc":
+        s.add_request(_req(rid, 30))
+    assert _tokens(_step(s, runner)) == {f"d{i}": 1 for i in range(6)}  # no seat: decodes
+    assert s.last_group_step == last and s.group_wait_since is None  # no group step taken
