@@ -30,12 +30,6 @@ ones, before any prefix-cache hit):
   cost a stall per part, in every round. Waiting lets the small part join the next
   group, so the groups settle into full steps.
 
-Both of these pace work that arrived since the last group step. A backlog (requests
-queued before it that it had no room for: an offline batch, a gathered burst, or
-preempted requests) gets back-to-back full steps, as in vLLM. In a served closed loop
-the groups of the first burst then start back to back, collide once when they come
-back, and the spacing separates them from that round on.
-
 With nothing decoding nobody is stalled: the whole budget (a group step). The cap only
 ever lowers a step below ``max_num_batched_tokens``, which keeps vLLM's meaning (decode
 tokens count in it).
@@ -44,7 +38,6 @@ tokens count in it).
     w: steps since group-sized work started waiting)           this step's prefill cap
     D = 0                                                      budget (a group step)
     W <= min(MAX_CHUNK_STEPS, D) * c                           c        (small work)
-    a request waits that was queued before the last group step budget (a group step)
     s < MAX_CHUNK_STEPS                                        c        (spacing)
     W >= (budget - D) / 2  or  D < MAX_CHUNK_STEPS
         or  w >= 2 * MAX_CHUNK_STEPS                           budget (a group step)
@@ -90,11 +83,6 @@ def prefill_cap(sched: SchedulerState) -> int:
         return budget if pending == 0 else min(cap, budget)  # nothing, or small work
     if num_decodes == 0:
         return _group_step(sched, budget)
-    # A backlog (requests queued before the last group step, which it had no room for,
-    # or preempted ones) is served in back-to-back full steps, as vLLM does; the pacing
-    # below is for work that arrived since.
-    if len(sched.waiting) > sched.num_added - sched.added_before_group_step:
-        return _group_step(sched, budget)
     now, last = sched.num_steps, sched.last_group_step
     if sched.group_wait_since is None:
         sched.group_wait_since = now
@@ -109,5 +97,4 @@ def prefill_cap(sched: SchedulerState) -> int:
 def _group_step(sched: SchedulerState, budget: int) -> int:
     sched.last_group_step = sched.num_steps
     sched.group_wait_since = None
-    sched.added_before_group_step = sched.num_added
     return budget

@@ -81,7 +81,6 @@ class Scheduler:
         self.num_steps = 0
         self.last_group_step: int | None = None  # see prefill_cap.py
         self.group_wait_since: int | None = None
-        self.num_added = self.added_before_group_step = 0  # add_request calls
         self.num_preemptions = 0
         # Effective per-step limits: the configured ones, or lower while the engine's
         # batch controller holds the batch down (see ``set_batch_limits``).
@@ -167,7 +166,6 @@ class Scheduler:
         preemption.set_rope(self.config, request)
         request.seed = params.seed
         request.status = _WAITING
-        self.num_added += 1
         if self.journal is not None:
             self.journal.append(("add", request))
         if request.is_fork_parent and request.num_prompt_tokens == 1:

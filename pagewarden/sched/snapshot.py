@@ -51,8 +51,6 @@ def capture(sched: Scheduler) -> dict[str, Any]:
         "num_steps": sched.num_steps,
         "last_group_step": sched.last_group_step,
         "group_wait_since": sched.group_wait_since,
-        "num_added": sched.num_added,
-        "added_before_group_step": sched.added_before_group_step,
         "num_preemptions": sched.num_preemptions,
         "max_num_seqs": sched.max_num_seqs,
         "preemption_mode": sched.preemption_mode,
@@ -76,8 +74,6 @@ def restore(state: dict[str, Any]) -> Scheduler:
     sched.num_steps = state["num_steps"]
     sched.last_group_step = state.get("last_group_step")
     sched.group_wait_since = state.get("group_wait_since")
-    sched.num_added = state.get("num_added", 0)
-    sched.added_before_group_step = state.get("added_before_group_step", 0)
     sched.num_preemptions = state["num_preemptions"]
     sched.max_num_seqs = state["max_num_seqs"]
     sched.preemption_mode = state["preemption_mode"]

@@ -42,8 +42,6 @@ class SchedulerState(Protocol):
     num_steps: int
     last_group_step: int | None  # the last step given the whole budget (prefill_cap.py)
     group_wait_since: int | None  # the step since which group-sized work waits (same)
-    num_added: int  # requests added so far
-    added_before_group_step: int  # num_added when the last group step was taken
     preemption_mode: str
 
     def usable_blocks(self) -> int:

@@ -232,19 +232,3 @@ def test_waiting_requests_without_a_seat_are_not_pending_work() -> None:
         s.add_request(_req(rid, 30))
     assert _tokens(_step(s, runner)) == {f"d{i}": 1 for i in range(6)}  # no seat: decodes
     assert s.last_group_step == last and s.group_wait_since is None  # no group step taken
-
-
-def test_a_backlog_is_served_in_back_to_back_full_steps() -> None:
-    """Requests queued before a group step that had no room for them (offline batches, a
-    gathered burst) are not paced: the next step is a full one, as in vLLM."""
-    s = _sched()
-    runner = FakeModelRunner(BS, verify=True)
-    for i in range(6):
-        s.add_request(_req(f"d{i}", 3))
-    for rid in "abc":
-        s.add_request(_req(rid, 30))
-    first = _tokens(_step(s, runner))  # idle: the whole budget, 18 + 30 + 16 = 64 tokens
-    assert first == {**{f"d{i}": 3 for i in range(6)}, "a": 30, "b": 16}
-    out = _step(s, runner)  # b's rest and c were queued before: no spacing, no cap
-    assert _tokens(out) == {**{f"d{i}": 1 for i in range(6)}, "a": 1, "b": 14, "c": 30}
-    assert s.last_group_step == 2
