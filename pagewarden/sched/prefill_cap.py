@@ -14,7 +14,7 @@ ones, before any prefix-cache hit):
   starts within ``k`` steps. Chunking costs the newcomer a step per chunk and spares each
   of the ``D`` streams one stall, so it is done for no more chunks than ``D``.
 - **A group gets the whole token budget, and group steps are ``MAX_CHUNK_STEPS`` steps
-  apart.** A burst of prompts is prefilled as vLLM does it, in full steps, so each stall
+  apart** (while at least ``MAX_CHUNK_STEPS`` streams decode). A burst of prompts is prefilled as vLLM does it, in full steps, so each stall
   is shared by many prompts. A group step is not taken within ``MAX_CHUNK_STEPS`` steps of
   the last one (meanwhile the work is chunked at ``c``): the streams a group step started
   are then that many tokens ahead of the next group, so when they finish and come back (a
@@ -30,7 +30,9 @@ ones, before any prefix-cache hit):
   cost a stall per part, in every round. Waiting lets the small part join the next
   group, so the groups settle into full steps.
 
-With nothing decoding nobody is stalled: the whole budget (a group step). The cap only
+With fewer than ``MAX_CHUNK_STEPS`` streams decoding there is no pacing (a group step
+stalls few streams, and pacing would only delay it), and
+with nothing decoding nobody is stalled: the whole budget (a group step). The cap only
 ever lowers a step below ``max_num_batched_tokens``, which keeps vLLM's meaning (decode
 tokens count in it).
 
@@ -38,9 +40,9 @@ tokens count in it).
     w: steps since group-sized work started waiting)           this step's prefill cap
     D = 0                                                      budget (a group step)
     W <= min(MAX_CHUNK_STEPS, D) * c                           c        (small work)
+    D < MAX_CHUNK_STEPS                                        budget (a group step)
     s < MAX_CHUNK_STEPS                                        c        (spacing)
-    W >= (budget - D) / 2  or  D < MAX_CHUNK_STEPS
-        or  w >= 2 * MAX_CHUNK_STEPS                           budget (a group step)
+    W >= (budget - D) / 2  or  w >= 2 * MAX_CHUNK_STEPS        budget (a group step)
     otherwise                                                  c        (waits for more)
 """
 
@@ -83,13 +85,14 @@ def prefill_cap(sched: SchedulerState) -> int:
         return budget if pending == 0 else min(cap, budget)  # nothing, or small work
     if num_decodes == 0:
         return _group_step(sched, budget)
+    if num_decodes < MAX_CHUNK_STEPS:
+        return _group_step(sched, budget)  # few streams to stall: no pacing
     now, last = sched.num_steps, sched.last_group_step
     if sched.group_wait_since is None:
         sched.group_wait_since = now
     if last is not None and now - last < MAX_CHUNK_STEPS:
         return min(cap, budget)  # spacing
-    waited = now - sched.group_wait_since
-    if pending >= half_step or num_decodes < MAX_CHUNK_STEPS or waited >= 2 * MAX_CHUNK_STEPS:
+    if pending >= half_step or now - sched.group_wait_since >= 2 * MAX_CHUNK_STEPS:
         return _group_step(sched, budget)
     return min(cap, budget)  # a part-filled group waits for more work
 

@@ -132,7 +132,7 @@ def test_outputs_validate_through_recovery_and_preemption(tiny_llama_dir, faults
         EngineConfig(
             model=str(tiny_llama_dir),
             dtype="float32",
-            num_kv_blocks=26,
+            num_kv_blocks=24,
             block_size=4,
             max_model_len=256,
             integrity="strict",

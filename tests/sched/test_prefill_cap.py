@@ -76,7 +76,8 @@ def test_lone_prompt_beside_decodes_is_chunked_at_the_decode_count() -> None:
 
 def test_few_decodes_do_not_hold_a_prompt_back() -> None:
     """Chunking delays the prompt by a step per chunk to spare each decoding stream one
-    stall: with fewer decodes than chunks it is not worth it."""
+    stall: with fewer decodes than chunks it is not worth it; with fewer than
+    MAX_CHUNK_STEPS decodes group steps are not spaced either."""
     s = _sched()
     runner = FakeModelRunner(BS, verify=True)
     _decoding(s, runner, 1)  # cap 4, small up to min(8, 1) chunk: 4 tokens
@@ -150,22 +151,30 @@ def test_decodes_past_the_seat_limit_do_not_count() -> None:
 
 
 def test_group_steps_are_spaced() -> None:
-    """A group arriving right after a group step is chunked at the decode count until
+    """A group arriving right after a group step is chunked at the cap until
     MAX_CHUNK_STEPS steps have passed, then gets the whole budget."""
     s = _sched()
     runner = FakeModelRunner(BS, verify=True)
-    _decoding(s, runner, 6, spaced=False)
+    _decoding(s, runner, 10, spaced=False)  # cap 8 (half of 10, a whole block of 4)
     first = s.last_group_step
     for rid in "abcde":  # 150 tokens: a group (> 8 chunks of 8)
         s.add_request(_req(rid, 30))
     outs = []
     while s.num_steps + 1 < first + MAX_CHUNK_STEPS:
         outs.append(_tokens(_step(s, runner)))
-    dec = {f"d{i}": 1 for i in range(6)}
-    assert first == 1 and outs == [{**dec, "a": 4}] * 7  # steps 2-8: capped at 4
+    dec = {f"d{i}": 1 for i in range(10)}
+    assert first == 1 and outs == [  # steps 2-8: 8 prefill tokens each
+        {**dec, "a": 8},
+        {**dec, "a": 8},
+        {**dec, "a": 8},
+        {**dec, "a": 6, "b": 2},
+        {**dec, "a": 1, "b": 8},
+        {**dec, "a": 1, "b": 8},
+        {**dec, "a": 1, "b": 8},
+    ]
     assert s.last_group_step == first
     out = _step(s, runner)  # MAX_CHUNK_STEPS steps after the last: the whole budget
-    assert _tokens(out) == {**dec, "a": 2, "b": 30, "c": 26}
+    assert _tokens(out) == {**dec, "a": 1, "b": 4, "c": 30, "d": 19}
     assert s.last_group_step == first + MAX_CHUNK_STEPS
 
 
@@ -232,3 +241,14 @@ def test_waiting_requests_without_a_seat_are_not_pending_work() -> None:
         s.add_request(_req(rid, 30))
     assert _tokens(_step(s, runner)) == {f"d{i}": 1 for i in range(6)}  # no seat: decodes
     assert s.last_group_step == last and s.group_wait_since is None  # no group step taken
+
+
+def test_few_decodes_no_spacing() -> None:
+    s = _sched()
+    runner = FakeModelRunner(BS, verify=True)
+    _decoding(s, runner, 6, spaced=False)  # 6 < MAX_CHUNK_STEPS streams decode
+    for rid in "abc":
+        s.add_request(_req(rid, 30))
+    out = _step(s, runner)  # the step right after a group step: a group step again
+    assert _tokens(out) == {**{f"d{i}": 1 for i in range(6)}, "a": 30, "b": 28}
+    assert s.last_group_step == s.num_steps == 2

@@ -109,7 +109,7 @@ def test_kv_of_a_request_never_mixes_the_sets(mode: str) -> None:
     """Under preemption (recompute or swap) and chunked prefill, every chunk continues KV
     computed with its own set, or starts from position 0; each chunk's set is the one
     its request's length asks for."""
-    s = _sched(num_blocks=10, max_num_batched_tokens=16, preemption_mode=mode, num_host_blocks=16)
+    s = _sched(num_blocks=12, max_num_batched_tokens=16, preemption_mode=mode, num_host_blocks=16)
     runner = FakeModelRunner(4, verify=True)
     lengths = {"a": 10, "b": 14, "c": 15, "d": 18, "e": 12}
     for rid, n in lengths.items():

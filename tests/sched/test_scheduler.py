@@ -90,12 +90,10 @@ def test_chunked_prefill_then_decode_exact_slots() -> None:
 def test_decode_and_prefill_share_a_step() -> None:
     s = _sched(max_num_batched_tokens=6)
     runner = FakeModelRunner(4, verify=True)
-    s.add_request(_req("a", [1, 2, 3], max_tokens=12))
-    for _ in range(8):  # past the spacing of group steps (test_prefill_cap.py)
-        out = s.schedule()
-        s.update(out, runner.execute(out))
-    # 40 tokens waiting beside one decode are a group (test_prefill_cap.py): whole budget
-    s.add_request(_req("b", list(range(40)), max_tokens=1))
+    s.add_request(_req("a", [1, 2, 3], max_tokens=5))
+    out = s.schedule()
+    s.update(out, runner.execute(out))
+    s.add_request(_req("b", list(range(20)), max_tokens=1))
     out = s.schedule()
     assert [(r.req_id, len(r.token_ids)) for r in out.requests] == [("a", 1), ("b", 5)]
     assert out.num_batched_tokens == 6
