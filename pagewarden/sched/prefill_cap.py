@@ -14,7 +14,7 @@ ones, before any prefix-cache hit):
   starts within ``k`` steps. Chunking costs the newcomer a step per chunk and spares each
   of the ``D`` streams one stall, so it is done for no more chunks than ``D``.
 - **A group gets the whole token budget, and group steps are ``MAX_CHUNK_STEPS`` steps
-  apart** (while at least ``MAX_CHUNK_STEPS`` streams decode). A burst of prompts is prefilled as vLLM does it, in full steps, so each stall
+  apart.** A burst of prompts is prefilled as vLLM does it, in full steps, so each stall
   is shared by many prompts. A group step is not taken within ``MAX_CHUNK_STEPS`` steps of
   the last one (meanwhile the work is chunked at ``c``): the streams a group step started
   are then that many tokens ahead of the next group, so when they finish and come back (a
@@ -30,11 +30,11 @@ ones, before any prefix-cache hit):
   cost a stall per part, in every round. Waiting lets the small part join the next
   group, so the groups settle into full steps.
 
-With fewer than ``MAX_CHUNK_STEPS`` streams decoding there is no pacing (a group step
-stalls few streams, and pacing would only delay it), and
-with nothing decoding nobody is stalled: the whole budget (a group step). The cap only
-ever lowers a step below ``max_num_batched_tokens``, which keeps vLLM's meaning (decode
-tokens count in it).
+The spacing and the wait apply while at least ``MAX_CHUNK_STEPS`` streams decode: with
+fewer, a group step stalls few streams and pacing would only delay it; with nothing
+decoding nobody is stalled at all. Both get the whole budget (a group step). The cap
+only ever lowers a step below ``max_num_batched_tokens``, which keeps vLLM's meaning
+(decode tokens count in it).
 
     first match, top down (s: steps since the last group step,
     w: steps since group-sized work started waiting)           this step's prefill cap
@@ -83,10 +83,8 @@ def prefill_cap(sched: SchedulerState) -> int:
     if pending == 0 or (pending <= limit and num_decodes > 0):
         sched.group_wait_since = None  # no group-sized work waits
         return budget if pending == 0 else min(cap, budget)  # nothing, or small work
-    if num_decodes == 0:
-        return _group_step(sched, budget)
     if num_decodes < MAX_CHUNK_STEPS:
-        return _group_step(sched, budget)  # few streams to stall: no pacing
+        return _group_step(sched, budget)  # none or few streams to stall: no pacing
     now, last = sched.num_steps, sched.last_group_step
     if sched.group_wait_since is None:
         sched.group_wait_since = now
@@ -98,6 +96,7 @@ def prefill_cap(sched: SchedulerState) -> int:
 
 
 def _group_step(sched: SchedulerState, budget: int) -> int:
+    """Record a full-budget step (``num_steps``) and return its budget."""
     sched.last_group_step = sched.num_steps
     sched.group_wait_since = None
     return budget

@@ -1,7 +1,8 @@
 """The step's cap on prefill tokens (``sched/prefill_cap.py``): a step that decodes
-carries at most its decode count (rounded up to whole blocks) of prefill tokens while
-the pending prefill work is small; a group gets the whole token budget, at most once
-every ``MAX_CHUNK_STEPS`` steps."""
+carries at most half its decode count (rounded up to whole blocks) of prefill tokens
+while the pending prefill work is small; a group gets the whole token budget, at most
+once every ``MAX_CHUNK_STEPS`` steps while that many streams decode, and a part-filled
+group waits for more work."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def test_nothing_decoding_no_cap() -> None:
     assert s.last_group_step == 1  # an idle engine's prefill step counts as a group step
 
 
-def test_lone_prompt_beside_decodes_is_chunked_at_the_decode_count() -> None:
+def test_lone_prompt_beside_decodes_is_chunked_at_half_the_decode_count() -> None:
     s = _sched()
     runner = FakeModelRunner(BS, verify=True)
     _decoding(s, runner, 6)
