@@ -90,7 +90,7 @@ def schedule_swapped(sched: SchedulerState, plan: StepPlan) -> None:
     ):
         req = sched.swapped[0]
         start = req.num_computed_tokens
-        num_new = min(req.num_computable_tokens - start, plan.budget)
+        num_new = plan.grant(req.num_computable_tokens - start)
         # Its blocks come back and this step's tokens need room too (fresh, private
         # blocks: no copy on write).
         if (start + max(num_new, 0) + bs - 1) // bs > kv.num_free_blocks:

@@ -9,7 +9,9 @@ a recompute after preemption and a rollback after a fault are larger gaps.
 Per step: running requests first, in order (when the pool runs dry the most recently
 admitted one is preempted, see ``preemption.py``); then, if nothing was preempted,
 swapped requests come back, and only when none is left swapped are waiting requests
-admitted, in order, after a prefix-cache lookup.
+admitted, in order, after a prefix-cache lookup. Beside decodes, a step's prefill
+tokens may be capped below the budget, and full-budget prefill steps are spaced
+(``prefill_cap.py``: small prefill work is chunked at half the decode count).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pagewarden.sched.output import (
     TierLoad,
     TokenLogprobs,
 )
-from pagewarden.sched.plan import StepPlan, needs_prompt_logprobs
+from pagewarden.sched.plan import StepPlan, needs_prompt_logprobs, prefill_cap
 from pagewarden.sched.recovery import IntegrityEvent, RecoveryReport
 from pagewarden.sched.request import Request, RequestStatus, stop_token_set
 from pagewarden.sched.state import scheduler_stats
@@ -77,6 +79,8 @@ class Scheduler:
         self.tier_prefix: TierPrefix | None = None
         self.tier_loads: list[TierLoad] = []
         self.num_steps = 0
+        self.last_group_step: int | None = None  # see prefill_cap.py
+        self.group_wait_since: int | None = None
         self.num_preemptions = 0
         # Effective per-step limits: the configured ones, or lower while the engine's
         # batch controller holds the batch down (see ``set_batch_limits``).
@@ -248,7 +252,8 @@ class Scheduler:
         evicted = self.kv.pool.evicted
         if evicted:  # evicted outside a schedule (none expected): possibly overwritten
             evicted.clear()
-        plan = StepPlan(self.max_num_batched_tokens)
+        preemption.restart_past_rope_switch(self)  # before the cap: a restart is a prefill
+        plan = StepPlan(self.max_num_batched_tokens, prefill_cap(self))
         self._schedule_running(plan)
         if not plan.preempted:  # a pool that just ran dry admits nobody new
             if self.swapped:
@@ -258,15 +263,8 @@ class Scheduler:
                 # Nothing to run but tier loads in flight: wait for one, do not spin.
                 if not plan.requests and self.tier_prefix and self.tier_prefix.wait(0.02):
                     self._schedule_waiting(plan)
-        out = SchedulerOutput(
-            self.num_steps,
-            plan.requests,
-            plan.copies,
-            self.departed_ids,
-            self.preempted_ids,
-            self.swap_out,
-            self.swap_in,
-        )
+        handed = (self.departed_ids, self.preempted_ids, self.swap_out, self.swap_in)
+        out = SchedulerOutput(self.num_steps, plan.requests, plan.copies, *handed)
         self.departed_ids, self.preempted_ids, self.swap_out, self.swap_in = [], [], [], []
         if evicted is not None:
             out = with_tier_io(out, evicted, self.tier_loads)
@@ -279,12 +277,11 @@ class Scheduler:
         """Schedule running requests in order, preempting from the back when the pool
         runs dry."""
         max_seqs = self.max_num_seqs
-        preemption.restart_past_rope_switch(self)
         # Preemption pops from the back of ``running``; the iterator stops short of it.
         for req in self.running:
             if plan.budget <= 0 or len(plan.requests) >= max_seqs:
                 break
-            num_new = min(req.num_computable_tokens - req.num_computed_tokens, plan.budget)
+            num_new = plan.grant(req.num_computable_tokens - req.num_computed_tokens)
             if num_new <= 0:
                 continue
             copies = self._allocate_or_preempt(req, num_new, plan)
@@ -316,7 +313,7 @@ class Scheduler:
         i = 0  # requests whose tier load is in flight wait in place; the others go on
         while (
             i < len(self.waiting)
-            and plan.budget > 0
+            and min(plan.budget, plan.prefill_left) > 0
             and len(self.running) < max_seqs
             and len(plan.requests) < max_seqs
         ):
@@ -334,7 +331,7 @@ class Scheduler:
             if tiers is not None and kv.enable_prefix_caching and reuse:
                 extended = tiers.extend(kv, req, cached, reuse)
                 cached, loads = extended if extended is not None else (cached, None)
-            num_new = min(target - cached, plan.budget)
+            num_new = plan.grant(target - cached)
             copies = None if loads is None else kv.allocate_slots(req.req_id, cached, num_new)
             if copies is None:
                 kv.free(req.req_id)  # unpin the prefix we looked up (and loaded)

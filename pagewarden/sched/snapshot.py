@@ -49,6 +49,8 @@ def capture(sched: Scheduler) -> dict[str, Any]:
     return {
         "config": asdict(sched.config),
         "num_steps": sched.num_steps,
+        "last_group_step": sched.last_group_step,
+        "group_wait_since": sched.group_wait_since,
         "num_preemptions": sched.num_preemptions,
         "max_num_seqs": sched.max_num_seqs,
         "preemption_mode": sched.preemption_mode,
@@ -70,6 +72,8 @@ def restore(state: dict[str, Any]) -> Scheduler:
     """A new scheduler in the state ``capture`` recorded (owned by nobody yet)."""
     sched = Scheduler(SchedulerConfig(**state["config"]))
     sched.num_steps = state["num_steps"]
+    sched.last_group_step = state.get("last_group_step")
+    sched.group_wait_since = state.get("group_wait_since")
     sched.num_preemptions = state["num_preemptions"]
     sched.max_num_seqs = state["max_num_seqs"]
     sched.preemption_mode = state["preemption_mode"]

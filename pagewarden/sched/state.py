@@ -40,6 +40,8 @@ class SchedulerState(Protocol):
     max_num_seqs: int  # the effective seat limit of a step
     max_num_batched_tokens: int  # the effective token budget of a step
     num_steps: int
+    last_group_step: int | None  # the last step given the whole budget (prefill_cap.py)
+    group_wait_since: int | None  # the step since which group-sized work waits (same)
     preemption_mode: str
 
     def usable_blocks(self) -> int:

@@ -1,0 +1,102 @@
+"""How many prefill tokens a step may carry beside the streams it decodes.
+
+Every token a step prefills delays the streams that decode in it: a step that prefills a
+group of prompts takes many decode steps' time, and the gaps it puts in every decoding
+stream are the inter-token latency tail (one such step per group is the price of
+starting the group; ``bench/serve.py`` measures it). With ``D`` the requests that
+decode this step, ``c`` half of ``D`` rounded up to whole KV blocks, and ``W`` the prefill
+work pending (the uncomputed tokens of running requests still prefilling and of waiting
+ones, before any prefix-cache hit):
+
+- **Small work is chunked.** When ``W`` fits in ``k = min(MAX_CHUNK_STEPS, D)`` chunks of
+  ``c`` tokens, the step prefills at most ``c``: it grows by about half a decode step's
+  tokens, so a lone request arriving while many streams decode stalls none of them, and
+  starts within ``k`` steps. Chunking costs the newcomer a step per chunk and spares each
+  of the ``D`` streams one stall, so it is done for no more chunks than ``D``.
+- **A group gets the whole token budget, and group steps are ``MAX_CHUNK_STEPS`` steps
+  apart.** A burst of prompts is prefilled as vLLM does it, in full steps, so each stall
+  is shared by many prompts. A group step is not taken within ``MAX_CHUNK_STEPS`` steps of
+  the last one (meanwhile the work is chunked at ``c``): the streams a group step started
+  are then that many tokens ahead of the next group, so when they finish and come back (a
+  closed-loop client sends its next requests) their prefill step is over before the next
+  group comes back, and neither waits behind the other's. Two groups started in
+  back-to-back steps finish one step apart and keep colliding: every round, the second
+  waits out the first's whole prefill step before its own.
+- **A part-filled group waits for more work** while at least ``MAX_CHUNK_STEPS``
+  streams decode: group work under half a step (``W < (budget - D) / 2``) is chunked at
+  ``c`` until more comes or it has waited ``2 * MAX_CHUNK_STEPS`` steps. Each group step
+  stalls every decoding stream once, and the inter-token p99 is decided by whether those
+  stalls pass 1% of all gaps: a burst split into a small group and a remainder would
+  cost a stall per part, in every round. Waiting lets the small part join the next
+  group, so the groups settle into full steps.
+
+The spacing and the wait apply while at least ``MAX_CHUNK_STEPS`` streams decode: with
+fewer, a group step stalls few streams and pacing would only delay it; with nothing
+decoding nobody is stalled at all. Both get the whole budget (a group step). The cap
+only ever lowers a step below ``max_num_batched_tokens``, which keeps vLLM's meaning
+(decode tokens count in it).
+
+    first match, top down (s: steps since the last group step,
+    w: steps since group-sized work started waiting)           this step's prefill cap
+    D = 0                                                      budget (a group step)
+    W <= min(MAX_CHUNK_STEPS, D) * c                           c        (small work)
+    D < MAX_CHUNK_STEPS                                        budget (a group step)
+    s < MAX_CHUNK_STEPS                                        c        (spacing)
+    W >= (budget - D) / 2  or  w >= 2 * MAX_CHUNK_STEPS        budget (a group step)
+    otherwise                                                  c        (waits for more)
+"""
+
+from __future__ import annotations
+
+from pagewarden.sched.state import SchedulerState
+
+__all__ = ["MAX_CHUNK_STEPS", "prefill_cap"]
+
+#: Small work is chunked over at most this many steps, and group steps are at least this
+#: many steps apart: this bounds the steps either rule adds to a time to first token.
+MAX_CHUNK_STEPS = 8
+
+
+def prefill_cap(sched: SchedulerState) -> int:
+    """The most prefill tokens ``sched``'s step ``num_steps`` may schedule (at most its
+    token budget); records a group step in ``last_group_step`` and when group-sized work
+    started waiting in ``group_wait_since``. Running requests count in order up to
+    ``max_num_seqs`` (the ones a step can take), a request one token behind as a decode;
+    waiting ones count only while a seat is free (otherwise none can start)."""
+    budget = sched.max_num_batched_tokens
+    num_decodes = pending = 0
+    for i, req in enumerate(sched.running):
+        gap = req.num_computable_tokens - req.num_computed_tokens
+        if gap == 1 and i < sched.max_num_seqs:
+            num_decodes += 1
+        elif gap > 1:
+            pending += gap
+    block_size = sched.config.block_size
+    cap = -(-num_decodes // 2 // block_size) * block_size  # half the decodes, whole blocks
+    limit = min(MAX_CHUNK_STEPS, num_decodes) * cap
+    half_step = (budget - num_decodes) // 2
+    seats = len(sched.running) < sched.max_num_seqs
+    for req in sched.waiting if seats else ():  # stops past both bounds (queues can be long)
+        if pending > max(limit, half_step):
+            break
+        pending += req.num_computable_tokens - req.num_computed_tokens
+    if pending == 0 or (pending <= limit and num_decodes > 0):
+        sched.group_wait_since = None  # no group-sized work waits
+        return budget if pending == 0 else min(cap, budget)  # nothing, or small work
+    if num_decodes < MAX_CHUNK_STEPS:
+        return _group_step(sched, budget)  # none or few streams to stall: no pacing
+    now, last = sched.num_steps, sched.last_group_step
+    if sched.group_wait_since is None:
+        sched.group_wait_since = now
+    if last is not None and now - last < MAX_CHUNK_STEPS:
+        return min(cap, budget)  # spacing
+    if pending >= half_step or now - sched.group_wait_since >= 2 * MAX_CHUNK_STEPS:
+        return _group_step(sched, budget)
+    return min(cap, budget)  # a part-filled group waits for more work
+
+
+def _group_step(sched: SchedulerState, budget: int) -> int:
+    """Record a full-budget step (``num_steps``) and return its budget."""
+    sched.last_group_step = sched.num_steps
+    sched.group_wait_since = None
+    return budget
