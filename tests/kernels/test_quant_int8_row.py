@@ -35,7 +35,7 @@ def _outputs(x: torch.Tensor, w: QuantWeight, residual: torch.Tensor) -> dict[st
 
 
 @needs_int8
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_four_block_steps_at_odd_block_and_row_counts(name, monkeypatch):
     """K of 1 to 5 blocks and 17, 18 (a short last step of 1, 2 or 3 blocks, or none);
     rows not a multiple of the 8 per pass; residual and SiLU*up epilogues. Against the
