@@ -264,7 +264,8 @@ def gemm(
     if isinstance(w, QuantRows):
         return _gemm_rows(x, w, residual, silu_mul, ext, portable, kernel)
     if kernel == "auto" and not portable and FORCED_KERNEL in (None, "int8") and INT8_MAX_ROWS:
-        out = ext.gemv_auto(x, w.data, w.qtype, residual, int(silu_mul), w.float_out)  # one bf16 row
+        act = int(silu_mul)  # one bf16 row: the int8 GEMV, checks in C++
+        out = ext.gemv_auto(x, w.data, w.qtype, residual, act, w.float_out)
         if out is not None:
             return out
     if kernel == "int8" and not (_int8_ok(ext, x) and not portable):
