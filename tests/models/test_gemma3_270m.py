@@ -41,3 +41,24 @@ def test_gemma3_270m_greedy_matches_transformers(gemma3_gguf, monkeypatch):
         gemma3_gguf.parent, gguf_file=gemma3_gguf.name, dtype=torch.float32
     ).eval()
     assert hf_generate_greedy(ref, prompt, STEPS) == got
+
+
+@pytest.mark.slow
+def test_gemma3_270m_kept_quantized_answers_greedy_chat(gemma3_gguf):
+    """``LLM(quantization="gguf")`` on the Q4_K_M file: every layer GEMM stays quantized,
+    q/k/v of mixed types (Q5_0 q/k, Q8_0 v) as a QuantRows, and the one-stream decode (the
+    int8 GEMV, GELU-tanh fused into gate_up) still answers the chat."""
+    from pagewarden import LLM
+    from pagewarden.kernels.cpu import linear as cpu_linear
+    from pagewarden.kernels.cpu.quant import QuantRows, QuantWeight
+    from pagewarden.sampling_params import SamplingParams
+
+    llm = LLM(model=str(gemma3_gguf), quantization="gguf", kv_cache_memory="16MiB", device="cpu")
+    layers = llm.engine.loaded.model.model.layers
+    qkv = [cpu_linear.quant_weight(layer.self_attn.qkv_proj) for layer in layers]
+    assert all(isinstance(w, QuantRows | QuantWeight) for w in qkv)
+    assert any(isinstance(w, QuantRows) for w in qkv)
+    assert all(cpu_linear.quant_weight(layer.mlp.gate_up_proj) is not None for layer in layers)
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    out = llm.chat(msgs, SamplingParams(max_tokens=16, temperature=0.0))
+    assert "Paris" in out[0].outputs[0].text
