@@ -7,9 +7,10 @@ after the other, as for dense weights) and attaches each weight to its module
 (``kernels/cpu/linear.attach``), which drops the module's dense parameter. A tied lm_head
 shares the embedding's blocks; it returns float32 logits (``QuantWeight.float_out``).
 
-A fused layer whose shards do not share one kernel type (Q4_K_M files store some v / down
-shards as Q6_K) or that got a dense shard too cannot be one quantized weight:
-``densify_mixed`` decodes its quantized shards into the dense parameter instead.
+A fused layer whose shards do not share one kernel type (Gemma 3 270M Q4_K_M: q/k Q5_0,
+v Q8_0 in half the layers) stays quantized as a ``QuantRows`` (runs of one type, one GEMM
+call each). One that got a dense shard too cannot be a quantized weight: ``densify_mixed``
+decodes its quantized shards into the dense parameter instead.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from pagewarden.kernels.cpu import linear as cpu_linear
-from pagewarden.kernels.cpu.quant import QuantWeight
+from pagewarden.kernels.cpu.quant import QuantRows, QuantWeight
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +35,11 @@ def densify_mixed(
     sizes: dict[str, list[int]],
 ) -> None:
     """Decode into ``params`` (and drop from ``shards``) the quantized shards of fused
-    parameters that also got a dense shard (names in ``dense``) or whose shards differ in
-    type; ``sizes``: fused name part (qkv_proj, ...) -> each shard's row count."""
+    parameters that also got a dense shard (names in ``dense``); ``sizes``: fused name
+    part (qkv_proj, ...) -> each shard's row count."""
     for name in list(shards):
         parts = shards[name]
-        if name not in dense and len({w.qtype for _, w in parts}) == 1:
+        if name not in dense:
             continue
         rows = next((sz for fused, sz in sizes.items() if f".{fused}." in name), None)
         if rows is None or name not in params:
@@ -47,7 +48,7 @@ def densify_mixed(
         with torch.no_grad():
             for idx, w in parts:
                 p.narrow(0, sum(rows[:idx]), rows[idx]).copy_(w.dequantize().to(p.dtype))
-        log.info("%s: shards of mixed types (%s), dequantized", name, _types(parts))
+        log.info("%s: quantized (%s) and dense shards, dequantized", name, _types(parts))
         del shards[name]
 
 
@@ -64,10 +65,10 @@ def attach_quantized(
     ``tied``: module name -> the module whose weight it shares (the lm_head -> the
     embedding). Raises KeyError on a shard set that does not match the parameter."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    attached: dict[str, QuantWeight] = {}
+    attached: dict[str, QuantWeight | QuantRows] = {}
     for name, parts in shards.items():
         parts = sorted(parts, key=lambda p: p[0])
-        weight = parts[0][1] if len(parts) == 1 else QuantWeight.cat([w for _, w in parts])
+        weight = QuantRows.of([w for _, w in parts])  # a QuantWeight where one type
         if name not in params or tuple(params[name].shape) != weight.shape:
             want = tuple(params[name].shape) if name in params else None
             raise KeyError(f"quantized weight {name!r} {weight.shape} does not match {want}")
@@ -80,6 +81,7 @@ def attach_quantized(
             attached[module_name] = attached[source]
     if "lm_head" in attached:  # logits in float32, not rounded to bf16 (the same blocks)
         head = attached["lm_head"]
+        assert isinstance(head, QuantWeight), "a tied lm_head is the embedding's one tensor"
         cpu_linear.attach(
             model.get_submodule("lm_head"),
             QuantWeight(head.data, head.qtype, head.shape, float_out=True),

@@ -35,7 +35,7 @@ def _outputs(x: torch.Tensor, w: QuantWeight, residual: torch.Tensor) -> dict[st
 
 
 @needs_int8
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_four_block_steps_at_odd_block_and_row_counts(name, monkeypatch):
     """K of 1 to 5 blocks and 17, 18 (a short last step of 1, 2 or 3 blocks, or none);
     rows not a multiple of the 8 per pass; residual and SiLU*up epilogues. Against the
@@ -115,3 +115,27 @@ def test_auto_rule_for_one_bf16_row_is_decided_in_cpp():
     assert ext.gemv_auto(x, w.data, w.qtype, residual.float(), False, False) is None
     mixed = cpu_quant.gemm(x, w, residual=residual.float())  # the general path converts
     assert torch.equal(mixed, cpu_quant.gemm(x, w, residual=residual, kernel="int8"))
+
+
+@needs_int8
+@pytest.mark.parametrize("name", ["Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_gelu_tanh_gate_fused_into_the_one_row_gemv(name):
+    """gemv_gated(x, [gate; up], "gelu_tanh") = torch's gelu(approximate="tanh")(gate) * up
+    on the int8 GEMV's float32 sums, rounded once to bf16 (gate/up rows not a multiple of
+    the rows per pass); "silu" is gemm's silu_mul exactly; None for 2 rows (no fused path)."""
+    per_block = cpu_quant.KERNEL_TYPES[TYPES[name]][1]
+    for k in (544, 96) if per_block == 32 else (256, 512):
+        for n in (2, 14, 38):
+            w = random_weight(name, n, k, seed=n + k)
+            x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).bfloat16()
+            exact = expected(x, w)
+            top = exact.abs().max()
+            gate, up = exact[:, : n // 2], exact[:, n // 2 :]
+            want = torch.nn.functional.gelu(gate, approximate="tanh") * up
+            got = cpu_quant.gemv_gated(x, w, "gelu_tanh")
+            assert got is not None and got.shape == (1, n // 2) and got.dtype == torch.bfloat16
+            # one bf16 step of the output, plus the sums' rare int8 rounding ties
+            assert ((got.float() - want).abs() <= want.abs() / 128 + 0.01 * top * top).all(), (k, n)
+            silu = cpu_quant.gemv_gated(x, w, "silu")
+            assert torch.equal(silu, cpu_quant.gemm(x, w, silu_mul=True, kernel="int8"))
+            assert cpu_quant.gemv_gated(torch.cat([x, x]), w, "gelu_tanh") is None

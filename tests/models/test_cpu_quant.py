@@ -362,24 +362,39 @@ def test_gguf_decode_batches_use_int8_and_prefill_stays_bf16(monkeypatch):
     )
 
 
-def test_fused_shards_of_mixed_types_are_dequantized_into_the_dense_weight():
+def test_fused_shards_of_mixed_types_stay_quantized_as_row_runs():
     """Q4_K_M files mix types within q/k/v (Gemma 3 270M: v in Q8_0, q/k in Q5_0): such a
-    fused layer is decoded into its dense parameter; a uniform one stays quantized."""
+    fused layer stays quantized as a QuantRows (q and k concatenated, v its own run), whose
+    GEMM is each run's GEMM side by side (residual split by columns; no fused SiLU*up); a
+    fused layer that also got a dense shard is decoded into its dense parameter."""
     from pagewarden.models.quantized import densify_mixed
 
-    qkv = torch.nn.Parameter(torch.zeros(40, 256, dtype=torch.bfloat16), requires_grad=False)
-    gate_up = torch.nn.Parameter(torch.zeros(32, 256), requires_grad=False)
     q, k, v = (
         random_weight(n, r, 256, s)
         for s, (n, r) in enumerate([("Q5_0", 16), ("Q5_0", 12), ("Q8_0", 12)])
     )
-    g, u = random_weight("Q4_1", 16, 256, 5), random_weight("Q4_1", 16, 256, 6)
-    shards = {
-        "a.qkv_proj.weight": [(2, v), (0, q), (1, k)],
-        "a.gate_up_proj.weight": [(0, g), (1, u)],
-    }
-    params = {"a.qkv_proj.weight": qkv, "a.gate_up_proj.weight": gate_up}
-    densify_mixed(params, shards, set(), {"qkv_proj": [16, 12, 12], "gate_up_proj": [16, 16]})
-    assert list(shards) == ["a.gate_up_proj.weight"]
-    want = torch.cat([reference(w) for w in (q, k, v)]).bfloat16()
-    assert torch.equal(qkv, want)
+    rows = cpu_quant.QuantRows.of([q, k, v])
+    assert isinstance(rows, cpu_quant.QuantRows) and rows.shape == (40, 256)
+    assert [p.type_name for p in rows.parts] == ["Q5_0", "Q8_0"]
+    assert rows.nbytes == q.nbytes + k.nbytes + v.nbytes
+    assert torch.equal(rows.dequantize(), torch.cat([reference(w) for w in (q, k, v)]))
+    assert isinstance(cpu_quant.QuantRows.of([q, k]), QuantWeight)
+    for m in (1, 3):
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).bfloat16()
+        residual = torch.randn(m, 40).bfloat16()
+        qk = QuantWeight.cat([q, k])
+        for kwargs, cols in (({}, (0, 28, 40)), ({"residual": residual}, (0, 28, 40))):
+            got = cpu_quant.gemm(x, rows, **kwargs)
+            for part, a, b in ((qk, cols[0], cols[1]), (v, cols[1], cols[2])):
+                res = {"residual": residual[:, a:b]} if kwargs else {}
+                assert torch.equal(got[:, a:b], cpu_quant.gemm(x, part, **res)), (m, kwargs)
+        with pytest.raises(ValueError, match="silu_mul"):
+            cpu_quant.gemm(x, rows, silu_mul=True)
+
+    qkv = torch.nn.Parameter(torch.zeros(40, 256, dtype=torch.bfloat16), requires_grad=False)
+    shards = {"a.qkv_proj.weight": [(2, v), (0, q)], "b.qkv_proj.weight": [(2, v), (0, q), (1, k)]}
+    params = {"a.qkv_proj.weight": qkv, "b.qkv_proj.weight": qkv.clone()}
+    densify_mixed(params, shards, {"a.qkv_proj.weight"}, {"qkv_proj": [16, 12, 12]})
+    assert list(shards) == ["b.qkv_proj.weight"]  # a: k was dense, the rest decoded into it
+    assert torch.equal(qkv[:16], reference(q).bfloat16())
+    assert torch.equal(qkv[28:], reference(v).bfloat16())

@@ -41,3 +41,34 @@ def test_gemma3_270m_greedy_matches_transformers(gemma3_gguf, monkeypatch):
         gemma3_gguf.parent, gguf_file=gemma3_gguf.name, dtype=torch.float32
     ).eval()
     assert hf_generate_greedy(ref, prompt, STEPS) == got
+
+
+@pytest.mark.slow
+def test_gemma3_270m_kept_quantized_decodes_as_dequantized(gemma3_gguf):
+    """``LLM(quantization="gguf")`` on the Q4_K_M file: every layer GEMM stays quantized,
+    q/k/v of mixed types (Q5_0 q/k, Q8_0 v) as a QuantRows, and the one-stream decode (the
+    int8 GEMV, GELU-tanh fused into gate_up) gives the same 16 greedy tokens on a chat turn
+    as the dequantized bf16 model (observed; int8 activations could in general flip a
+    near tie). The 270M model does not answer this turn with "Paris" in either mode."""
+    from pagewarden import LLM
+    from pagewarden.kernels.cpu import linear as cpu_linear
+    from pagewarden.kernels.cpu.quant import QuantRows, QuantWeight
+    from pagewarden.sampling_params import SamplingParams
+
+    # <bos> <start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n<start_of_turn>model\n
+    ids = [2, 105, 2364, 107, 3689, 563, 506, 5279, 529, 7001, 236881, 106, 107, 105, 4368, 107]
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    tokens = {}
+    for mode in ("gguf", "none"):
+        llm = LLM(model=str(gemma3_gguf), quantization=mode, kv_cache_memory="16MiB", device="cpu")
+        if mode == "gguf":
+            layers = llm.engine.loaded.model.model.layers
+            qkv = [cpu_linear.quant_weight(layer.self_attn.qkv_proj) for layer in layers]
+            assert all(isinstance(w, QuantRows | QuantWeight) for w in qkv)
+            assert any(isinstance(w, QuantRows) for w in qkv)
+            assert all(cpu_linear.quant_weight(la.mlp.gate_up_proj) is not None for la in layers)
+        out = llm.generate([ids], params, use_tqdm=False)
+        tokens[mode] = list(out[0].outputs[0].token_ids)
+        del llm
+    assert len(tokens["gguf"]) == 16
+    assert tokens["gguf"] == tokens["none"]

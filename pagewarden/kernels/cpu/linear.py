@@ -50,7 +50,7 @@ _TILES = "gemm_tiles"  # cpu_gemm tiles, plain column order
 _GATE_UP = "gemm_tiles_gate_up"  # cpu_gemm tiles, gate and up interleaved (silu fused)
 _ONEDNN = "onednn_weight"
 _MKL = "mkl_single_row"
-_QUANT = "quant_weight"  # a cpu_quant.QuantWeight replacing the weight
+_QUANT = "quant_weight"  # a cpu_quant.QuantWeight (or QuantRows) replacing the weight
 
 
 def pick_packing(dtype: torch.dtype, device: torch.device) -> Packing | None:
@@ -146,7 +146,7 @@ def unpack(layer: nn.Linear) -> None:
         layer.__dict__.pop(key, None)
 
 
-def attach(layer: nn.Module, weight: cpu_quant.QuantWeight) -> None:
+def attach(layer: nn.Module, weight: cpu_quant.QuantWeight | cpu_quant.QuantRows) -> None:
     """Make ``layer`` (an nn.Linear, or an nn.Embedding read through ``embedding``) compute
     from ``weight``; its ``weight`` parameter is replaced by an empty one (same dtype), so
     no dense copy is kept. A parameter tied to another module's stays tied only by name:
@@ -157,7 +157,7 @@ def attach(layer: nn.Module, weight: cpu_quant.QuantWeight) -> None:
     layer.weight = nn.Parameter(old.new_empty(0), requires_grad=False)
 
 
-def quant_weight(layer: nn.Module) -> cpu_quant.QuantWeight | None:
+def quant_weight(layer: nn.Module) -> cpu_quant.QuantWeight | cpu_quant.QuantRows | None:
     """The layer's quantized weight, if it has one."""
     return layer.__dict__.get(_QUANT)
 
@@ -167,6 +167,7 @@ def embedding(module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     q = module.__dict__.get(_QUANT)
     if q is None:
         return module(ids)
+    assert isinstance(q, cpu_quant.QuantWeight), "an embedding table is one GGUF tensor"
     return cpu_quant.embedding(q, ids, module.weight.dtype).view(*ids.shape, q.shape[1])
 
 
@@ -215,10 +216,15 @@ def linear_gated(layer: nn.Linear, x: torch.Tensor, act: str) -> torch.Tensor:
     """act(gate) * up (T, I) of ``layer`` = [gate; up] (2I, in) applied to x (T, in),
     ``act`` "silu" or "gelu_tanh" (torch's approximate="tanh"): one fused call where the
     layer was packed with ``gate_up=True``; else the GEMM, then the activation (SiLU*mul
-    fused, GELU-tanh in torch: two ops, each rounded)."""
+    fused, GELU-tanh in torch: two ops, each rounded; a quantized layer's one-row call has
+    GELU-tanh fused in its int8 GEMV)."""
     q = layer.__dict__.get(_QUANT)
-    if act == "silu" and q is not None and layer.bias is None:
-        return cpu_quant.gemm(x, q, silu_mul=True)
+    if isinstance(q, cpu_quant.QuantWeight) and layer.bias is None:
+        if act == "silu":
+            return cpu_quant.gemm(x, q, silu_mul=True)
+        out = cpu_quant.gemv_gated(x, q, act) if act == "gelu_tanh" else None
+        if out is not None:  # one row: GELU-tanh fused into the int8 GEMV
+            return out
     tiles = layer.__dict__.get(_GATE_UP)
     if tiles is not None:
         out = cpu_gemm.gemm(x, tiles, layer.out_features, act=act)

@@ -257,7 +257,7 @@ at::Tensor dequantize(const at::Tensor& w, int64_t type, int64_t k) {
 }
 
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, const c10::optional<at::Tensor>& residual,
-                bool silu_mul, bool portable, bool float_out, bool int8) {
+                bool silu_mul, bool portable, bool float_out, bool int8, bool gelu = false) {
   Problem p{};
   p.type = int(type);
   TORCH_CHECK(type_info(p.type, &p.ti), "cpu_quant: unsupported type ", type);
@@ -285,6 +285,8 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, const c1
   }
   if (p.m == 0 || p.n_out == 0) return out;
   const bool bf16 = x.scalar_type() == at::kBFloat16;
+  // gelu: GELU-tanh(gate) * up, the epilogue of quant_int8.cpp only
+  TORCH_CHECK(!gelu || (silu_mul && int8 && p.m < int8_tiles_min_rows()), "gelu: int8 gated calls of few rows only");
   if (int8) {  // quant_int8.cpp
     TORCH_CHECK(bf16 && !portable && has_int8_kernel(), "cpu_quant int8: needs bf16 x and an AVX512-VNNI build");
     TORCH_CHECK(p.k % 32 == 0 && (x.data_ptr() != nullptr), "cpu_quant int8: K a multiple of 32");
@@ -293,7 +295,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, const c1
                         res.defined() ? reinterpret_cast<const uint16_t*>(res.data_ptr()) : nullptr,
                         res.defined() ? res.stride(0) : 0,
                         float_out ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr()),
-                        float_out ? out.data_ptr<float>() : nullptr};
+                        float_out ? out.data_ptr<float>() : nullptr, gelu};
     if (p.m >= int8_tiles_min_rows() && has_int8_tiles_kernel())  // quant_int8_tiles.cpp
       gemm_int8_tiles(TilesProblem{q.type, q.w, q.row_bytes, q.m, q.k, q.n_out, q.silu, q.x, q.ldx, q.res, q.ldres,
                                    q.out, q.out_f32});
@@ -344,14 +346,16 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, const c1
 
 // gemm's rule for one bf16 activation row (kernel auto: the int8 GEMV), its checks done
 // here: a decode step's ~120 calls each spend about 2.5 us less than through quant.py's
-// checks. An undefined tensor (None in Python) where the rule does not apply: the caller
-// then takes the general path.
+// checks. act: 0 none, 1 SiLU(gate) * up, 2 GELU-tanh(gate) * up (W = [gate; up]). An
+// undefined tensor (None in Python) where the rule does not apply: the caller then takes
+// the general path.
 at::Tensor gemv_auto(const at::Tensor& x, const at::Tensor& w, int64_t type, const c10::optional<at::Tensor>& residual,
-                     bool silu_mul, bool float_out) {
+                     int64_t act, bool float_out) {
+  TORCH_CHECK(act >= 0 && act <= 2, "act: 0 (none), 1 (silu) or 2 (gelu_tanh)");
   if (!has_int8_kernel() || x.dim() != 2 || x.size(0) != 1 || x.scalar_type() != at::kBFloat16 || x.stride(1) != 1)
     return {};
   if (residual && (residual->scalar_type() != at::kBFloat16 || residual->stride(-1) != 1)) return {};
-  return gemm(x, w, type, residual, silu_mul, false, float_out && !residual && !silu_mul, true);
+  return gemm(x, w, type, residual, act > 0, false, float_out && !residual && act == 0, true, act == 2);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -364,6 +368,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rows from which int8 calls run the int8 tiles (below: quant_int8.cpp); returns the old value");
   m.def("has_int8_tiles_kernel", &has_int8_tiles_kernel, "whether this build has the int8 tiles (AVX512-VNNI)");
   m.def("has_int8_kernel", &has_int8_kernel, "whether this build has the AVX512-VNNI int8 path");
-  m.def("gemm", &gemm, "x @ W^T against GGUF-quantized W, fused epilogues (int8: quant_int8.cpp)");
-  m.def("gemv_auto", &gemv_auto, "gemm's auto rule for one bf16 row (the int8 GEMV), or None");
+  m.def("gemm", [](const at::Tensor& x, const at::Tensor& w, int64_t type, const c10::optional<at::Tensor>& residual,
+                   bool silu_mul, bool portable, bool float_out,
+                   bool int8) { return gemm(x, w, type, residual, silu_mul, portable, float_out, int8); },
+        "x @ W^T against GGUF-quantized W, fused epilogues (int8: quant_int8.cpp)");
+  m.def("gemv_auto", &gemv_auto, "gemm's auto rule for one bf16 row (the int8 GEMV; act 0/1/2), or None");
 }

@@ -137,6 +137,48 @@ class QuantWeight:
         return QuantWeight(data, parts[0].qtype, (data.shape[0], parts[0].shape[1]))
 
 
+@dataclass(eq=False)
+class QuantRows:
+    """A (N, K) weight whose row ranges are GGUF tensors of different types (a fused q/k/v
+    that a Q4_K_M file stores as Q5_0 q/k and Q8_0 v): ``parts`` in row order, each a
+    ``QuantWeight`` over the same K. ``gemm`` runs one call per part and concatenates the
+    outputs (no fused SiLU*up: a gated layer computes act(gate) * up after the GEMM)."""
+
+    parts: tuple[QuantWeight, ...]
+
+    def __post_init__(self) -> None:
+        if not self.parts or len({p.shape[1] for p in self.parts}) != 1:
+            raise ValueError("QuantRows: parts over one K")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def type_name(self) -> str:
+        return "+".join(p.type_name for p in self.parts)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    @staticmethod
+    def of(parts: list[QuantWeight]) -> QuantWeight | QuantRows:
+        """Row-wise concatenation of ``parts``: runs of one type concatenated
+        (``QuantWeight.cat``), one ``QuantWeight`` where every part has the same type."""
+        runs: list[list[QuantWeight]] = []
+        for p in parts:
+            if runs and runs[-1][0].qtype == p.qtype:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        joined = [r[0] if len(r) == 1 else QuantWeight.cat(r) for r in runs]
+        return joined[0] if len(joined) == 1 else QuantRows(tuple(joined))
+
+
 @built_once
 def load() -> ModuleType | None:
     """The compiled kernel, built on the first call; None where it cannot run here."""
@@ -205,7 +247,7 @@ def _int8_ok(ext: ModuleType, x: torch.Tensor) -> bool:
 
 def gemm(
     x: torch.Tensor,
-    w: QuantWeight,
+    w: QuantWeight | QuantRows,
     residual: torch.Tensor | None = None,
     silu_mul: bool = False,
     ext: ModuleType | None = None,
@@ -217,10 +259,13 @@ def gemm(
     x's dtype, or float32 for a ``float_out`` weight. ``kernel``: int8 (activations
     quantized per block of 32; bf16 x and an AVX512-VNNI build, else ValueError), bf16
     (weights decoded to bf16), or auto (``pick_kernel``); ``portable`` forces the scalar
-    path."""
+    path. A ``QuantRows`` weight: one call per part (no ``silu_mul``: ValueError)."""
     ext = ext or _require()
+    if isinstance(w, QuantRows):
+        return _gemm_rows(x, w, residual, silu_mul, ext, portable, kernel)
     if kernel == "auto" and not portable and FORCED_KERNEL in (None, "int8") and INT8_MAX_ROWS:
-        out = ext.gemv_auto(x, w.data, w.qtype, residual, silu_mul, w.float_out)  # one bf16 row
+        act = int(silu_mul)  # one bf16 row: the int8 GEMV, checks in C++
+        out = ext.gemv_auto(x, w.data, w.qtype, residual, act, w.float_out)
         if out is not None:
             return out
     if kernel == "int8" and not (_int8_ok(ext, x) and not portable):
@@ -238,6 +283,39 @@ def gemm(
     float_out = w.float_out and residual is None and not silu_mul
     out = ext.gemm(x, w.data, w.qtype, residual, silu_mul, portable, float_out, kernel == "int8")
     return out if out.dtype == dtype or float_out else out.to(dtype)
+
+
+#: ``gemv_gated``'s activations -> the extension's gated epilogue code.
+GATED_ACTS = {"silu": 1, "gelu_tanh": 2}
+
+
+def gemv_gated(x: torch.Tensor, w: QuantWeight, act: str) -> torch.Tensor | None:
+    """act(gate) * up (1, N / 2) for W = [gate; up] and one bf16 row x (1, K), through the
+    int8 GEMV with the activation fused (``act`` "silu" or "gelu_tanh", torch's
+    approximate="tanh", in float32 on the float32 sums, rounded once); None where
+    ``gemm``'s one-row rule does not send x there (then compute the GEMM, then act)."""
+    if FORCED_KERNEL not in (None, "int8") or not INT8_MAX_ROWS:
+        return None
+    return _require().gemv_auto(x, w.data, w.qtype, None, GATED_ACTS[act], False)
+
+
+def _gemm_rows(
+    x: torch.Tensor,
+    w: QuantRows,
+    residual: torch.Tensor | None,
+    silu_mul: bool,
+    ext: ModuleType,
+    portable: bool,
+    kernel: Kernel | Literal["auto"],
+) -> torch.Tensor:
+    if silu_mul:
+        raise ValueError("silu_mul over a QuantRows weight: apply the activation after the GEMM")
+    outs, start = [], 0
+    for p in w.parts:
+        res = None if residual is None else residual[..., start : start + p.shape[0]]
+        outs.append(gemm(x, p, res, False, ext, portable, kernel))
+        start += p.shape[0]
+    return torch.cat(outs, dim=-1)  # (M, N)
 
 
 def embedding(w: QuantWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

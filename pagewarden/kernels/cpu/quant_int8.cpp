@@ -168,6 +168,10 @@ void quantize_rows(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, QuantX*
 }
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+// torch's gelu(approximate="tanh")
+inline float gelu_tanh(float g) { return 0.5f * g * (1.0f + std::tanh(0.7978845608f * (g + 0.044715f * g * g * g))); }
+// The gated epilogue: act(gate) * up, act SiLU or (p.gelu) GELU-tanh.
+inline float gated(const Int8Problem& p, float g, float u) { return (p.gelu ? gelu_tanh(g) : silu(g)) * u; }
 
 template <int type>
 struct Int8Gemm {
@@ -239,7 +243,7 @@ struct Int8Gemm {
       dots<R, C>(i0, wrows, sums);
       for (int i = 0; i < R; ++i)
         for (int j = 0; j < cnt; ++j)
-          store(i0 + i, n + j, p.silu ? silu(sums[i][j]) * sums[i][j + per] : sums[i][j]);
+          store(i0 + i, n + j, p.silu ? gated(p, sums[i][j], sums[i][j + per]) : sums[i][j]);
     }
   }
 
@@ -300,7 +304,7 @@ void run_row(const Int8Problem& p) {
       float sums[C];
       g.pass(rows, 2 * per * p.row_bytes, sums);  // prefetch: 2 passes ahead
       for (int j = 0; j < cnt; ++j) {
-        float v = p.silu ? silu(sums[j]) * sums[j + per] : sums[j];
+        float v = p.silu ? gated(p, sums[j], sums[j + per]) : sums[j];
         if (p.res) v += bf16_bits_to_float(p.res[n + j]);
         if (p.out_f32)
           p.out_f32[n + j] = v;

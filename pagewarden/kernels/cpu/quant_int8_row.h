@@ -24,15 +24,18 @@
 // [x0[0:16], x1[0:16], x0[16:32], x1[16:32]] (the low nibbles of both blocks, then the
 // high ones); natural order for Q8_0 and the K-quants.
 //
-// Q4_0 and Q4_1 (`quad` below; the default model's layers) go 4 blocks at a time instead,
+// Q4_0, Q4_1, Q5_0 and Q5_1 (`quad` below; the default model's layers, Gemma 3 Q4_K_M's
+// q/k/gate/up) go 4 blocks at a time instead,
 // with no gather: one 64-byte load and one masked load cover the 4 blocks (72 or 80
 // bytes, file layout), one vpermt2b picks their 64 quant bytes, whose low and high nibbles
 // meet the activations stored as [x0..x3 [0:16]], [x0..x3 [16:32]] in two vpdpbusd into
 // one int32 vector (4 lanes per block), and one vpermt2w picks the 4 blocks' fp16 scales
 // (and mins), spread to the lanes, from the same two registers. About 14 instructions per
 // 128 weights and row instead of 20 and a quarter gather; 8 rows per pass (measured faster
-// than 4 with the weights coming from memory: more independent streams). Needs AVX512-VBMI
-// (vpermt2b); without it these types take the pair path.
+// than 4 with the weights coming from memory: more independent streams). Q5_0 / Q5_1 add
+// their fifth bits: the 4 blocks' qh words, picked by a vpermt2w (Q5_0: in the scales'
+// permute), are the two 64-bit masks of one masked add of 16 each over the low and the high
+// nibbles. Needs AVX512-VBMI (vpermt2b); without it these types take the pair path.
 #pragma once
 
 #include <array>
@@ -42,7 +45,7 @@ namespace row1 {
 constexpr int kRowsPerPass = 4;  // weight rows per pass (silu: 2 gate + 2 up); reduce4 assumes 4
 
 #if defined(__AVX512VBMI__)
-inline constexpr bool quad(int type) { return type == Q4_0 || type == Q4_1; }
+inline constexpr bool quad(int type) { return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1; }
 #else
 inline constexpr bool quad(int) { return false; }
 #endif
@@ -51,7 +54,7 @@ inline constexpr bool quad(int) { return false; }
 inline constexpr int rows_per_pass(int type) { return quad(type) ? 8 : kRowsPerPass; }
 constexpr int kMaxRowsPerPass = 8;
 
-inline bool interleaved(int type) { return type == Q5_0 || type == Q5_1 || (!quad(type) && (type == Q4_0 || type == Q4_1)); }
+inline bool interleaved(int type) { return !quad(type) && (type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1); }
 
 // The quantized activation row, padded with zeros to a multiple of 16 blocks.
 struct RowX {
@@ -196,20 +199,35 @@ struct RowGemv {
     reduce4(acc, out);
   }
 
-  // Q4_0 / Q4_1 (quad()): 4 blocks per step, rows_per_pass(type) rows.
+  // Q4_0 / Q4_1 / Q5_0 / Q5_1 (quad()): 4 blocks per step, rows_per_pass(type) rows.
   void quads(const uint8_t* const* rows, int64_t ahead, float* out) const {
-    constexpr int C = rows_per_pass(type), bb = type == Q4_0 ? 18 : 20, at = type == Q4_0 ? 2 : 4;
-    static constexpr auto kIdx = [] {  // bytes 0-63: vpermt2b; 64-127: vpermt2w (words)
-      std::array<uint8_t, 128> t{};
+    constexpr bool five = type == Q5_0 || type == Q5_1, with_min = type == Q4_1 || type == Q5_1;
+    constexpr int C = rows_per_pass(type);
+    constexpr int bb = type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : 24;
+    constexpr int at = type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8;  // quant bytes
+    constexpr int qh_at = type == Q5_0 ? 2 : 4;  // Q5_*: the 32 high bits
+    // bytes 0-63: vpermt2b (quants); 64-127: vpermt2w (words 0-15: d per lane, 16-31: m per
+    // lane, or for Q5_0 words 16-19 / 20-23: the low / high qh word of blocks 0-3); 128-191:
+    // vpermt2w, Q5_1's qh words (0-3 low, 4-7 high)
+    static constexpr auto kIdx = [] {
+      std::array<uint8_t, 192> t{};
       for (int i = 0; i < 64; ++i) t[i] = uint8_t(bb * (i / 16) + at + i % 16);  // quant byte i % 16 of block i / 16
       for (int i = 0; i < 16; ++i) {
-        t[64 + 2 * i] = uint8_t(bb / 2 * (i / 4));           // word: lane i's block's d
-        t[96 + 2 * i] = uint8_t(bb / 2 * (i / 4) + 1);       // its m (Q4_1)
+        t[64 + 2 * i] = uint8_t(bb / 2 * (i / 4));      // word: lane i's block's d
+        t[96 + 2 * i] = uint8_t(bb / 2 * (i / 4) + 1);  // its m (Q4_1, Q5_1)
+      }
+      if (five) {
+        const int base = type == Q5_0 ? 96 : 128;
+        for (int b = 0; b < 4; ++b) {
+          t[base + 2 * b] = uint8_t((bb * b + qh_at) / 2);
+          t[base + 8 + 2 * b] = uint8_t((bb * b + qh_at) / 2 + 1);
+        }
       }
       return t;
     }();
     const __m512i iq = _mm512_loadu_si512(kIdx.data()), idm = _mm512_loadu_si512(kIdx.data() + 64);
-    const __m512i f = _mm512_set1_epi8(0xF);
+    const __m512i ihq = _mm512_loadu_si512(kIdx.data() + 128);
+    const __m512i f = _mm512_set1_epi8(0xF), sixteen = _mm512_set1_epi8(16);
     const int64_t nb = k / 32, full = nb / 4;
     __m512 acc[C];
     for (int j = 0; j < C; ++j) acc[j] = _mm512_setzero_ps();
@@ -221,7 +239,8 @@ struct RowGemv {
       const __m512i xlo = _mm512_loadu_si512(x.q.data() + c * 128), xhi = _mm512_loadu_si512(x.q.data() + c * 128 + 64);
       const __m512 dx = _mm512_loadu_ps(x.dx4.data() + c * 16);
       const __m512 sx = _mm512_loadu_ps(x.sx4.data() + c * 16);
-      const __m512 sxb = type == Q4_0 ? _mm512_mul_ps(sx, _mm512_set1_ps(-8.0f)) : sx;  // w = d u - 8 d
+      constexpr float kBias = type == Q4_0 ? -8.0f : type == Q5_0 ? -16.0f : 1.0f;
+      const __m512 sxb = with_min ? sx : _mm512_mul_ps(sx, _mm512_set1_ps(kBias));  // w = d u + kBias d
       for (int j = 0; j < C; ++j) {
         const uint8_t* r = rows[j] + off;
         _mm_prefetch(reinterpret_cast<const char*>(r + ahead), _MM_HINT_T1);
@@ -229,12 +248,18 @@ struct RowGemv {
         const __m512i a = c < full ? _mm512_loadu_si512(r) : _mm512_maskz_loadu_epi8(ma, r);
         const __m512i b = _mm512_maskz_loadu_epi8(mb, r + 64);
         const __m512i q = _mm512_permutex2var_epi8(a, iq, b);
-        const __m512i lo = _mm512_and_si512(q, f), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), f);
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo), hi, xhi);
+        __m512i lo = _mm512_and_si512(q, f), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), f);
         const __m512i dm = _mm512_permutex2var_epi16(a, idm, b);  // words 0-15: d per lane, 16-31: m
+        if constexpr (five) {  // the fifth bits: qh's low word over lo, its high word over hi
+          const __m128i h = type == Q5_0 ? _mm512_extracti32x4_epi32(dm, 2)
+                                         : _mm512_castsi512_si128(_mm512_permutex2var_epi16(a, ihq, b));
+          lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(uint64_t(_mm_cvtsi128_si64(h))), lo, sixteen);
+          hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(uint64_t(_mm_extract_epi64(h, 1))), hi, sixteen);
+        }
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo), hi, xhi);
         const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(dm));
         acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, dx), acc[j]);
-        const __m512 m = type == Q4_0 ? d : _mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1));
+        const __m512 m = with_min ? _mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1)) : d;
         acc[j] = _mm512_fmadd_ps(m, sxb, acc[j]);
       }
     }
