@@ -110,3 +110,17 @@ def test_switch_off_moves_nothing(monkeypatch) -> None:
     ptr = m.proj.weight.data_ptr()
     assert cpu_linear.to_hugepages(m) == 0
     assert m.proj.weight.data_ptr() == ptr
+
+
+def test_to_hugepages_moves_each_run_of_a_mixed_type_layer(monkeypatch) -> None:
+    from pagewarden.kernels.cpu.quant import QuantRows
+
+    monkeypatch.setenv("PAGEWARDEN_HUGEPAGES", "1")
+    m = _Tied()
+    q8 = torch.randint(0, 255, (256, 8 * 34), dtype=torch.uint8)  # Q8_0 rows
+    q5 = torch.randint(0, 255, (256, 8 * 22), dtype=torch.uint8)  # Q5_0 rows
+    rows = QuantRows((QuantWeight(q5, 6, (256, 256)), QuantWeight(q8, 8, (256, 256))))
+    m.proj.__dict__[cpu_linear._QUANT] = rows
+    cpu_linear.to_hugepages(m)
+    assert [p.data.data_ptr() for p in rows.parts] != [q5.data_ptr(), q8.data_ptr()]
+    assert torch.equal(rows.parts[0].data, q5) and torch.equal(rows.parts[1].data, q8)

@@ -120,9 +120,9 @@ def to_hugepages(model: nn.Module) -> int:
         d = module.__dict__
         for key in (_TILES, _GATE_UP):
             want(d.get(key), lambda new, d=d, key=key: d.__setitem__(key, new))
-        q = d.get(_QUANT)
-        if q is not None:
-            want(q.data, lambda new, q=q: setattr(q, "data", new))
+        q = d.get(_QUANT)  # a QuantWeight, or a QuantRows of several
+        for w in () if q is None else getattr(q, "parts", (q,)):
+            want(w.data, lambda new, w=w: setattr(w, "data", new))
         for p in module.parameters(recurse=False):
             want(p.data, lambda new, p=p: setattr(p, "data", new))
     if not moves:
