@@ -184,6 +184,58 @@ void decode_tile(const TilesProblem& p, const TypeInfo& ti, const uint8_t* const
   }
 }
 
+// decode_tile for Q4_0, Q4_1 and Q8_0 (the default file's types), the same bytes and scales
+// without a per-row decode: a block's 16 bytes of quants of rows 0..15 are four 32-bit
+// words per row; loaded as Z_e = rows (e, 4 + e, 8 + e, 12 + e), two rounds of 32/64-bit
+// unpacks give D_j = word j of the 16 rows in row order, which is quad j (Q8_0: xor 0x80)
+// or quads j and 4 + j (low / high nibbles). The scales of 16 rows come from one gather
+// of each block's first 4 bytes (d, and Q4_1's m). Only the even halves are written: with
+// 32 weights per scale the micro-kernel reads no other.
+template <int type>
+void decode_tile_small(const TilesProblem& p, const uint8_t* const* rows, uint8_t* q, float* a, float* b) {
+  constexpr int bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34;
+  constexpr int qoff = type == Q4_1 ? 4 : 2;
+  alignas(64) int32_t off[TW];
+  for (int r = 0; r < TW; ++r) off[r] = int32_t(rows[r] - rows[0]);
+  const __m512i idx = _mm512_load_si512(off), lo4 = _mm512_set1_epi8(0xF);
+  auto ld = [](const uint8_t* s) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)); };
+  for (int64_t blk = 0; blk < p.k / 32; ++blk) {
+    const int64_t at = blk * bytes;
+    const __m512i hdr = _mm512_i32gather_epi32(idx, rows[0] + at, 1);
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hdr));
+    __m512 bias;
+    if constexpr (type == Q4_1) {
+      const __m512 m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(hdr, 16)));
+      bias = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(m), _mm512_set1_epi32(int(0x80000000u))));
+    } else {
+      bias = _mm512_mul_ps(_mm512_set1_ps(type == Q4_0 ? 8.0f : 128.0f), d);
+    }
+    _mm512_storeu_ps(a + 2 * blk * TW, d);
+    _mm512_storeu_ps(b + 2 * blk * TW, bias);
+    for (int part = 0; part < (type == Q8_0 ? 2 : 1); ++part) {
+      const int64_t o = at + qoff + 16 * part;
+      __m512i z[4];
+      for (int e = 0; e < 4; ++e) {
+        z[e] = _mm512_castsi128_si512(ld(rows[e] + o));
+        for (int l = 1; l < 4; ++l) z[e] = _mm512_inserti32x4(z[e], ld(rows[4 * l + e] + o), l);
+      }
+      const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+      const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+      const __m512i dw[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                             _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+      uint8_t* dst = q + (8 * blk + 4 * part) * 64;
+      for (int j = 0; j < 4; ++j) {
+        if constexpr (type == Q8_0) {
+          _mm512_storeu_si512(dst + j * 64, _mm512_xor_si512(dw[j], _mm512_set1_epi8(char(0x80))));
+        } else {
+          _mm512_storeu_si512(dst + j * 64, _mm512_and_si512(dw[j], lo4));
+          _mm512_storeu_si512(dst + (4 + j) * 64, _mm512_and_si512(_mm512_srli_epi16(dw[j], 4), lo4));
+        }
+      }
+    }
+  }
+}
+
 inline void prefetch_l2(const uint8_t* p, int64_t n) {
   for (int64_t o = 0; o < n; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T1);
 }
@@ -280,7 +332,10 @@ void run(const TilesProblem& p) {
       }
       const uint8_t* rows[TW];
       for (int r = 0; r < TW; ++r) rows[r] = row0 + std::min(r, cnt - 1) * p.row_bytes;
-      decode_tile<type>(p, ti, rows, g.q + j * qstride, g.a + j * sstride, g.b + j * sstride);
+      if constexpr (type == Q4_0 || type == Q4_1 || type == Q8_0)
+        decode_tile_small<type>(p, rows, g.q + j * qstride, g.a + j * sstride, g.b + j * sstride);
+      else
+        decode_tile<type>(p, ti, rows, g.q + j * qstride, g.a + j * sstride, g.b + j * sstride);
     }
     const int64_t col0 = (p.silu ? t0 / 2 : t0) * TW;
     switch (c) {
