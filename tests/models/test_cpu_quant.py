@@ -232,8 +232,7 @@ def test_auto_kernel_rule_and_refusals():
     batch = torch.randn(64, 256).bfloat16()
     assert cpu_quant.pick_kernel(ext, one, w) == "int8"
     assert cpu_quant.pick_kernel(ext, many, w) == "bf16"
-    assert cpu_quant.INT8_TILES_MIN_ROWS is None  # prefill in int8 loses "Paris"
-    assert cpu_quant.pick_kernel(ext, batch, w) == "bf16"
+    assert cpu_quant.pick_kernel(ext, batch, w) == "bf16"  # prefill in int8 loses "Paris"
     assert cpu_quant.pick_kernel(ext, one.float(), w) == "bf16"
     few = torch.randn(cpu_quant.INT8_DECODE_MIN_ROWS - 1, 256).bfloat16()
     with cpu_quant.decode_batch(True):  # a decode batch: int8 tiles from 5 rows

@@ -57,13 +57,6 @@ KERNEL_ENV = "PAGEWARDEN_QUANT_KERNEL"
 #: ``pick_kernel``: the int8 kernel up to this many rows (the one-row GEMV), the bf16-decode
 #: kernel above (bench/quant_gemv.py, docs/quantization.md).
 INT8_MAX_ROWS = 1
-#: ``pick_kernel``: the int8 kernel also from this many rows (quant_int8_tiles.cpp: 1.06x
-#: none's bf16 GEMM at 64 rows, 1.13x at 512, where the bf16-decode tiles are 0.86x /
-#: 0.94x), or never (None, the default): int8-rounded activations in a prompt's prefill
-#: turn the default model's greedy chat answer from "Paris" to "L'Etoile, ..." (the int8
-#: multi-row loop does too), so many-row calls stay bf16 until only decode batches can be
-#: sent there. ``PAGEWARDEN_QUANT_KERNEL=int8`` sends every call to int8.
-INT8_TILES_MIN_ROWS: int | None = None
 #: ``pick_kernel``: within ``decode_batch(True)`` (a step where every sequence brings one
 #: token, set by the worker), the int8 kernel from this many rows: a decode batch's rows
 #: are rounded per row exactly as one-stream decode's int8 GEMV rounds its one row, and
@@ -217,14 +210,14 @@ def _require() -> ModuleType:
 def pick_kernel(ext: ModuleType, x: torch.Tensor, w: QuantWeight) -> Kernel:
     """The kernel ``gemm`` uses for x (M, K) against ``w`` under ``kernel="auto"``: int8
     where it exists (bf16 x, an AVX512-VNNI build) and M <= ``INT8_MAX_ROWS``, M >=
-    ``INT8_TILES_MIN_ROWS`` (when set) or, in a ``decode_batch``, M >=
-    ``INT8_DECODE_MIN_ROWS``; else bf16."""
+    in a ``decode_batch``, M >= ``INT8_DECODE_MIN_ROWS`` (never a prompt's prefill:
+    int8-rounded activations there turn the default model's greedy chat answer from
+    "Paris" to "L'Etoile, ..."); else bf16."""
     forced = FORCED_KERNEL
     if forced in ("int8", "bf16"):
         return "int8" if forced == "int8" and _int8_ok(ext, x) else "bf16"
     rows = x.shape[0]
-    tiles_from = INT8_TILES_MIN_ROWS
-    int8 = rows <= INT8_MAX_ROWS or (tiles_from is not None and rows >= tiles_from)
+    int8 = rows <= INT8_MAX_ROWS
     if not int8 and rows >= INT8_DECODE_MIN_ROWS and _DECODE_BATCH.get():
         int8 = bool(ext.has_int8_tiles_kernel())
     return "int8" if int8 and _int8_ok(ext, x) else "bf16"

@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "pool.h"
+#include "quant_decode.h"
 #include "quant_int8.h"
 #include "quant_scalar.h"
 
@@ -54,78 +55,18 @@ inline float f16(const uint8_t* p) {
 }
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
-// 16 packed nibble bytes -> 32 bytes: low nibbles first, then high nibbles.
-inline __m256i nibbles(const uint8_t* p) {
-  const __m128i v = load16(p), f = _mm_set1_epi8(0xF);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), f), _mm_and_si128(v, f));
-}
-
-// Piece s (32 weights) of block b: unsigned quants u and the lane vectors A, B.
+// Piece s (32 weights) of block b: unsigned quants u and the lane vectors A, B
+// (quant_decode.h's decode_u; lanes 0-3 half 0, lanes 4-7 half 1).
 template <int type>
 inline void decode(const uint8_t* b, int s, __m256i& u, __m256& a, __m256& bias) {
-  const __m256i f = _mm256_set1_epi8(0xF);
-  switch (type) {
-    case Q4_0: {
-      const float d = f16(b);
-      u = nibbles(b + 2);
-      a = _mm256_set1_ps(d);
-      bias = _mm256_set1_ps(8.0f * d);
-      return;
-    }
-    case Q4_1:
-      u = nibbles(b + 4);
-      a = _mm256_set1_ps(f16(b));
-      bias = _mm256_set1_ps(-f16(b + 2));
-      return;
-    case Q5_0:
-    case Q5_1: {
-      const bool one = type == Q5_1;
-      uint32_t qh;
-      std::memcpy(&qh, b + (one ? 4 : 2), 4);
-      u = nibbles(b + (one ? 8 : 6));
-      u = _mm256_mask_blend_epi8(__mmask32(qh), u, _mm256_or_si256(u, _mm256_set1_epi8(16)));
-      const float d = f16(b);
-      a = _mm256_set1_ps(d);
-      bias = _mm256_set1_ps(one ? -f16(b + 2) : 16.0f * d);
-      return;
-    }
-    case Q8_0: {
-      const float d = f16(b);
-      u = _mm256_xor_si256(load32(b + 2), _mm256_set1_epi8(char(0x80)));
-      a = _mm256_set1_ps(d);
-      bias = _mm256_set1_ps(128.0f * d);
-      return;
-    }
-    case Q4_K:
-    case Q5_K: {
-      int sc, mn;
-      scale_min_k4(s, b + 4, &sc, &mn);
-      const bool five = type == Q5_K;
-      const __m256i qs = load32(b + (five ? 48 : 16) + 32 * (s / 2));
-      u = (s & 1) ? _mm256_and_si256(_mm256_srli_epi16(qs, 4), f) : _mm256_and_si256(qs, f);
-      if (five) {
-        const __mmask32 hi = _mm256_test_epi8_mask(load32(b + 16), _mm256_set1_epi8(char(1 << s)));
-        u = _mm256_mask_blend_epi8(hi, u, _mm256_or_si256(u, _mm256_set1_epi8(16)));
-      }
-      a = _mm256_set1_ps(f16(b) * float(sc));
-      bias = _mm256_set1_ps(f16(b + 2) * float(mn));
-      return;
-    }
-    case Q6_K: {
-      const float d = f16(b + 208);
-      const int half = s / 4, t = s % 4;
-      const __m256i ql = load32(b + 64 * half + (t & 1) * 32);
-      const __m256i qh = load32(b + 128 + 32 * half);
-      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192 + 8 * half);
-      const __m256i lo = _mm256_and_si256(t >= 2 ? _mm256_srli_epi16(ql, 4) : ql, f);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), _mm256_set1_epi8(3));
-      u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-      const float a0 = d * float(sc[2 * t]), a1 = d * float(sc[2 * t + 1]);
-      a = _mm256_set_m128(_mm_set1_ps(a1), _mm_set1_ps(a0));
-      bias = _mm256_mul_ps(a, _mm256_set1_ps(32.0f));
-      return;
-    }
-    default: return;
+  float av[2], bv[2];
+  u = decode_u<type>(b, s, av, bv);
+  if constexpr (type == Q6_K) {
+    a = _mm256_set_m128(_mm_set1_ps(av[1]), _mm_set1_ps(av[0]));
+    bias = _mm256_set_m128(_mm_set1_ps(bv[1]), _mm_set1_ps(bv[0]));
+  } else {
+    a = _mm256_set1_ps(av[0]);
+    bias = _mm256_set1_ps(bv[0]);
   }
 }
 
@@ -331,32 +272,15 @@ void run(const Int8Problem& p, const QuantX& xq) {
 bool has_int8_kernel() { return true; }
 
 void gemm_int8(const Int8Problem& p) {
+  bool known = false;
   if (p.m == 1 && !row_kernel_off()) {
-    switch (p.type) {
-      case Q4_0: return run_row<Q4_0>(p);
-      case Q4_1: return run_row<Q4_1>(p);
-      case Q5_0: return run_row<Q5_0>(p);
-      case Q5_1: return run_row<Q5_1>(p);
-      case Q8_0: return run_row<Q8_0>(p);
-      case Q4_K: return run_row<Q4_K>(p);
-      case Q5_K: return run_row<Q5_K>(p);
-      case Q6_K: return run_row<Q6_K>(p);
-      default: TORCH_CHECK(false, "cpu_quant int8: unsupported type ", p.type);
-    }
+    known = with_type(p.type, [&](auto t) { run_row<decltype(t)::value>(p); });
+  } else {
+    QuantX xq;
+    quantize_rows(p.x, p.ldx, p.m, p.k, &xq);
+    known = with_type(p.type, [&](auto t) { run<decltype(t)::value>(p, xq); });
   }
-  QuantX xq;
-  quantize_rows(p.x, p.ldx, p.m, p.k, &xq);
-  switch (p.type) {
-    case Q4_0: run<Q4_0>(p, xq); break;
-    case Q4_1: run<Q4_1>(p, xq); break;
-    case Q5_0: run<Q5_0>(p, xq); break;
-    case Q5_1: run<Q5_1>(p, xq); break;
-    case Q8_0: run<Q8_0>(p, xq); break;
-    case Q4_K: run<Q4_K>(p, xq); break;
-    case Q5_K: run<Q5_K>(p, xq); break;
-    case Q6_K: run<Q6_K>(p, xq); break;
-    default: TORCH_CHECK(false, "cpu_quant int8: unsupported type ", p.type);
-  }
+  TORCH_CHECK(known, "cpu_quant int8: unsupported type ", p.type);
 }
 #else
 bool has_int8_kernel() { return false; }

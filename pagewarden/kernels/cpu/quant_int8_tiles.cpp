@@ -17,7 +17,9 @@
 //
 // Loop order: output columns in tiles of 16 (silu: gate tile 0, up tile 0, ...), groups of
 // NR = 4 tiles are the pool's work items: an item decodes its group's 64 weight rows once
-// (16 rows x 64 weights at a time: transposed as 16 x 16 32-bit quads), then runs every
+// (Q4_0 / Q4_1 / Q8_0: 16 rows' quant words unpacked to quads, one scale gather per
+// block; other types: 16 rows x 64 weights by quant_decode.h's decode_u, transposed as
+// 16 x 16 32-bit quads), then runs every
 // MR = 3 rows of x through the micro-kernel: per block, MR x NR int32 accumulators over its
 // 8 (Q6_K: 4) k quads (NR 64-byte loads, MR 4-byte broadcasts, MR x NR vpdpbusd per quad),
 // then per (row, tile) int32 -> float32, * dx, FMA by A, FMA of -B by dx * sum v into the
@@ -39,79 +41,13 @@
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include "gemm_tile.h"
+#include "quant_decode.h"
 
 namespace {
 
 constexpr int MR = 3;   // rows of x per micro-kernel call
 constexpr int NR = 4;   // column tiles per group (an even number: silu pairs)
 constexpr int TW = 16;  // output columns per tile
-
-inline float half_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-inline __m256i ld32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-// 16 packed nibble bytes -> 32 bytes: low nibbles first, then high nibbles (natural order).
-inline __m256i nibbles(const uint8_t* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), f = _mm_set1_epi8(0xF);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), f), _mm_and_si128(v, f));
-}
-
-// Piece s (32 weights) of block b: the unsigned quants u in k order, and per half of 16
-// a[h], bias[h] with w = a u - bias (quant_int8.cpp's decode, scalar scales).
-template <int type>
-inline __m256i decode_u(const uint8_t* b, int s, float* a, float* bias) {
-  const __m256i f = _mm256_set1_epi8(0xF);
-  __m256i u;
-  float A = 0.0f, B = 0.0f;
-  if constexpr (type == Q4_0 || type == Q4_1) {
-    u = nibbles(b + (type == Q4_1 ? 4 : 2));
-    A = half_at(b);
-    B = type == Q4_1 ? -half_at(b + 2) : 8.0f * A;
-  } else if constexpr (type == Q5_0 || type == Q5_1) {
-    constexpr bool one = type == Q5_1;
-    uint32_t qh;
-    std::memcpy(&qh, b + (one ? 4 : 2), 4);
-    u = nibbles(b + (one ? 8 : 6));
-    u = _mm256_mask_blend_epi8(__mmask32(qh), u, _mm256_or_si256(u, _mm256_set1_epi8(16)));
-    A = half_at(b);
-    B = one ? -half_at(b + 2) : 16.0f * A;
-  } else if constexpr (type == Q8_0) {
-    u = _mm256_xor_si256(ld32(b + 2), _mm256_set1_epi8(char(0x80)));
-    A = half_at(b);
-    B = 128.0f * A;
-  } else if constexpr (type == Q4_K || type == Q5_K) {
-    int sc, mn;
-    scale_min_k4(s, b + 4, &sc, &mn);
-    constexpr bool five = type == Q5_K;
-    const __m256i qs = ld32(b + (five ? 48 : 16) + 32 * (s / 2));
-    u = (s & 1) ? _mm256_and_si256(_mm256_srli_epi16(qs, 4), f) : _mm256_and_si256(qs, f);
-    if constexpr (five) {
-      const __mmask32 hi = _mm256_test_epi8_mask(ld32(b + 16), _mm256_set1_epi8(char(1 << s)));
-      u = _mm256_mask_blend_epi8(hi, u, _mm256_or_si256(u, _mm256_set1_epi8(16)));
-    }
-    A = half_at(b) * float(sc);
-    B = half_at(b + 2) * float(mn);
-  } else {  // Q6_K: a scale per 16 weights, offset 32
-    const float d = half_at(b + 208);
-    const int half = s / 4, t = s % 4;
-    const __m256i ql = ld32(b + 64 * half + (t & 1) * 32);
-    const __m256i qh = ld32(b + 128 + 32 * half);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192 + 8 * half);
-    const __m256i lo = _mm256_and_si256(t >= 2 ? _mm256_srli_epi16(ql, 4) : ql, f);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), _mm256_set1_epi8(3));
-    u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-    for (int h = 0; h < 2; ++h) {
-      a[h] = d * float(sc[2 * t + h]);
-      bias[h] = 32.0f * a[h];
-    }
-    return u;
-  }
-  a[0] = a[1] = A;
-  bias[0] = bias[1] = B;
-  return u;
-}
 
 // The activations quantized (the calling thread's; workers only read them during a call).
 struct QuantRows {
@@ -130,8 +66,8 @@ void quantize(const TilesProblem& p, QuantRows* out) {
     for (int64_t bi = b0; bi < b1; ++bi) {
       const int64_t i = bi / nb, blk = bi % nb;
       const uint16_t* src = p.x + i * p.ldx + blk * 32;
-      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(ld32(reinterpret_cast<const uint8_t*>(src))), 16));
-      const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(ld32(reinterpret_cast<const uint8_t*>(src + 16))), 16));
+      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load_u32(reinterpret_cast<const uint8_t*>(src))), 16));
+      const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load_u32(reinterpret_cast<const uint8_t*>(src + 16))), 16));
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
       const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
       const __m512 idv = _mm512_set1_ps(id);
@@ -184,6 +120,58 @@ void decode_tile(const TilesProblem& p, const TypeInfo& ti, const uint8_t* const
   }
 }
 
+// decode_tile for Q4_0, Q4_1 and Q8_0 (the default file's types), the same bytes and scales
+// without a per-row decode: a block's 16 bytes of quants of rows 0..15 are four 32-bit
+// words per row; loaded as Z_e = rows (e, 4 + e, 8 + e, 12 + e), two rounds of 32/64-bit
+// unpacks give D_j = word j of the 16 rows in row order, which is quad j (Q8_0: xor 0x80)
+// or quads j and 4 + j (low / high nibbles). The scales of 16 rows come from one gather
+// of each block's first 4 bytes (d, and Q4_1's m). Only the even halves are written: with
+// 32 weights per scale the micro-kernel reads no other.
+template <int type>
+void decode_tile_small(const TilesProblem& p, const uint8_t* const* rows, uint8_t* q, float* a, float* b) {
+  constexpr int bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34;
+  constexpr int qoff = type == Q4_1 ? 4 : 2;
+  alignas(64) int32_t off[TW];
+  for (int r = 0; r < TW; ++r) off[r] = int32_t(rows[r] - rows[0]);
+  const __m512i idx = _mm512_load_si512(off), lo4 = _mm512_set1_epi8(0xF);
+  auto ld = [](const uint8_t* s) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)); };
+  for (int64_t blk = 0; blk < p.k / 32; ++blk) {
+    const int64_t at = blk * bytes;
+    const __m512i hdr = _mm512_i32gather_epi32(idx, rows[0] + at, 1);
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hdr));
+    __m512 bias;
+    if constexpr (type == Q4_1) {
+      const __m512 m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(hdr, 16)));
+      bias = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(m), _mm512_set1_epi32(int(0x80000000u))));
+    } else {
+      bias = _mm512_mul_ps(_mm512_set1_ps(type == Q4_0 ? 8.0f : 128.0f), d);
+    }
+    _mm512_storeu_ps(a + 2 * blk * TW, d);
+    _mm512_storeu_ps(b + 2 * blk * TW, bias);
+    for (int part = 0; part < (type == Q8_0 ? 2 : 1); ++part) {
+      const int64_t o = at + qoff + 16 * part;
+      __m512i z[4];
+      for (int e = 0; e < 4; ++e) {
+        z[e] = _mm512_castsi128_si512(ld(rows[e] + o));
+        for (int l = 1; l < 4; ++l) z[e] = _mm512_inserti32x4(z[e], ld(rows[4 * l + e] + o), l);
+      }
+      const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+      const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+      const __m512i dw[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                             _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+      uint8_t* dst = q + (8 * blk + 4 * part) * 64;
+      for (int j = 0; j < 4; ++j) {
+        if constexpr (type == Q8_0) {
+          _mm512_storeu_si512(dst + j * 64, _mm512_xor_si512(dw[j], _mm512_set1_epi8(char(0x80))));
+        } else {
+          _mm512_storeu_si512(dst + j * 64, _mm512_and_si512(dw[j], lo4));
+          _mm512_storeu_si512(dst + (4 + j) * 64, _mm512_and_si512(_mm512_srli_epi16(dw[j], 4), lo4));
+        }
+      }
+    }
+  }
+}
+
 inline void prefetch_l2(const uint8_t* p, int64_t n) {
   for (int64_t o = 0; o < n; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T1);
 }
@@ -232,11 +220,11 @@ void micro(const TilesProblem& p, const QuantRows& x, const Group& g, int64_t m0
   tiles_epilogue<R, C>(p, acc, m0, col0);
 }
 
+// Rows [m0, m1) x the group's C tiles.
 template <int C, int SB>
-void all_rows(const TilesProblem& p, const QuantRows& x, const Group& g, int64_t col0) {
-  int64_t m0 = 0;
-  for (; m0 + MR <= p.m; m0 += MR) micro<MR, C, SB>(p, x, g, m0, col0);
-  switch (p.m - m0) {
+void all_rows(const TilesProblem& p, const QuantRows& x, const Group& g, int64_t col0, int64_t m0, int64_t m1) {
+  for (; m0 + MR <= m1; m0 += MR) micro<MR, C, SB>(p, x, g, m0, col0);
+  switch (m1 - m0) {
     case 2: micro<2, C, SB>(p, x, g, m0, col0); break;
     case 1: micro<1, C, SB>(p, x, g, m0, col0); break;
     default: break;
@@ -255,7 +243,15 @@ void run(const TilesProblem& p) {
   const int64_t tiles = p.silu ? 2 * out_tiles : out_tiles;
   const int64_t groups = (tiles + NR - 1) / NR;
   const int64_t qstride = p.k * TW, sstride = p.k;  // bytes; floats
-  pw::parallel_items(groups, [&](int64_t gi, int) {
+  // Few groups that the threads cannot share evenly (N = 576: 9 groups on 2 threads): each
+  // group is an item per thread, over its share of the rows (the decode, paid per item, is
+  // small beside a share of 64 rows).
+  const int64_t th = pw::max_threads();
+  const int64_t parts = th > 1 && groups % th != 0 && groups < 8 * th && p.m >= 8 * th ? th : 1;
+  const int64_t chunk = ((p.m + parts - 1) / parts + MR - 1) / MR * MR;
+  pw::parallel_items(groups * parts, [&](int64_t item, int) {
+    const int64_t gi = item / parts, m0 = item % parts * chunk, m1 = std::min(p.m, m0 + chunk);
+    if (m0 >= m1) return;
     thread_local std::vector<uint8_t> qs;
     thread_local std::vector<float> ab;
     if (qs.size() < size_t(NR * qstride)) qs.resize(size_t(NR * qstride));
@@ -280,14 +276,17 @@ void run(const TilesProblem& p) {
       }
       const uint8_t* rows[TW];
       for (int r = 0; r < TW; ++r) rows[r] = row0 + std::min(r, cnt - 1) * p.row_bytes;
-      decode_tile<type>(p, ti, rows, g.q + j * qstride, g.a + j * sstride, g.b + j * sstride);
+      if constexpr (type == Q4_0 || type == Q4_1 || type == Q8_0)
+        decode_tile_small<type>(p, rows, g.q + j * qstride, g.a + j * sstride, g.b + j * sstride);
+      else
+        decode_tile<type>(p, ti, rows, g.q + j * qstride, g.a + j * sstride, g.b + j * sstride);
     }
     const int64_t col0 = (p.silu ? t0 / 2 : t0) * TW;
     switch (c) {
-      case 4: all_rows<4, SB>(p, x, g, col0); break;
-      case 3: all_rows<3, SB>(p, x, g, col0); break;
-      case 2: all_rows<2, SB>(p, x, g, col0); break;
-      default: all_rows<1, SB>(p, x, g, col0); break;
+      case 4: all_rows<4, SB>(p, x, g, col0, m0, m1); break;
+      case 3: all_rows<3, SB>(p, x, g, col0, m0, m1); break;
+      case 2: all_rows<2, SB>(p, x, g, col0, m0, m1); break;
+      default: all_rows<1, SB>(p, x, g, col0, m0, m1); break;
     }
   });
 }
@@ -297,17 +296,8 @@ void run(const TilesProblem& p) {
 bool has_int8_tiles_kernel() { return true; }
 
 void gemm_int8_tiles(const TilesProblem& p) {
-  switch (p.type) {
-    case Q4_0: run<Q4_0>(p); break;
-    case Q4_1: run<Q4_1>(p); break;
-    case Q5_0: run<Q5_0>(p); break;
-    case Q5_1: run<Q5_1>(p); break;
-    case Q8_0: run<Q8_0>(p); break;
-    case Q4_K: run<Q4_K>(p); break;
-    case Q5_K: run<Q5_K>(p); break;
-    case Q6_K: run<Q6_K>(p); break;
-    default: TORCH_CHECK(false, "cpu_quant int8 tiles: unsupported type ", p.type);
-  }
+  TORCH_CHECK(with_type(p.type, [&](auto t) { run<decltype(t)::value>(p); }), "cpu_quant int8 tiles: unsupported type ",
+              p.type);
 }
 #else
 bool has_int8_tiles_kernel() { return false; }

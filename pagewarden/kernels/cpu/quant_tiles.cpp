@@ -147,17 +147,7 @@ void run(const TilesProblem& p) {
 bool has_tiles_kernel() { return true; }
 
 void gemm_tiles(const TilesProblem& p) {
-  switch (p.type) {
-    case Q4_0: run<Q4_0>(p); break;
-    case Q4_1: run<Q4_1>(p); break;
-    case Q5_0: run<Q5_0>(p); break;
-    case Q5_1: run<Q5_1>(p); break;
-    case Q8_0: run<Q8_0>(p); break;
-    case Q4_K: run<Q4_K>(p); break;
-    case Q5_K: run<Q5_K>(p); break;
-    case Q6_K: run<Q6_K>(p); break;
-    default: TORCH_CHECK(false, "cpu_quant tiles: unsupported type ", p.type);
-  }
+  TORCH_CHECK(with_type(p.type, [&](auto t) { run<decltype(t)::value>(p); }), "cpu_quant tiles: unsupported type ", p.type);
 }
 #else
 bool has_tiles_kernel() { return false; }
