@@ -209,8 +209,8 @@ def _require() -> ModuleType:
 
 def pick_kernel(ext: ModuleType, x: torch.Tensor, w: QuantWeight) -> Kernel:
     """The kernel ``gemm`` uses for x (M, K) against ``w`` under ``kernel="auto"``: int8
-    where it exists (bf16 x, an AVX512-VNNI build) and M <= ``INT8_MAX_ROWS``, M >=
-    in a ``decode_batch``, M >= ``INT8_DECODE_MIN_ROWS`` (never a prompt's prefill:
+    where it exists (bf16 x, an AVX512-VNNI build) and M <= ``INT8_MAX_ROWS`` or, in a
+    ``decode_batch``, M >= ``INT8_DECODE_MIN_ROWS`` (never a prompt's prefill:
     int8-rounded activations there turn the default model's greedy chat answer from
     "Paris" to "L'Etoile, ..."); else bf16."""
     forced = FORCED_KERNEL
