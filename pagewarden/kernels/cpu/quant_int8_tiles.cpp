@@ -17,9 +17,8 @@
 //
 // Loop order: output columns in tiles of 16 (silu: gate tile 0, up tile 0, ...), groups of
 // NR = 4 tiles are the pool's work items: an item decodes its group's 64 weight rows once
-// (Q4_0 / Q4_1 / Q8_0: 16 rows' quant words unpacked to quads, one scale gather per
-// block; other types: 16 rows x 64 weights by quant_decode.h's decode_u, transposed as
-// 16 x 16 32-bit quads), then runs every
+// (quant_int8_unpack.h: 16 rows' quant words unpacked straight to quads, their scales
+// decoded 16 rows per vector; every type), then runs every
 // MR = 3 rows of x through the micro-kernel: per block, MR x NR int32 accumulators over its
 // 8 (Q6_K: 4) k quads (NR 64-byte loads, MR 4-byte broadcasts, MR x NR vpdpbusd per quad),
 // then per (row, tile) int32 -> float32, * dx, FMA by A, FMA of -B by dx * sum v into the
@@ -42,6 +41,7 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include "gemm_tile.h"
 #include "quant_decode.h"
+#include "quant_int8_unpack.h"
 
 namespace {
 
@@ -95,82 +95,6 @@ struct Group {
   float* b;
   int64_t qstride, sstride;
 };
-
-// Weight rows rows[0, 16) as one tile (a short tile repeats its last row: never stored).
-template <int type>
-void decode_tile(const TilesProblem& p, const TypeInfo& ti, const uint8_t* const* rows, uint8_t* q, float* a, float* b) {
-  const int per_block = ti.block_weights / 32;
-  const int64_t np = p.k / 32;
-  for (int64_t pc = 0; pc < np; pc += 2) {
-    const int halves = pc + 1 < np ? 4 : 2;
-    __m512i v[16];
-    for (int r = 0; r < TW; ++r) {
-      float av[4], bv[4];
-      const __m256i u0 = decode_u<type>(rows[r] + pc / per_block * ti.block_bytes, int(pc % per_block), av, bv);
-      __m256i u1 = _mm256_setzero_si256();
-      if (halves == 4) u1 = decode_u<type>(rows[r] + (pc + 1) / per_block * ti.block_bytes, int((pc + 1) % per_block), av + 2, bv + 2);
-      v[r] = _mm512_inserti64x4(_mm512_castsi256_si512(u0), u1, 1);
-      for (int h = 0; h < halves; ++h) {
-        a[(2 * pc + h) * TW + r] = av[h];
-        b[(2 * pc + h) * TW + r] = bv[h];
-      }
-    }
-    transpose16(v);  // v[j]: k quad 8 pc + j of the 16 rows
-    for (int j = 0; j < 4 * halves; ++j) _mm512_storeu_si512(q + (8 * pc + j) * 64, v[j]);
-  }
-}
-
-// decode_tile for Q4_0, Q4_1 and Q8_0 (the default file's types), the same bytes and scales
-// without a per-row decode: a block's 16 bytes of quants of rows 0..15 are four 32-bit
-// words per row; loaded as Z_e = rows (e, 4 + e, 8 + e, 12 + e), two rounds of 32/64-bit
-// unpacks give D_j = word j of the 16 rows in row order, which is quad j (Q8_0: xor 0x80)
-// or quads j and 4 + j (low / high nibbles). The scales of 16 rows come from one gather
-// of each block's first 4 bytes (d, and Q4_1's m). Only the even halves are written: with
-// 32 weights per scale the micro-kernel reads no other.
-template <int type>
-void decode_tile_small(const TilesProblem& p, const uint8_t* const* rows, uint8_t* q, float* a, float* b) {
-  constexpr int bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34;
-  constexpr int qoff = type == Q4_1 ? 4 : 2;
-  alignas(64) int32_t off[TW];
-  for (int r = 0; r < TW; ++r) off[r] = int32_t(rows[r] - rows[0]);
-  const __m512i idx = _mm512_load_si512(off), lo4 = _mm512_set1_epi8(0xF);
-  auto ld = [](const uint8_t* s) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)); };
-  for (int64_t blk = 0; blk < p.k / 32; ++blk) {
-    const int64_t at = blk * bytes;
-    const __m512i hdr = _mm512_i32gather_epi32(idx, rows[0] + at, 1);
-    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hdr));
-    __m512 bias;
-    if constexpr (type == Q4_1) {
-      const __m512 m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(hdr, 16)));
-      bias = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(m), _mm512_set1_epi32(int(0x80000000u))));
-    } else {
-      bias = _mm512_mul_ps(_mm512_set1_ps(type == Q4_0 ? 8.0f : 128.0f), d);
-    }
-    _mm512_storeu_ps(a + 2 * blk * TW, d);
-    _mm512_storeu_ps(b + 2 * blk * TW, bias);
-    for (int part = 0; part < (type == Q8_0 ? 2 : 1); ++part) {
-      const int64_t o = at + qoff + 16 * part;
-      __m512i z[4];
-      for (int e = 0; e < 4; ++e) {
-        z[e] = _mm512_castsi128_si512(ld(rows[e] + o));
-        for (int l = 1; l < 4; ++l) z[e] = _mm512_inserti32x4(z[e], ld(rows[4 * l + e] + o), l);
-      }
-      const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
-      const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
-      const __m512i dw[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
-                             _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
-      uint8_t* dst = q + (8 * blk + 4 * part) * 64;
-      for (int j = 0; j < 4; ++j) {
-        if constexpr (type == Q8_0) {
-          _mm512_storeu_si512(dst + j * 64, _mm512_xor_si512(dw[j], _mm512_set1_epi8(char(0x80))));
-        } else {
-          _mm512_storeu_si512(dst + j * 64, _mm512_and_si512(dw[j], lo4));
-          _mm512_storeu_si512(dst + (4 + j) * 64, _mm512_and_si512(_mm512_srli_epi16(dw[j], 4), lo4));
-        }
-      }
-    }
-  }
-}
 
 inline void prefetch_l2(const uint8_t* p, int64_t n) {
   for (int64_t o = 0; o < n; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T1);
@@ -234,8 +158,6 @@ void all_rows(const TilesProblem& p, const QuantRows& x, const Group& g, int64_t
 template <int type>
 void run(const TilesProblem& p) {
   constexpr int SB = type == Q6_K ? 16 : 32;
-  TypeInfo ti{};
-  type_info(type, &ti);
   thread_local QuantRows mine;  // the caller's; a worker's own thread_local would be empty
   quantize<SB>(p, &mine);
   const QuantRows& x = mine;
@@ -276,10 +198,7 @@ void run(const TilesProblem& p) {
       }
       const uint8_t* rows[TW];
       for (int r = 0; r < TW; ++r) rows[r] = row0 + std::min(r, cnt - 1) * p.row_bytes;
-      if constexpr (type == Q4_0 || type == Q4_1 || type == Q8_0)
-        decode_tile_small<type>(p, rows, g.q + j * qstride, g.a + j * sstride, g.b + j * sstride);
-      else
-        decode_tile<type>(p, ti, rows, g.q + j * qstride, g.a + j * sstride, g.b + j * sstride);
+      unpack_tile<type>(rows, p.k, g.q + j * qstride, g.a + j * sstride, g.b + j * sstride);
     }
     const int64_t col0 = (p.silu ? t0 / 2 : t0) * TW;
     switch (c) {

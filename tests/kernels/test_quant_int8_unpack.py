@@ -1,0 +1,73 @@
+"""The int8 tiles' weight decode (kernels/cpu/quant_int8_unpack.h): 16 weight rows' quant
+words moved straight into the tile layout and their scales decoded 16 rows per vector, for
+every kernel type. Checked through the many-row int8 GEMM at shapes where every part of
+the decode runs short: an odd number of blocks / super-blocks, a last tile of fewer than
+16 rows (it repeats its last row), a last group of fewer than 4 tiles; against the gguf
+package's dequantize times x rounded as the kernel rounds it (float32), and against
+quant_int8.cpp's multi-row loop (its own per-row decode, the same integer products)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagewarden.kernels.cpu import quant as cpu_quant
+from pagewarden.kernels.cpu.quant import QuantWeight
+from tests.kernels.test_quant_int8_row import _guarded
+from tests.models.test_cpu_quant import TYPES, needs_int8, q8_round, random_weight, reference
+
+
+@pytest.fixture
+def tiles_from():
+    """Sets the rows from which int8 calls run the int8 tiles; restored afterwards."""
+    ext = cpu_quant.load()
+    old = ext.set_int8_tiles_min_rows(3)
+    ext.set_int8_tiles_min_rows(old)
+    yield ext.set_int8_tiles_min_rows
+    ext.set_int8_tiles_min_rows(old)
+
+
+def _k(name: str, blocks: int) -> int:
+    return blocks * cpu_quant.KERNEL_TYPES[TYPES[name]][1]
+
+
+def _near(out: torch.Tensor, want: torch.Tensor) -> bool:
+    """Within the bf16 rounding of the output (float32 sums in another order)."""
+    return bool(((out.float() - want).abs() <= want.abs() / 256 + 1e-4 * want.abs().max()).all())
+
+
+@needs_int8
+@pytest.mark.parametrize("name", sorted(TYPES))
+@pytest.mark.parametrize("blocks", [1, 3, 5])
+def test_unpacked_tiles_are_the_dequantized_weights(name, blocks, tiles_from):
+    tiles_from(2)
+    k, n, m = _k(name, blocks), 53, 7  # 4 tiles (the last of 5 rows): one short group
+    w = random_weight(name, n, k, seed=blocks)
+    g = torch.Generator().manual_seed(blocks)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    exact = q8_round(x) @ reference(w).T
+    out = cpu_quant.gemm(x, w, kernel="int8")
+    assert _near(out, exact), (out.float() - exact).abs().max()
+    tiles_from(1 << 30)  # quant_int8.cpp's loop: decode_u per row
+    loop = cpu_quant.gemm(x, w, kernel="int8")
+    assert _near(out, loop.float())
+
+
+@needs_int8
+@pytest.mark.parametrize("name", sorted(TYPES))
+def test_unpacked_tiles_read_nothing_past_the_weight(name, tiles_from):
+    """A weight whose last row ends where an unreadable page begins (Q6_K's d is the
+    block's last 2 bytes; a short last tile repeats its last row): no fault, and the
+    same output as a copy of it."""
+    tiles_from(2)
+    k, n = _k(name, 3), 21
+    w = random_weight(name, n, k, seed=7)
+    region, arr = _guarded(w.nbytes)
+    arr[:] = w.data.numpy().reshape(-1)
+    guarded = QuantWeight(torch.from_numpy(arr).view(w.data.shape), w.qtype, w.shape)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(2)).bfloat16()
+    got = cpu_quant.gemm(x, guarded, kernel="int8")
+    assert torch.equal(got, cpu_quant.gemm(x, w, kernel="int8"))
+    assert _near(got, q8_round(x) @ reference(w).T)
+    del guarded, arr
+    region.close()
