@@ -71,3 +71,30 @@ def test_unpacked_tiles_read_nothing_past_the_weight(name, tiles_from):
     assert _near(got, q8_round(x) @ reference(w).T)
     del guarded, arr
     region.close()
+
+
+@needs_int8
+@pytest.mark.parametrize("rows", [2, 17])  # quant_int8.cpp's loop; the tiles
+def test_gelu_tanh_fused_into_the_int8_gemm(rows, tiles_from):
+    """GELU-tanh(gate) * up (Gemma's gate_up) in the int8 kernels' epilogue, float32 sums
+    rounded once; ``gemv_gated`` sends a decode batch's rows there and leaves a prefill's
+    (no decode batch) to the GEMM + torch (None)."""
+    tiles_from(3)
+    w = random_weight("Q5_0", 2 * 72, 96, seed=rows)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    exact = q8_round(x) @ reference(w).T
+    want = torch.nn.functional.gelu(exact[:, :72], approximate="tanh") * exact[:, 72:]
+
+    def near(out: torch.Tensor) -> bool:
+        err = (out.float() - want).abs()
+        return bool((err <= want.abs() / 128 + 1e-4 * want.abs().max()).all())
+
+    ext = cpu_quant.load()
+    assert near(ext.gemm(x, w.data, w.qtype, None, True, False, False, True, True))
+    assert cpu_quant.gemv_gated(x, w, "gelu_tanh") is None
+    with cpu_quant.decode_batch(True):
+        got = cpu_quant.gemv_gated(x, w, "gelu_tanh")
+    if rows < cpu_quant.INT8_DECODE_MIN_ROWS:
+        assert got is None
+    else:
+        assert got is not None and got.shape == (rows, 72) and near(got)

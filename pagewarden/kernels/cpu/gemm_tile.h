@@ -82,7 +82,7 @@ inline __m256i to_bf16(__m512 v) {
 
 // Writes rows [m0, m0 + R) of a group of C column tiles whose first output column is col0
 // (quant_tiles.cpp, quant_int8_tiles.cpp): p.silu: the tiles alternate gate, up and out =
-// silu(gate) * up; + p.res (bf16, row stride ldres) where set; bf16 p.out or float32
+// silu(gate) * up (p.gelu: gelu_tanh(gate) * up); + p.res (bf16, row stride ldres) where set; bf16 p.out or float32
 // p.out_f32, (M, n_out) contiguous.
 template <int R, int C, class P>
 inline void tiles_epilogue(const P& p, const __m512 (&acc)[R][C], int64_t m0, int64_t col0) {
@@ -93,7 +93,8 @@ inline void tiles_epilogue(const P& p, const __m512 (&acc)[R][C], int64_t m0, in
     for (int j = 0; j + step - 1 < C; j += step) {
       const int64_t col = col0 + j / step * TW;
       const __mmask16 mask = p.n_out - col >= TW ? 0xFFFF : (1u << (p.n_out - col)) - 1;
-      __m512 v = p.silu ? gated<kSilu>(acc[i][j], acc[i][j + 1]) : acc[i][j];
+      __m512 v = acc[i][j];
+      if (p.silu) v = p.gelu ? gated<kGeluTanh>(v, acc[i][j + 1]) : gated<kSilu>(v, acc[i][j + 1]);
       if (p.res) {
         const __m256i r = _mm256_maskz_loadu_epi16(mask, p.res + row * p.ldres + col);
         v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)));

@@ -285,8 +285,8 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, const c1
   }
   if (p.m == 0 || p.n_out == 0) return out;
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  // gelu: GELU-tanh(gate) * up, the epilogue of quant_int8.cpp only
-  TORCH_CHECK(!gelu || (silu_mul && int8 && p.m < int8_tiles_min_rows()), "gelu: int8 gated calls of few rows only");
+  // gelu: GELU-tanh(gate) * up, the epilogues of quant_int8.cpp and the int8 tiles only
+  TORCH_CHECK(!gelu || (silu_mul && int8), "gelu: int8 gated calls only");
   if (int8) {  // quant_int8.cpp
     TORCH_CHECK(bf16 && !portable && has_int8_kernel(), "cpu_quant int8: needs bf16 x and an AVX512-VNNI build");
     TORCH_CHECK(p.k % 32 == 0 && (x.data_ptr() != nullptr), "cpu_quant int8: K a multiple of 32");
@@ -298,7 +298,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, const c1
                         float_out ? out.data_ptr<float>() : nullptr, gelu};
     if (p.m >= int8_tiles_min_rows() && has_int8_tiles_kernel())  // quant_int8_tiles.cpp
       gemm_int8_tiles(TilesProblem{q.type, q.w, q.row_bytes, q.m, q.k, q.n_out, q.silu, q.x, q.ldx, q.res, q.ldres,
-                                   q.out, q.out_f32});
+                                   q.out, q.out_f32, gelu});
     else
       gemm_int8(q);
     return out;
@@ -368,9 +368,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rows from which int8 calls run the int8 tiles (below: quant_int8.cpp); returns the old value");
   m.def("has_int8_tiles_kernel", &has_int8_tiles_kernel, "whether this build has the int8 tiles (AVX512-VNNI)");
   m.def("has_int8_kernel", &has_int8_kernel, "whether this build has the AVX512-VNNI int8 path");
-  m.def("gemm", [](const at::Tensor& x, const at::Tensor& w, int64_t type, const c10::optional<at::Tensor>& residual,
-                   bool silu_mul, bool portable, bool float_out,
-                   bool int8) { return gemm(x, w, type, residual, silu_mul, portable, float_out, int8); },
-        "x @ W^T against GGUF-quantized W, fused epilogues (int8: quant_int8.cpp)");
+  m.def("gemm", &gemm, "x @ W^T against GGUF-quantized W, fused epilogues (int8: quant_int8.cpp; gelu: with "
+        "silu_mul and int8, GELU-tanh(gate) * up)", py::arg("x"), py::arg("w"), py::arg("type"), py::arg("residual"),
+        py::arg("silu_mul"), py::arg("portable"), py::arg("float_out"), py::arg("int8"), py::arg("gelu") = false);
   m.def("gemv_auto", &gemv_auto, "gemm's auto rule for one bf16 row (the int8 GEMV; act 0/1/2), or None");
 }

@@ -283,10 +283,17 @@ GATED_ACTS = {"silu": 1, "gelu_tanh": 2}
 
 
 def gemv_gated(x: torch.Tensor, w: QuantWeight, act: str) -> torch.Tensor | None:
-    """act(gate) * up (1, N / 2) for W = [gate; up] and one bf16 row x (1, K), through the
-    int8 GEMV with the activation fused (``act`` "silu" or "gelu_tanh", torch's
-    approximate="tanh", in float32 on the float32 sums, rounded once); None where
-    ``gemm``'s one-row rule does not send x there (then compute the GEMM, then act)."""
+    """act(gate) * up (M, N / 2) for W = [gate; up] and bf16 rows x (M, K), through the
+    int8 kernels with the activation fused (``act`` "silu" or "gelu_tanh", torch's
+    approximate="tanh", in float32 on the float32 sums, rounded once): one row through the
+    int8 GEMV, several where ``pick_kernel`` sends them to int8 (a decode batch's tiles);
+    None where neither applies (then compute the GEMM, then act)."""
+    if x.dim() == 2 and x.shape[0] > 1:
+        ext = _require()
+        if pick_kernel(ext, x, w) != "int8":
+            return None
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        return ext.gemm(x, w.data, w.qtype, None, True, False, False, True, act == "gelu_tanh")
     if FORCED_KERNEL not in (None, "int8") or not INT8_MAX_ROWS:
         return None
     return _require().gemv_auto(x, w.data, w.qtype, None, GATED_ACTS[act], False)
