@@ -64,8 +64,9 @@ def calls(model: torch.nn.Module, rows: int) -> dict[str, list[tuple[str, Call]]
         )
         out["down"].append((type_of(dn), lambda n=dn, d=d, r=res: cpu_linear.linear_add(n, d, r)))
     x = torch.randn(rows, model.lm_head.in_features, dtype=torch.bfloat16)
-    # compute_logits: the lm_head GEMM and the logits in float32, as the engine's step
-    out["lm_head"].append((type_of(model.lm_head), lambda: model.compute_logits(x)))
+    # compute_logits as the runner calls it (dtype=None: bf16 logits under none, float32
+    # from a quantized lm_head)
+    out["lm_head"].append((type_of(model.lm_head), lambda: model.compute_logits(x, dtype=None)))
     return out
 
 
