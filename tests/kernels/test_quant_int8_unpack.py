@@ -98,3 +98,24 @@ def test_gelu_tanh_fused_into_the_int8_gemm(rows, tiles_from):
         assert got is None
     else:
         assert got is not None and got.shape == (rows, 72) and near(got)
+
+
+@needs_int8
+def test_decode_batch_logits_are_bf16_as_none(tiles_from):
+    """A float_out (lm_head) weight returns float32 logits, except for a decode batch's
+    int8 rows: bf16 there, as the bf16 path's lm_head returns them (the float32 logits of
+    64 x 262144 cost about 1.3x the GEMM's CPU time); the values are the float32 ones
+    rounded once."""
+    tiles_from(3)
+    w = random_weight("Q8_0", 40, 64, seed=4)
+    head = QuantWeight(w.data, w.qtype, w.shape, float_out=True)
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    full = cpu_quant.gemm(x, head)  # not a decode batch: bf16-decode, float32 logits
+    assert full.dtype == torch.float32
+    with cpu_quant.decode_batch(True):
+        batch = cpu_quant.gemm(x, head)
+        one = cpu_quant.gemm(x[:1], head)  # one row (the int8 GEMV): float32 still
+    assert batch.dtype == torch.bfloat16 and one.dtype == torch.float32
+    want = q8_round(x) @ reference(w).T
+    assert _near(batch, want)
+    assert torch.equal(batch, cpu_quant.gemm(x, head, kernel="int8").bfloat16())

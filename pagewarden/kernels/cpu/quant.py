@@ -249,7 +249,8 @@ def gemm(
 ) -> torch.Tensor:
     """x (M, K) @ W^T (M, N) [+ residual], or silu(gate) * up (M, N / 2) for W = [gate; up].
     x bf16 or float32 (other dtypes are computed in float32 and cast back); the output in
-    x's dtype, or float32 for a ``float_out`` weight. ``kernel``: int8 (activations
+    x's dtype, or float32 for a ``float_out`` weight (not for a ``decode_batch``'s int8
+    rows: bf16 logits there, as ``none``'s). ``kernel``: int8 (activations
     quantized per block of 32; bf16 x and an AVX512-VNNI build, else ValueError), bf16
     (weights decoded to bf16), or auto (``pick_kernel``); ``portable`` forces the scalar
     path. A ``QuantRows`` weight: one call per part (no ``silu_mul``: ValueError)."""
@@ -274,6 +275,10 @@ def gemm(
     if residual is not None and (residual.dtype != x.dtype or residual.stride(-1) != 1):
         residual = residual.to(x.dtype).contiguous()
     float_out = w.float_out and residual is None and not silu_mul
+    if float_out and kernel == "int8" and x.shape[0] > 1 and _DECODE_BATCH.get():
+        # a decode batch's logits in bf16, as ``none``'s: 64 x 262144 float32 logits cost
+        # about 1.3x the lm_head's CPU time (docs/quantization.md)
+        float_out = False
     out = ext.gemm(x, w.data, w.qtype, residual, silu_mul, portable, float_out, kernel == "int8")
     return out if out.dtype == dtype or float_out else out.to(dtype)
 
