@@ -35,13 +35,13 @@ def _outputs(x: torch.Tensor, w: QuantWeight, residual: torch.Tensor) -> dict[st
 
 
 @needs_int8
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_four_block_steps_at_odd_block_and_row_counts(name, monkeypatch):
-    """K of 1 to 5 blocks and 17, 18 (a short last step of 1, 2 or 3 blocks, or none);
+    """(Q8_0: quant_int8_row.h's quads8, three loads per 4 blocks.) K of 1 to 5 blocks and 17, 18 (a short last step of 1, 2 or 3 blocks, or none);
     rows not a multiple of the 8 per pass; residual and SiLU*up epilogues. Against the
     multi-row loop (PAGEWARDEN_INT8_ROW=0: the same int8 activations and integer products,
     another float32 summation order) and the float32 product of the int8-rounded x."""
-    for k in (32, 64, 96, 128, 160, 544, 576):
+    for k in (32, 64, 96, 128, 160, 544, 576, 640):
         for n in (1, 7, 9, 18):
             w = random_weight(name, n, k, seed=n * k)
             x = torch.randn(1, k, generator=torch.Generator().manual_seed(k + n)).bfloat16()
