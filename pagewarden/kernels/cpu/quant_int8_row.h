@@ -72,6 +72,7 @@ struct RowX {
   std::vector<float> s16;    // (2 nbp) 32 * dx * sum of 16 v (Q6_K's offset of 32)
   std::vector<float> dx4;    // (nbp * 4) quad(): per int32 lane of a quad (4 per block), dx
   std::vector<float> sx4;    // (nbp * 4) quad(): dx * sum v of block b in lane 4b, 0 elsewhere
+  std::vector<int32_t> c4;   // (nbp * 4) quad() Q4_0 / Q5_0: offset (-8 / -16) * the lane's sum of its 8 v
   std::vector<float> dx8;    // (nbp * 8) quad8(): dx per int32 lane (8 per block)
   std::vector<int32_t> c8;   // (nbp * 8) quad8(): -128 * the lane's sum of its 4 v
 };
@@ -85,6 +86,8 @@ inline void quantize_row(const uint16_t* x, int64_t k, int type, RowX* out) {
   out->s16.assign(size_t(2 * nbp), 0.0f);
   out->dx4.assign(quad(type) ? size_t(4 * nbp) : 0, 0.0f);
   out->sx4.assign(quad(type) ? size_t(4 * nbp) : 0, 0.0f);
+  const int offset = quad(type) ? (type == Q4_0 ? -8 : type == Q5_0 ? -16 : 0) : 0;
+  out->c4.assign(offset ? size_t(4 * nbp) : 0, 0);
   out->dx8.assign(quad8(type) ? size_t(8 * nbp) : 0, 0.0f);
   out->c8.assign(quad8(type) ? size_t(8 * nbp) : 0, 0);
   const bool inter = interleaved(type), four = quad(type);
@@ -112,6 +115,12 @@ inline void quantize_row(const uint16_t* x, int64_t k, int type, RowX* out) {
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst0), _mm512_cvtsepi32_epi8(qlo));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst1), _mm512_cvtsepi32_epi8(qhi));
+    if (offset) {  // quad lane 4 (b % 4) + l: v[4l .. 4l + 3] over the low and the high nibbles
+      for (int l = 0; l < 4; ++l) {
+        const int8_t *lo = dst0 + 4 * l, *hi = dst1 + 4 * l;
+        out->c4[size_t(4 * b + l)] = offset * (int32_t(lo[0]) + lo[1] + lo[2] + lo[3] + hi[0] + hi[1] + hi[2] + hi[3]);
+      }
+    }
     if (quad8(type)) {  // natural order: lane l of block b holds v[4l .. 4l + 3]
       for (int l = 0; l < 8; ++l) {
         const int8_t* v = dst0 + 4 * l;
@@ -257,8 +266,8 @@ struct RowGemv {
       const __m512i xlo = _mm512_loadu_si512(x.q.data() + c * 128), xhi = _mm512_loadu_si512(x.q.data() + c * 128 + 64);
       const __m512 dx = _mm512_loadu_ps(x.dx4.data() + c * 16);
       const __m512 sx = _mm512_loadu_ps(x.sx4.data() + c * 16);
-      constexpr float kBias = type == Q4_0 ? -8.0f : type == Q5_0 ? -16.0f : 1.0f;
-      const __m512 sxb = with_min ? sx : _mm512_mul_ps(sx, _mm512_set1_ps(kBias));  // w = d u + kBias d
+      // w = d u + m (sums from 0), or d (u + offset): the sums start from offset * sum v
+      const __m512i start = with_min ? _mm512_setzero_si512() : _mm512_loadu_si512(x.c4.data() + c * 16);
       for (int j = 0; j < C; ++j) {
         const uint8_t* r = rows[j] + off;
         _mm_prefetch(reinterpret_cast<const char*>(r + ahead), _MM_HINT_T1);
@@ -274,11 +283,10 @@ struct RowGemv {
           lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(uint64_t(_mm_cvtsi128_si64(h))), lo, sixteen);
           hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(uint64_t(_mm_extract_epi64(h, 1))), hi, sixteen);
         }
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo), hi, xhi);
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, lo, xlo), hi, xhi);
         const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(dm));
         acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, dx), acc[j]);
-        const __m512 m = with_min ? _mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1)) : d;
-        acc[j] = _mm512_fmadd_ps(m, sxb, acc[j]);
+        if constexpr (with_min) acc[j] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1)), sx, acc[j]);
       }
     }
     for (int j = 0; j < C; j += 4) reduce4(acc + j, out + j);
