@@ -36,6 +36,10 @@
 // their fifth bits: the 4 blocks' qh words, picked by a vpermt2w (Q5_0: in the scales'
 // permute), are the two 64-bit masks of one masked add of 16 each over the low and the high
 // nibbles. Needs AVX512-VBMI (vpermt2b); without it these types take the pair path.
+// Q4_0 / Q5_0 start the integer sums from their offset (-8 / -16) times each lane's sum of
+// activations (RowX::c4), so no float term for it. Q8_0 (`quad8`, Gemma 3's tied lm_head)
+// also goes 4 blocks (136 bytes) per step: three 64-byte loads, two vpermt2b for the quant
+// bytes, one vpermt2w for the scales, the sums started from -128 * the lane sums.
 #pragma once
 
 #include <array>
