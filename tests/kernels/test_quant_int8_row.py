@@ -35,13 +35,13 @@ def _outputs(x: torch.Tensor, w: QuantWeight, residual: torch.Tensor) -> dict[st
 
 
 @needs_int8
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_four_block_steps_at_odd_block_and_row_counts(name, monkeypatch):
-    """K of 1 to 5 blocks and 17, 18 (a short last step of 1, 2 or 3 blocks, or none);
+    """(Q8_0: quant_int8_row.h's quads8, three loads per 4 blocks.) K of 1 to 5 blocks and 17, 18 (a short last step of 1, 2 or 3 blocks, or none);
     rows not a multiple of the 8 per pass; residual and SiLU*up epilogues. Against the
     multi-row loop (PAGEWARDEN_INT8_ROW=0: the same int8 activations and integer products,
     another float32 summation order) and the float32 product of the int8-rounded x."""
-    for k in (32, 64, 96, 128, 160, 544, 576):
+    for k in (32, 64, 96, 128, 160, 544, 576, 640):
         for n in (1, 7, 9, 18):
             w = random_weight(name, n, k, seed=n * k)
             x = torch.randn(1, k, generator=torch.Generator().manual_seed(k + n)).bfloat16()
@@ -139,3 +139,37 @@ def test_gelu_tanh_gate_fused_into_the_one_row_gemv(name):
             silu = cpu_quant.gemv_gated(x, w, "silu")
             assert torch.equal(silu, cpu_quant.gemm(x, w, silu_mul=True, kernel="int8"))
             assert cpu_quant.gemv_gated(torch.cat([x, x]), w, "gelu_tanh") is None
+
+
+@needs_int8
+def test_quant_rows_one_row_in_one_call():
+    """A ``QuantRows`` weight (Q5_0, Q8_0 and Q4_K row ranges over one K, as Gemma 3's mixed
+    q/k/v) against one bf16 row: ``gemm`` runs every part in one extension call
+    (``gemv_parts``) into one output, equal to each part's own int8 GEMV side by side, with
+    and without a residual; against the gguf package's dequantize times the int8-rounded x
+    in float32 within a bf16 step; None (the per-part path) for two rows."""
+    from pagewarden.kernels.cpu.quant import QuantRows
+
+    k = 512
+    parts = [random_weight("Q5_0", 12, k, 1), random_weight("Q8_0", 5, k, 2)]
+    parts.append(random_weight("Q4_K", 3, k, 3))
+    rows = QuantRows(tuple(parts))
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(5)).bfloat16()
+    residual = torch.randn(1, 20, generator=torch.Generator().manual_seed(6)).bfloat16()
+    for res in (None, residual):
+        got = cpu_quant.gemm(x, rows, residual=res)
+        cols, start = [], 0
+        for p in parts:
+            r = None if res is None else res[:, start : start + p.shape[0]]
+            cols.append(cpu_quant.gemm(x, p, residual=r, kernel="int8"))
+            start += p.shape[0]
+        assert got.shape == (1, 20) and torch.equal(got, torch.cat(cols, dim=-1))
+        exact = torch.cat([expected(x, p) for p in parts], dim=-1)
+        if res is not None:
+            exact = exact + res.float()
+        step = exact.abs() / 128 + 1e-3 * exact.abs().max()
+        assert ((got.float() - exact).abs() <= step).all()
+    ext = cpu_quant.load()
+    two = torch.randn(2, k).bfloat16()
+    assert ext.gemv_parts(two, [p.data for p in parts], [p.qtype for p in parts], None) is None
+    assert cpu_quant.gemm(two, rows).shape == (2, 20)

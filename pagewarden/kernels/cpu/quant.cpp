@@ -257,7 +257,8 @@ at::Tensor dequantize(const at::Tensor& w, int64_t type, int64_t k) {
 }
 
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, const c10::optional<at::Tensor>& residual,
-                bool silu_mul, bool portable, bool float_out, bool int8, bool gelu = false) {
+                bool silu_mul, bool portable, bool float_out, bool int8, bool gelu = false,
+                const at::Tensor* into = nullptr) {
   Problem p{};
   p.type = int(type);
   TORCH_CHECK(type_info(p.type, &p.ti), "cpu_quant: unsupported type ", type);
@@ -276,7 +277,11 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, const c1
   p.silu = silu_mul;
   p.n_out = silu_mul ? p.n / 2 : p.n;
   TORCH_CHECK(!float_out || !residual, "float_out: no residual");
-  at::Tensor out = at::empty({p.m, p.n_out}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
+  // into (gemv_parts): a (1, n_out) column slice of a wider bf16 output, one row only
+  TORCH_CHECK(!into || (p.m == 1 && into->size(1) == p.n_out && into->scalar_type() == x.scalar_type() && !float_out),
+              "into: one row of x's dtype");
+  at::Tensor out =
+      into ? *into : at::empty({p.m, p.n_out}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
   at::Tensor res;
   if (residual) {
     res = *residual;
@@ -358,6 +363,29 @@ at::Tensor gemv_auto(const at::Tensor& x, const at::Tensor& w, int64_t type, con
   return gemm(x, w, type, residual, act > 0, false, float_out && !residual && act == 0, true, act == 2);
 }
 
+// A QuantRows weight (row ranges of different types over one K) against one bf16 row:
+// every part's int8 GEMV written into its columns of one (1, N) output, the residual split
+// the same way; one call from Python, no concatenation. None where gemv_auto's rule does
+// not apply.
+at::Tensor gemv_parts(const at::Tensor& x, const std::vector<at::Tensor>& ws, const std::vector<int64_t>& types,
+                      const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(!ws.empty() && ws.size() == types.size(), "gemv_parts: one type per part");
+  if (!has_int8_kernel() || x.dim() != 2 || x.size(0) != 1 || x.scalar_type() != at::kBFloat16 || x.stride(1) != 1)
+    return {};
+  if (residual && (residual->scalar_type() != at::kBFloat16 || residual->stride(-1) != 1)) return {};
+  int64_t n = 0;
+  for (const auto& w : ws) n += w.size(0);
+  TORCH_CHECK(!residual || (residual->dim() == 2 && residual->size(1) == n), "residual: (1, N)");
+  at::Tensor out = at::empty({1, n}, x.options());
+  for (size_t i = 0, col = 0; i < ws.size(); col += size_t(ws[i].size(0)), ++i) {
+    const at::Tensor o = out.narrow(1, int64_t(col), ws[i].size(0));
+    c10::optional<at::Tensor> r;
+    if (residual) r = residual->narrow(1, int64_t(col), ws[i].size(0));
+    gemm(x, ws[i], types[i], r, false, false, false, true, false, &o);
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_pool", &pw::set_pool, "hand work items to the pool behind a cpu_pool capsule");
   m.def("has_vector_kernel", &has_vector_kernel, "whether this build has the AVX512-BF16 path");
@@ -368,8 +396,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rows from which int8 calls run the int8 tiles (below: quant_int8.cpp); returns the old value");
   m.def("has_int8_tiles_kernel", &has_int8_tiles_kernel, "whether this build has the int8 tiles (AVX512-VNNI)");
   m.def("has_int8_kernel", &has_int8_kernel, "whether this build has the AVX512-VNNI int8 path");
-  m.def("gemm", &gemm, "x @ W^T against GGUF-quantized W, fused epilogues (int8: quant_int8.cpp; gelu: with "
-        "silu_mul and int8, GELU-tanh(gate) * up)", py::arg("x"), py::arg("w"), py::arg("type"), py::arg("residual"),
-        py::arg("silu_mul"), py::arg("portable"), py::arg("float_out"), py::arg("int8"), py::arg("gelu") = false);
+  m.def(
+      "gemm",
+      [](const at::Tensor& x, const at::Tensor& w, int64_t type, const c10::optional<at::Tensor>& residual,
+         bool silu_mul, bool portable, bool float_out, bool int8,
+         bool gelu) { return gemm(x, w, type, residual, silu_mul, portable, float_out, int8, gelu); },
+      "x @ W^T against GGUF-quantized W, fused epilogues (int8: quant_int8.cpp; gelu: with silu_mul and int8, "
+      "GELU-tanh(gate) * up)",
+      py::arg("x"), py::arg("w"), py::arg("type"), py::arg("residual"), py::arg("silu_mul"), py::arg("portable"),
+      py::arg("float_out"), py::arg("int8"), py::arg("gelu") = false);
+  m.def("gemv_parts", &gemv_parts, "a QuantRows weight's parts against one bf16 row, into one output (or None)");
   m.def("gemv_auto", &gemv_auto, "gemm's auto rule for one bf16 row (the int8 GEMV; act 0/1/2), or None");
 }

@@ -315,6 +315,11 @@ def _gemm_rows(
 ) -> torch.Tensor:
     if silu_mul:
         raise ValueError("silu_mul over a QuantRows weight: apply the activation after the GEMM")
+    if kernel == "auto" and not portable and FORCED_KERNEL in (None, "int8") and INT8_MAX_ROWS:
+        types = [p.qtype for p in w.parts]  # one bf16 row: every part in one C++ call
+        out = ext.gemv_parts(x, [p.data for p in w.parts], types, residual)
+        if out is not None:
+            return out
     outs, start = [], 0
     for p in w.parts:
         res = None if residual is None else residual[..., start : start + p.shape[0]]

@@ -36,6 +36,10 @@
 // their fifth bits: the 4 blocks' qh words, picked by a vpermt2w (Q5_0: in the scales'
 // permute), are the two 64-bit masks of one masked add of 16 each over the low and the high
 // nibbles. Needs AVX512-VBMI (vpermt2b); without it these types take the pair path.
+// Q4_0 / Q5_0 start the integer sums from their offset (-8 / -16) times each lane's sum of
+// activations (RowX::c4), so no float term for it. Q8_0 (`quad8`, Gemma 3's tied lm_head)
+// also goes 4 blocks (136 bytes) per step: three 64-byte loads, two vpermt2b for the quant
+// bytes, one vpermt2w for the scales, the sums started from -128 * the lane sums.
 #pragma once
 
 #include <array>
@@ -50,8 +54,15 @@ inline constexpr bool quad(int type) { return type == Q4_0 || type == Q4_1 || ty
 inline constexpr bool quad(int) { return false; }
 #endif
 
+// Q8_0 four blocks per step (quads8 below; the tied lm_head of Gemma 3 Q4_K_M files).
+#if defined(__AVX512VBMI__)
+inline constexpr bool quad8(int type) { return type == Q8_0; }
+#else
+inline constexpr bool quad8(int) { return false; }
+#endif
+
 // Weight rows per pass of `type` (silu: half gate, half up).
-inline constexpr int rows_per_pass(int type) { return quad(type) ? 8 : kRowsPerPass; }
+inline constexpr int rows_per_pass(int type) { return quad(type) || quad8(type) ? 8 : kRowsPerPass; }
 constexpr int kMaxRowsPerPass = 8;
 
 inline bool interleaved(int type) { return !quad(type) && (type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1); }
@@ -65,6 +76,9 @@ struct RowX {
   std::vector<float> s16;    // (2 nbp) 32 * dx * sum of 16 v (Q6_K's offset of 32)
   std::vector<float> dx4;    // (nbp * 4) quad(): per int32 lane of a quad (4 per block), dx
   std::vector<float> sx4;    // (nbp * 4) quad(): dx * sum v of block b in lane 4b, 0 elsewhere
+  std::vector<int32_t> c4;   // (nbp * 4) quad() Q4_0 / Q5_0: offset (-8 / -16) * the lane's sum of its 8 v
+  std::vector<float> dx8;    // (nbp * 8) quad8(): dx per int32 lane (8 per block)
+  std::vector<int32_t> c8;   // (nbp * 8) quad8(): -128 * the lane's sum of its 4 v
 };
 
 inline void quantize_row(const uint16_t* x, int64_t k, int type, RowX* out) {
@@ -76,6 +90,10 @@ inline void quantize_row(const uint16_t* x, int64_t k, int type, RowX* out) {
   out->s16.assign(size_t(2 * nbp), 0.0f);
   out->dx4.assign(quad(type) ? size_t(4 * nbp) : 0, 0.0f);
   out->sx4.assign(quad(type) ? size_t(4 * nbp) : 0, 0.0f);
+  const int offset = quad(type) ? (type == Q4_0 ? -8 : type == Q5_0 ? -16 : 0) : 0;
+  out->c4.assign(offset ? size_t(4 * nbp) : 0, 0);
+  out->dx8.assign(quad8(type) ? size_t(8 * nbp) : 0, 0.0f);
+  out->c8.assign(quad8(type) ? size_t(8 * nbp) : 0, 0);
   const bool inter = interleaved(type), four = quad(type);
   for (int64_t b = 0; b < nb; ++b) {
     const uint16_t* src = x + b * 32;
@@ -101,6 +119,19 @@ inline void quantize_row(const uint16_t* x, int64_t k, int type, RowX* out) {
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst0), _mm512_cvtsepi32_epi8(qlo));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst1), _mm512_cvtsepi32_epi8(qhi));
+    if (offset) {  // quad lane 4 (b % 4) + l: v[4l .. 4l + 3] over the low and the high nibbles
+      for (int l = 0; l < 4; ++l) {
+        const int8_t *lo = dst0 + 4 * l, *hi = dst1 + 4 * l;
+        out->c4[size_t(4 * b + l)] = offset * (int32_t(lo[0]) + lo[1] + lo[2] + lo[3] + hi[0] + hi[1] + hi[2] + hi[3]);
+      }
+    }
+    if (quad8(type)) {  // natural order: lane l of block b holds v[4l .. 4l + 3]
+      for (int l = 0; l < 8; ++l) {
+        const int8_t* v = dst0 + 4 * l;
+        out->c8[size_t(8 * b + l)] = -128 * (int32_t(v[0]) + v[1] + v[2] + v[3]);
+        out->dx8[size_t(8 * b + l)] = d;
+      }
+    }
     out->d[size_t(b)] = d;
     out->s32[size_t(b)] = d * float(s0 + s1);
     out->d16[size_t(2 * b)] = out->d16[size_t(2 * b + 1)] = d;
@@ -239,8 +270,8 @@ struct RowGemv {
       const __m512i xlo = _mm512_loadu_si512(x.q.data() + c * 128), xhi = _mm512_loadu_si512(x.q.data() + c * 128 + 64);
       const __m512 dx = _mm512_loadu_ps(x.dx4.data() + c * 16);
       const __m512 sx = _mm512_loadu_ps(x.sx4.data() + c * 16);
-      constexpr float kBias = type == Q4_0 ? -8.0f : type == Q5_0 ? -16.0f : 1.0f;
-      const __m512 sxb = with_min ? sx : _mm512_mul_ps(sx, _mm512_set1_ps(kBias));  // w = d u + kBias d
+      // w = d u + m (sums from 0), or d (u + offset): the sums start from offset * sum v
+      const __m512i start = with_min ? _mm512_setzero_si512() : _mm512_loadu_si512(x.c4.data() + c * 16);
       for (int j = 0; j < C; ++j) {
         const uint8_t* r = rows[j] + off;
         _mm_prefetch(reinterpret_cast<const char*>(r + ahead), _MM_HINT_T1);
@@ -256,11 +287,61 @@ struct RowGemv {
           lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(uint64_t(_mm_cvtsi128_si64(h))), lo, sixteen);
           hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(uint64_t(_mm_extract_epi64(h, 1))), hi, sixteen);
         }
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo), hi, xhi);
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, lo, xlo), hi, xhi);
         const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(dm));
         acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, dx), acc[j]);
-        const __m512 m = with_min ? _mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1)) : d;
-        acc[j] = _mm512_fmadd_ps(m, sxb, acc[j]);
+        if constexpr (with_min) acc[j] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1)), sx, acc[j]);
+      }
+    }
+    for (int j = 0; j < C; j += 4) reduce4(acc + j, out + j);
+  }
+
+  // Q8_0 (quad8()): 4 blocks (136 bytes) per step from three 64-byte loads (at 0, 64 and
+  // 72: never past the quad), no gather. Two vpermt2b pick blocks 0-1 and 2-3's quant
+  // bytes (xor 0x80: u = q + 128), one vpermt2w the 4 fp16 scales spread to the lanes; the
+  // integer sums start from -128 * the lane's sum of v (RowX::c8), so each int32 lane is
+  // sum q v exactly and one FMA per two blocks applies d * dx.
+  void quads8(const uint8_t* const* rows, int64_t ahead, float* out) const {
+    constexpr int C = rows_per_pass(type);
+    static constexpr auto kIdx = [] {
+      std::array<uint8_t, 192> t{};
+      for (int i = 0; i < 64; ++i) {
+        t[i] = uint8_t(i + 2 + (i >= 32 ? 2 : 0));          // [A | B]: bytes 2-33, 36-67
+        const int a = i < 32 ? 70 + i : 72 + i;              // bytes 70-101, 104-135
+        t[64 + i] = uint8_t(a < 72 ? a - 64 : 64 + a - 72);  // [B (64-127) | C (72-135)]
+      }
+      for (int i = 0; i < 32; ++i) t[128 + 2 * i] = uint8_t(17 * (i / 8));  // words 0, 17, 34, 51
+      return t;
+    }();
+    const __m512i i01 = _mm512_loadu_si512(kIdx.data()), i23 = _mm512_loadu_si512(kIdx.data() + 64);
+    const __m512i idd = _mm512_loadu_si512(kIdx.data() + 128), flip = _mm512_set1_epi8(char(0x80));
+    const int64_t nb = k / 32, full = nb / 4;
+    __m512 acc[C];
+    for (int j = 0; j < C; ++j) acc[j] = _mm512_setzero_ps();
+    const auto mask = [](int n) { return n >= 64 ? ~__mmask64(0) : n <= 0 ? __mmask64(0) : (__mmask64(1) << n) - 1; };
+    for (int64_t c = 0; c < (nb + 3) / 4; ++c) {
+      const int64_t off = c * 136;
+      const int bytes = c < full ? 136 : int(nb - 4 * c) * 34;  // a short last quad
+      const __mmask64 ma = mask(bytes), mb = mask(bytes - 64), mc = mask(bytes - 72);
+      const __m512i v01 = _mm512_loadu_si512(x.q.data() + c * 128), v23 = _mm512_loadu_si512(x.q.data() + c * 128 + 64);
+      const __m512i c01 = _mm512_loadu_si512(x.c8.data() + c * 32), c23 = _mm512_loadu_si512(x.c8.data() + c * 32 + 16);
+      const __m512 dx01 = _mm512_loadu_ps(x.dx8.data() + c * 32), dx23 = _mm512_loadu_ps(x.dx8.data() + c * 32 + 16);
+      for (int j = 0; j < C; ++j) {
+        const uint8_t* r = rows[j] + off;
+        _mm_prefetch(reinterpret_cast<const char*>(r + ahead), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(r + ahead + 64), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(r + ahead + 135), _MM_HINT_T1);
+        const bool whole = c < full;
+        const __m512i a = whole ? _mm512_loadu_si512(r) : _mm512_maskz_loadu_epi8(ma, r);
+        const __m512i b = whole ? _mm512_loadu_si512(r + 64) : _mm512_maskz_loadu_epi8(mb, r + 64);
+        const __m512i e = whole ? _mm512_loadu_si512(r + 72) : _mm512_maskz_loadu_epi8(mc, r + 72);
+        const __m512i q01 = _mm512_xor_si512(_mm512_permutex2var_epi8(a, i01, b), flip);
+        const __m512i q23 = _mm512_xor_si512(_mm512_permutex2var_epi8(b, i23, e), flip);
+        const __m512i dd = _mm512_permutex2var_epi16(a, idd, b);
+        const __m512 d01 = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(dd)), dx01);
+        const __m512 d23 = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(dd, 1)), dx23);
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c01, q01, v01)), d01, acc[j]);
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c23, q23, v23)), d23, acc[j]);
       }
     }
     for (int j = 0; j < C; j += 4) reduce4(acc + j, out + j);
@@ -370,6 +451,8 @@ struct RowGemv {
       k6(rows, ahead, out);
     else if constexpr (quad(type))
       quads(rows, ahead, out);
+    else if constexpr (quad8(type))
+      quads8(rows, ahead, out);
     else
       small(rows, ahead, out);
   }
