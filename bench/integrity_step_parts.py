@@ -142,6 +142,13 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--decode-steps", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--batch-first",
+        type=int,
+        default=0,
+        help="before each level's timed run, N requests of --input-len/16 (as bench/"
+        "throughput.py's batch before its single stream: their blocks stay sealed, freed)",
+    )
     args = ap.parse_args()
     levels = args.levels.split(",")
     for name in ("slot_checksums", "allocate_read_checks"):
@@ -175,6 +182,9 @@ def main() -> None:
         order = levels[r % len(levels) :] + levels[: r % len(levels)]
         line = f"round {r}"
         for level in order:
+            if args.batch_first:
+                batch = [[100 + (r * 7 + j) % 999 for j in range(args.input_len)]]
+                run_level(engines[level], clocks[level], batch * args.batch_first, 16)
             steps, p = run_level(engines[level], clocks[level], prompts, args.decode_steps + 1)
             med[level].append(statistics.median(steps))
             for k, v in p.items():

@@ -340,8 +340,10 @@ class ChecksumChecks(GuardState):
         ]
 
     def unseal(self, block_ids) -> None:
-        """Forget the seals of quarantined blocks: their content is no longer trusted, and
-        the scrubber must not keep re-finding a block that is already out of service."""
+        """Forget the seals of quarantined blocks (their content is no longer trusted, and
+        the scrubber must not keep re-finding a block that is already out of service) and
+        of dead ones (``SchedulerOutput.dead_blocks``: nothing reads them before a new
+        life rewrites them, so scrubbing them would only delay the live blocks' turn)."""
         if block_ids:
             self.sealed[torch.tensor(list(block_ids), dtype=torch.int64)] = False
 
