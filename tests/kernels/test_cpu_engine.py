@@ -212,3 +212,30 @@ def test_a_finished_requests_blocks_are_unsealed_only_when_dead(tiny_llama_dir, 
         engine.add_request("next", prompt[:3], params)  # a step takes the frees
         engine.step()
         assert guard.num_sealed == left
+
+
+def test_strict_scrub_skips_picks_the_kernel_verifies_in_the_same_step(
+    tiny_llama_dir, vocab, monkeypatch
+):
+    """Strict: the kernel checksums every full context block a step reads against its
+    seal, so a scrub pick among them is not read from the cache a second time; a flip in
+    it is found in the next step, by that read."""
+    prompt = random_prompts(1, vocab, 40, 40, seed=14)[0]  # 2 full blocks and 8 tokens
+    llm = _llm(tiny_llama_dir, "cpu", integrity="strict", scrub_blocks_per_step=2)
+    engine, guard = llm.engine, llm.engine.runner.guard
+    engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    while not engine.scheduler.running or engine.scheduler.running[0].num_computed_tokens < 40:
+        engine.step()
+    assert guard.num_sealed == 2  # the picks are the two blocks every step reads
+    from_cache: list[int] = []
+    verify = guard._verify_sealed
+    monkeypatch.setattr(
+        guard, "_verify_sealed", lambda ids: from_cache.extend(ids.tolist()) or verify(ids)
+    )
+    engine.step()
+    assert not from_cache and not llm.stats().integrity.failures
+    first = engine.scheduler.kv.tables["r"].ids[0]
+    flip_bit(engine.kv_store.caches, first, 1, random.Random(0))
+    engine.step()
+    assert dict(llm.stats().integrity.failures) == {("checksum", "read"): 1}
+    assert not from_cache
