@@ -19,6 +19,7 @@ import collections
 import functools
 import os
 import random
+import resource
 import statistics
 import sys
 import time
@@ -128,10 +129,17 @@ def run_level(engine, clock, prompts, output_len, warm=False):
         decode = all(r.num_computed_tokens >= n_prompt for r in engine.scheduler.running)
         decode = decode and not engine.scheduler.waiting and bool(engine.scheduler.running)
         clock.totals.clear()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        r0 = resource.getrusage(resource.RUSAGE_THREAD)
         engine.step()
         dt = time.perf_counter() - t0
         if decode:
+            r1 = resource.getrusage(resource.RUSAGE_THREAD)
+            parts["(step, engine thread CPU)"] += time.thread_time() - c0
+            # Count-valued entries (printed per step as they are): the engine thread's
+            # context switches, voluntary (it slept or yielded) and not (preempted).
+            parts["#voluntary switches"] += (r1.ru_nvcsw - r0.ru_nvcsw) * 1e-3
+            parts["#involuntary switches"] += (r1.ru_nivcsw - r0.ru_nivcsw) * 1e-3
             steps.append(dt)
             for k, v in clock.totals.items():
                 parts[k] += v
