@@ -126,6 +126,7 @@ def _kv_calls(kv, rid: str, n: int, tokens: list[int], block, swapped: str) -> l
         ("BlockPool", "release_quarantine", lambda: pool.release_quarantine(block.block_id)),
         ("BlockPool", "reconcile", lambda: pool.reconcile([0] * pool.num_blocks)),
         ("BlockPool", "take_cache_events", pool.take_cache_events),
+        ("BlockPool", "take_dead", pool.take_dead),
         ("SwapSpace", "allocate", lambda: swap.allocate(1)),
         ("SwapSpace", "release", lambda: swap.release([0])),
     ]

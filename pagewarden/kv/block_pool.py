@@ -80,6 +80,7 @@ class BlockPool:
         "cache_events",
         "trace",
         "evicted",
+        "dead",
     )
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -115,6 +116,9 @@ class BlockPool:
         # Set when KV tiers are on: cached blocks evicted by allocation, to offload before
         # the step that reuses them writes them (see ``EvictedBlock``); None: not kept.
         self.evicted: list[EvictedBlock] | None = None
+        # Blocks that went FREE (ref_cnt 0, no hash) since the last take_dead(): their
+        # content is dead, nothing reads it before a write from offset 0 starts a new life.
+        self.dead: list[int] = []
 
     # --------------------------------------------------------------- ownership
     def claim_ownership(self, thread_id: int | None = None) -> None:
@@ -155,6 +159,13 @@ class BlockPool:
         return events
 
     # ------------------------------------------------------------- allocation
+    def take_dead(self) -> list[int]:
+        """Blocks that went FREE without a hash since the last call (the integrity guard
+        unseals them: no scrub of content nobody can read again); clears the list."""
+        self.check_owner()
+        dead, self.dead = self.dead, []
+        return dead
+
     def get_new_blocks(self, n: int) -> list[KVBlock]:
         """Hand out ``n`` blocks with ref_cnt 1, evicting cached-free ones LRU-first."""
         self.check_owner()
@@ -276,6 +287,7 @@ class BlockPool:
                 else:
                     block.state = _FREE
                     queue.appendleft(block)
+                    self.dead.append(bid)
         finally:  # a double free raises mid-way: still link and count what was freed
             self.num_frees = num_frees
             if cached:

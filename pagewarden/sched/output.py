@@ -122,6 +122,10 @@ class SchedulerOutput:
     # blocks after the swap-ins (see ``TierLoad``).
     offload: list[EvictedBlock] = field(default_factory=list)
     tier_loads: list[TierLoad] = field(default_factory=list)
+    # Blocks that went FREE without a hash since the last step (``BlockPool.take_dead``):
+    # nothing reads them before a new life rewrites them, so the runner unseals them
+    # after ``swap_out`` (the integrity scrubber then re-verifies only live content).
+    dead_blocks: list[int] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

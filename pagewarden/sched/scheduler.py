@@ -264,7 +264,8 @@ class Scheduler:
                 if not plan.requests and self.tier_prefix and self.tier_prefix.wait(0.02):
                     self._schedule_waiting(plan)
         handed = (self.departed_ids, self.preempted_ids, self.swap_out, self.swap_in)
-        out = SchedulerOutput(self.num_steps, plan.requests, plan.copies, *handed)
+        dead = self.kv.pool.take_dead()
+        out = SchedulerOutput(self.num_steps, plan.requests, plan.copies, *handed, dead_blocks=dead)
         self.departed_ids, self.preempted_ids, self.swap_out, self.swap_in = [], [], [], []
         if evicted is not None:
             out = with_tier_io(out, evicted, self.tier_loads)

@@ -157,4 +157,5 @@ def with_tier_io(
         out.swap_in,
         evicted,
         loads,
+        out.dead_blocks,
     )

@@ -10,6 +10,7 @@ into the guard's terms:
   ``limb_keys``: the same keys per limb, for kernels that read 32-bit limbs;
 * ``allocate_read_checks``: one step's expected tags (S, kv_len) and output tensors
   (``models/paged_attention.ReadChecks``), shared by every layer's kernel call;
+  ``sum_only``: limits the cpu kernel's sums to some blocks (``standard``'s scrub picks);
 * ``tag_fault_blocks`` / ``checksum_fault_blocks``: which (sequence, logical block) reads
   failed, for the guard to turn into ``KVFault``s.
 
@@ -67,3 +68,20 @@ def allocate_read_checks(
             torch.zeros(s, max_blocks, dtype=torch.int32, device=device) if checksums else None
         ),
     )
+
+
+def sum_only(checks: ReadChecks, block_index: torch.Tensor, block_ids: list[int]) -> bool:
+    """Ask the cpu kernel (``kernels/cpu/attention_common.h``) to sum only the reads of
+    ``block_ids``: every other (sequence, logical block) entry of ``read_layers`` is set to
+    -1, which the kernel skips and leaves at -1. ``block_index`` (S * max_blocks,) is the
+    step's table the kernel reads through (host memory). Returns whether any entry reads
+    one of ``block_ids`` (False: the kernel would sum nothing)."""
+    assert checks.read_layers is not None, "sums were not allocated"
+    layers = checks.read_layers.numpy().reshape(-1)  # a view: in place
+    # Plain lists: the fused scrub runs on steps reading a few dozen blocks, where
+    # numpy.isin alone costs more than a whole decode step's other guard work.
+    picks = set(block_ids)
+    wanted = [i for i, b in enumerate(block_index.tolist()) if b in picks]
+    layers.fill(-1)
+    layers[wanted] = 0
+    return bool(wanted)

@@ -94,7 +94,10 @@ class ChecksumChecks(GuardState):
             # The kernel checksums the picks it reads (after_write, _fused_scrub_faults).
             self._deferred_scrub = self._scrub_picks() or None
         else:
-            faults += [f for f in self._scrub() if not found.issuperset(f.block_ids)]
+            faults += [
+                f for f in self._scrub(self._verified_by_kernel(reqs))
+                if not found.issuperset(f.block_ids)
+            ]  # fmt: skip
         # From now on a request's context grows only by blocks it wrote and sealed itself.
         self._seen.update(r.req_id for r in out.requests)
         return self._attach_readers(faults, out.requests)
@@ -222,9 +225,22 @@ class ChecksumChecks(GuardState):
     def num_sealed(self) -> int:
         return int(self.sealed.sum())
 
-    def _scrub(self) -> list[KVFault]:
-        """Re-verify the next ``scrub_blocks_per_step`` sealed blocks (round robin)."""
+    def _verified_by_kernel(self, reqs: list[ScheduledRequest]) -> set[int]:
+        """Strict with a checking kernel: the full context blocks this step reads, which
+        the kernel checksums against their seals as it reads them (``_fused_sum_faults``);
+        empty otherwise."""
+        if not (self.strict and self.fused_reads):
+            return set()
+        bs = self.block_size
+        return {b for r in reqs for b in r.block_table[: r.positions.start // bs]}
+
+    def _scrub(self, verified: set[int] | None = None) -> list[KVFault]:
+        """Re-verify the next ``scrub_blocks_per_step`` sealed blocks (round robin); a
+        pick in ``verified`` (checked against its seal in this step anyway) is not read
+        a second time."""
         picked = self._scrub_picks()
+        if verified:
+            picked = [b for b in picked if b not in verified]
         if not picked:
             return []
         return _scrub_fault(self._verify_sealed(torch.tensor(picked, dtype=torch.int64)))
@@ -340,8 +356,10 @@ class ChecksumChecks(GuardState):
         ]
 
     def unseal(self, block_ids) -> None:
-        """Forget the seals of quarantined blocks: their content is no longer trusted, and
-        the scrubber must not keep re-finding a block that is already out of service."""
+        """Forget the seals of quarantined blocks (their content is no longer trusted, and
+        the scrubber must not keep re-finding a block that is already out of service) and
+        of dead ones (``SchedulerOutput.dead_blocks``: nothing reads them before a new
+        life rewrites them, so scrubbing them would only delay the live blocks' turn)."""
         if block_ids:
             self.sealed[torch.tensor(list(block_ids), dtype=torch.int64)] = False
 

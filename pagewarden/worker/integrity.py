@@ -63,6 +63,7 @@ holds; a real tag is 0 with probability 2^-64.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -175,6 +176,15 @@ def _slot_rows(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(torch.int32).view(2, num_blocks * block_size, row_bytes // 4)
 
 
+def _row_limbs(cache: torch.Tensor) -> int:
+    """32-bit limbs in one slot row of a layer's cache (2, num_blocks, block_size, ...),
+    from its shape alone (``_slot_rows`` builds the views; a step's few slots need only
+    the count)."""
+    row_bytes = math.prod(cache.shape[3:]) * cache.element_size()
+    assert row_bytes % 4 == 0, f"a slot row has {row_bytes} bytes; 32-bit limbs need 4k"
+    return row_bytes // 4
+
+
 def _sum_over_layers(
     caches: list[torch.Tensor], rows_of: Callable[[torch.Tensor], torch.Tensor], num_rows: int
 ) -> torch.Tensor:
@@ -205,7 +215,7 @@ def slot_checksums(caches: list[torch.Tensor], slots: torch.Tensor) -> torch.Ten
     assert caches, "need at least one layer"
     slots = slots.to(device=caches[0].device, dtype=torch.int64).reshape(-1)
     if integrity_cpu.usable(caches):
-        limbs = _slot_rows(caches[0]).shape[-1]
+        limbs = _row_limbs(caches[0])
         return integrity_cpu.slot_sums(caches, slots, _limb_keys(len(caches), limbs, slots.device))
     return _sum_over_layers(
         caches, lambda cache: _slot_rows(cache).index_select(1, slots), slots.numel()
@@ -240,7 +250,7 @@ def block_checksums(caches: list[torch.Tensor], block_ids: torch.Tensor) -> torc
     device = caches[0].device
     _, num_blocks, block_size = caches[0].shape[:3]
     block_ids = block_ids.to(device=device, dtype=torch.int64).reshape(-1)
-    limbs_per_row = _slot_rows(caches[0]).shape[-1]
+    limbs_per_row = _row_limbs(caches[0])
     n = block_ids.numel()
     if integrity_cpu.usable(caches):
         return integrity_cpu.block_sums(

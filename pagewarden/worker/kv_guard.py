@@ -71,7 +71,7 @@ import torch
 
 from pagewarden.kernels.attention import AttentionMetadata
 from pagewarden.sched.output import KVFault, ScheduledRequest, SchedulerOutput
-from pagewarden.worker.fused_checks import allocate_read_checks
+from pagewarden.worker.fused_checks import allocate_read_checks, sum_only
 from pagewarden.worker.guard_checksums import ChecksumChecks
 from pagewarden.worker.guard_state import INTEGRITY_LEVELS, GuardCounters, IntegrityLevel
 from pagewarden.worker.integrity import slot_checksums
@@ -115,9 +115,14 @@ class KVGuard(ChecksumChecks):
             expected = self._expected_tags(list(out.requests))
             n_kv = self.caches[0].shape[3]
             sums = self.strict or self._deferred_scrub is not None
-            meta.read_checks = allocate_read_checks(
+            checks = allocate_read_checks(
                 expected.to(self.tags.tags.device), meta.max_blocks, n_kv, sums
             )
+            if sums and not self.strict:  # only the scrub picks (_fuse_scrub), where read
+                assert self._deferred_scrub is not None
+                if not sum_only(checks, meta.block_index, self._deferred_scrub):
+                    checks.read_sums = checks.read_layers = None  # all from the cache
+            meta.read_checks = checks
 
     def after_write(
         self, out: SchedulerOutput, meta: AttentionMetadata, skip: set[str]

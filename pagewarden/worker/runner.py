@@ -222,6 +222,7 @@ class ModelRunner:
             self._offload(out)
         store.swap_out(out.swap_out)
         guard.swap_out(out.swap_out)
+        guard.unseal(out.dead_blocks)  # after swap_out, which carried their seals out
         store.swap_in(out.swap_in)
         faults = guard.swap_in(out)
         if out.tier_loads:

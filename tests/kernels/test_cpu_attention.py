@@ -14,7 +14,12 @@ import torch
 
 from pagewarden.kernels.attention import paged_attention
 from pagewarden.kernels.cpu import attention as cpu_attention
-from pagewarden.worker.fused_checks import allocate_read_checks, limb_keys, offset_keys
+from pagewarden.worker.fused_checks import (
+    allocate_read_checks,
+    limb_keys,
+    offset_keys,
+    sum_only,
+)
 from pagewarden.worker.integrity import block_checksums
 from tests.kernels.kernel_step import make_step
 
@@ -173,6 +178,32 @@ def test_checksums_bit_identical_with_block_checksums(dtype):
     want = block_checksums(step.caches, torch.tensor([b for _, _, b in cached]))
     got = checks.block_sums()
     assert [int(got[i, lb]) for i, lb, _ in cached] == want.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sum_only_sums_exactly_the_blocks_asked_for(dtype):
+    """``sum_only`` (standard's scrub picks): the kernel sums and counts the reads of the
+    blocks asked for, in decode and chunked rows alike, with the same value as without the
+    limit; every other entry stays -1 with no sum."""
+    step = make_step(QUERY_LENS, CONTEXT_LENS, num_layers=2, dtype=dtype)
+    full = _read(step)
+    bs, n_kv = step.caches[0].shape[2], step.caches[0].shape[3]
+    picks = [step.tables[0][1], step.tables[2][0], step.tables[0][3]]  # decode, chunked
+    checks = allocate_read_checks(step.expected_tags, step.meta.max_blocks, n_kv, True)
+    assert sum_only(checks, step.meta.block_index, picks)
+    step.meta.read_checks = checks
+    ops = cpu_attention.CpuAttention(step.caches, limb_keys(step.caches), offset_keys(bs, "cpu"))
+    for cache in step.caches:
+        ops.attend(step.q, cache, step.meta, 0.25)
+    tables = step.meta.block_index.view(step.meta.num_seqs, step.meta.max_blocks)
+    asked = torch.isin(tables, torch.tensor(picks))
+    read = full.read_layers > 0
+    assert (asked & read).sum() == 3
+    assert torch.equal(checks.read_layers[asked & read], full.read_layers[asked & read])
+    assert torch.equal(checks.block_sums()[asked & read], full.block_sums()[asked & read])
+    assert (checks.read_layers[~asked] == -1).all()
+    assert not checks.read_sums.permute(0, 2, 1)[~asked].any()
+    assert not sum_only(checks, step.meta.block_index, [10**6])  # nothing reads it
 
 
 def test_a_redirected_block_index_entry_in_a_decode_row_is_caught():

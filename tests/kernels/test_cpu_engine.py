@@ -125,15 +125,20 @@ def test_a_float16_cache_keeps_the_torch_path_under_the_default_backend(tiny_lla
     assert len(out[0].outputs[0].token_ids) == 3
 
 
-def _scrub_detection(tiny_llama_dir, prompt, max_fused_blocks, monkeypatch):
-    """Standard, one request: flip a bit of its first sealed block, then step; returns
-    (steps until the fault is found, blocks verified from the cache, failures)."""
+def _scrub_detection(tiny_llama_dir, prompt, max_fused_blocks, monkeypatch, before=(), **kw):
+    """Standard, one request (after the requests ``before`` ran to the end): flip a bit
+    of its first sealed block, then step; returns (steps until the fault is found, blocks
+    verified from the cache, failures)."""
     from pagewarden.worker import guard_checksums
 
     monkeypatch.setattr(guard_checksums, "FUSED_SCRUB_MAX_BLOCKS", max_fused_blocks)
-    llm = _llm(tiny_llama_dir, "cpu", integrity="standard", scrub_blocks_per_step=1)
+    llm = _llm(tiny_llama_dir, "cpu", integrity="standard", scrub_blocks_per_step=1, **kw)
     engine, guard = llm.engine, llm.engine.runner.guard
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for i, earlier in enumerate(before):
+        engine.add_request(f"before-{i}", earlier, params)
+    while engine.has_unfinished():
+        engine.step()
     engine.add_request("r", prompt, params)
     while not engine.scheduler.running or engine.scheduler.running[0].num_computed_tokens < 40:
         engine.step()
@@ -170,3 +175,67 @@ def test_standard_scrub_picks_are_checksummed_by_the_kernel_as_it_reads_them(
     assert fused[2] == separate[2] == {("checksum", "scrub"): 1}
     assert fused[0] == separate[0]  # detection latency unchanged, in steps
     assert separate[1] and not fused[1]  # the fused run read no block from the cache
+
+
+def test_blocks_freed_without_a_hash_are_unsealed_so_the_scrubber_skips_dead_content(
+    tiny_llama_dir, vocab, monkeypatch
+):
+    """Prefix caching off: the blocks of finished requests go FREE with dead content
+    (nothing reads it before a new life rewrites it). They are unsealed, so the scrubber's
+    round robin covers only live blocks: after a batch, one stream's picks are still the
+    blocks it reads (summed by the kernel, none read from the cache), the detection bound
+    is the live request's ceil(sealed / per step), and a flip is found as before."""
+    prompts = random_prompts(5, vocab, 40, 40, seed=12)
+    kw = {"enable_prefix_caching": False}
+    fused = _scrub_detection(tiny_llama_dir, prompts[0], 64, monkeypatch, prompts[1:], **kw)
+    monkeypatch.undo()
+    alone = _scrub_detection(tiny_llama_dir, prompts[0], 64, monkeypatch, **kw)
+    assert fused[2] == alone[2] == {("checksum", "scrub"): 1}
+    assert fused[0] == alone[0]  # the earlier requests' blocks did not delay it
+    assert not fused[1]  # no dead block was read from the cache
+
+
+def test_a_finished_requests_blocks_are_unsealed_only_when_dead(tiny_llama_dir, vocab):
+    """Prefix caching off: every block of a finished request is unsealed. On: its full
+    blocks stay sealed (cached, a later hit is verified against the seal), and only the
+    unhashed last block is dead."""
+    prompt = random_prompts(1, vocab, 40, 40, seed=13)[0]  # 2 full blocks and 8 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for caching, left in ((False, 0), (True, 2)):
+        llm = _llm(tiny_llama_dir, "cpu", integrity="standard", enable_prefix_caching=caching)
+        engine, guard = llm.engine, llm.engine.runner.guard
+        engine.add_request("r", prompt, params)
+        while engine.has_unfinished():
+            engine.step()
+        assert "r" not in engine.scheduler.kv.tables  # finished: its blocks were freed
+        assert guard.num_sealed == 2  # sealed while it ran; the frees are not taken yet
+        engine.add_request("next", prompt[:3], params)  # a step takes the frees
+        engine.step()
+        assert guard.num_sealed == left
+
+
+def test_strict_scrub_skips_picks_the_kernel_verifies_in_the_same_step(
+    tiny_llama_dir, vocab, monkeypatch
+):
+    """Strict: the kernel checksums every full context block a step reads against its
+    seal, so a scrub pick among them is not read from the cache a second time; a flip in
+    it is found in the next step, by that read."""
+    prompt = random_prompts(1, vocab, 40, 40, seed=14)[0]  # 2 full blocks and 8 tokens
+    llm = _llm(tiny_llama_dir, "cpu", integrity="strict", scrub_blocks_per_step=2)
+    engine, guard = llm.engine, llm.engine.runner.guard
+    engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    while not engine.scheduler.running or engine.scheduler.running[0].num_computed_tokens < 40:
+        engine.step()
+    assert guard.num_sealed == 2  # the picks are the two blocks every step reads
+    from_cache: list[int] = []
+    verify = guard._verify_sealed
+    monkeypatch.setattr(
+        guard, "_verify_sealed", lambda ids: from_cache.extend(ids.tolist()) or verify(ids)
+    )
+    engine.step()
+    assert not from_cache and not llm.stats().integrity.failures
+    first = engine.scheduler.kv.tables["r"].ids[0]
+    flip_bit(engine.kv_store.caches, first, 1, random.Random(0))
+    engine.step()
+    assert dict(llm.stats().integrity.failures) == {("checksum", "read"): 1}
+    assert not from_cache

@@ -87,6 +87,23 @@ def test_hashed_blocks_return_tail_first_so_chain_end_is_evicted_first() -> None
     assert pool.num_evictions == 1
 
 
+def test_take_dead_lists_the_blocks_freed_without_a_hash_once() -> None:
+    """Dead content: ref_cnt 0 and no hash (nothing can read it before a rewrite). A
+    cached block, a block still held by another reference and a quarantined one are not
+    dead; each take clears the list."""
+    pool = BlockPool(8, 4)
+    b1, b2, b3, b4, b5 = pool.get_new_blocks(5)
+    pool.seal(b1, _h([1, 2, 3, 4]), [1, 2, 3, 4])
+    pool.touch([b2])  # a second reference (a prefix hit, a fork)
+    pool.quarantine(b4.block_id)
+    assert pool.take_dead() == []
+    pool.free_blocks([b5, b4, b3, b2, b1])
+    assert pool.take_dead() == [5, 3]  # b2 still held once, b1 cached, b4 quarantined
+    assert pool.take_dead() == []
+    pool.free_blocks([b2])
+    assert pool.take_dead() == [2]
+
+
 def test_touch_removes_cached_free_block_from_the_middle() -> None:
     pool = BlockPool(6, 4)
     b1, b2 = pool.get_new_blocks(2)

@@ -21,7 +21,9 @@
 //              read_layers[r, lb] counts the layers that added theirs: a sliding-window
 //              layer skips the blocks before its window, so only blocks every layer read
 //              sum to the block checksum. A block's (row, lb) entries are written by one
-//              work item per layer, so no atomics.
+//              work item per layer, so no atomics. An entry of -1 in read_layers asks
+//              for no sum of that block (standard's scrub wants only its picks summed):
+//              it is skipped and stays -1.
 
 #pragma once
 
@@ -219,9 +221,15 @@ inline void add_checksum(const Checks& c, const Shape& s, const void* cache, int
   *out += total;
 }
 
+// Whether row r's block lb is to be summed (read_layers not -1). Relaxed atomics: in
+// check_reads the kv head 0 item counts the layer while the other heads' items ask.
+inline bool wants_sum(const Checks& c, const Shape& s, int64_t r, int64_t lb) {
+  return __atomic_load_n(c.read_layers + r * s.max_blocks + lb, __ATOMIC_RELAXED) >= 0;
+}
+
 // One more layer added its checksum shares of row r's block lb (all kv heads).
 inline void count_layer(const Checks& c, const Shape& s, int64_t r, int64_t lb) {
-  c.read_layers[r * s.max_blocks + lb] += 1;
+  __atomic_fetch_add(c.read_layers + r * s.max_blocks + lb, 1, __ATOMIC_RELAXED);
 }
 
 inline Checks read_checks(const c10::optional<at::Tensor>& slot_tags,

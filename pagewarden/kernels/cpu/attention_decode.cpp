@@ -349,7 +349,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& cache, const at::Tensor&
     for (int64_t lb = lb0; lb < lb1 && bad_block.load() == 0; ++lb) {
       const int64_t blk = table[lb], p0 = lb * bs, p1 = std::min(n, p0 + bs);
       if (checks.tag_faults) check_tags(checks, s, r, lb, blk, p0, p1);
-      if (checks.read_sums) {
+      if (checks.read_sums && wants_sum(checks, s, r, lb)) {
         for (int64_t h = 0; h < s.n_kv; ++h)
           add_checksum(checks, s, cp, elem, r, h, lb, blk, p1 - p0);
         count_layer(checks, s, r, lb);
@@ -457,7 +457,7 @@ void check_reads(const at::Tensor& cache, const at::Tensor& tables, const at::Te
         return;
       }
       if (c.tag_faults && h == 0) check_tags(c, s, r, lb, blk, p0, std::min(n, p0 + bs));
-      if (c.read_sums && p0 < ctx) {
+      if (c.read_sums && p0 < ctx && wants_sum(c, s, r, lb)) {
         add_checksum(c, s, cache.data_ptr(), elem, r, h, lb, blk, std::min(ctx, p0 + bs) - p0);
         if (h == 0) count_layer(c, s, r, lb);
       }
