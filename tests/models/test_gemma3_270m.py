@@ -44,47 +44,22 @@ def test_gemma3_270m_greedy_matches_transformers(gemma3_gguf, monkeypatch):
 
 
 @pytest.mark.slow
-def test_gemma3_270m_kept_quantized_decodes_as_dequantized(gemma3_gguf):
+def test_gemma3_270m_kept_quantized_decodes_as_dequantized(gemma3_gguf, monkeypatch):
     """``LLM(quantization="gguf")`` on the Q4_K_M file: every layer GEMM stays quantized,
-    q/k/v of mixed types (Q5_0 q/k, Q8_0 v) as a QuantRows, and the one-stream decode (the
-    int8 GEMV, GELU-tanh fused into gate_up) gives the same 16 greedy tokens on a chat turn
-    as the dequantized bf16 model (observed; int8 activations could in general flip a
-    near tie). The 270M model does not answer this turn with "Paris" in either mode."""
+    q/k/v of mixed types (Q5_0 q/k, Q8_0 v) as a QuantRows. One stream (the int8 GEMV,
+    GELU-tanh fused into gate_up) and then six streams at once (the decode steps' six-row
+    GEMMs on the int8 tiles: Q5_0, Q8_0, Q4_K and Q6_K unpacked by quant_int8_unpack.h,
+    GELU-tanh fused in the epilogue) give the same 16 greedy tokens on a chat turn as the
+    dequantized bf16 model (observed; int8 activations could in general flip a near tie).
+    The 270M model does not answer this turn with "Paris" in either mode. One test, so
+    each mode's model loads once."""
     from pagewarden import LLM
     from pagewarden.kernels.cpu import linear as cpu_linear
+    from pagewarden.kernels.cpu import quant as cpu_quant
     from pagewarden.kernels.cpu.quant import QuantRows, QuantWeight
     from pagewarden.sampling_params import SamplingParams
 
     # <bos> <start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n<start_of_turn>model\n
-    ids = [2, 105, 2364, 107, 3689, 563, 506, 5279, 529, 7001, 236881, 106, 107, 105, 4368, 107]
-    params = SamplingParams(max_tokens=16, temperature=0.0)
-    tokens = {}
-    for mode in ("gguf", "none"):
-        llm = LLM(model=str(gemma3_gguf), quantization=mode, kv_cache_memory="16MiB", device="cpu")
-        if mode == "gguf":
-            layers = llm.engine.loaded.model.model.layers
-            qkv = [cpu_linear.quant_weight(layer.self_attn.qkv_proj) for layer in layers]
-            assert all(isinstance(w, QuantRows | QuantWeight) for w in qkv)
-            assert any(isinstance(w, QuantRows) for w in qkv)
-            assert all(cpu_linear.quant_weight(la.mlp.gate_up_proj) is not None for la in layers)
-        out = llm.generate([ids], params, use_tqdm=False)
-        tokens[mode] = list(out[0].outputs[0].token_ids)
-        del llm
-    assert len(tokens["gguf"]) == 16
-    assert tokens["gguf"] == tokens["none"]
-
-
-@pytest.mark.slow
-def test_gemma3_270m_decode_batch_kept_quantized_decodes_as_dequantized(gemma3_gguf, monkeypatch):
-    """Six streams at once under ``quantization="gguf"``: the decode steps' six-row GEMMs
-    run the int8 tiles (Q5_0, Q8_0, Q4_K and Q6_K tiles unpacked by quant_int8_unpack.h,
-    GELU-tanh fused into gate_up) and every stream gives the same 16 greedy tokens on a
-    chat turn as the dequantized bf16 model (observed; int8 activations could in general
-    flip a near tie)."""
-    from pagewarden import LLM
-    from pagewarden.kernels.cpu import quant as cpu_quant
-    from pagewarden.sampling_params import SamplingParams
-
     ids = [2, 105, 2364, 107, 3689, 563, 506, 5279, 529, 7001, 236881, 106, 107, 105, 4368, 107]
     params = SamplingParams(max_tokens=16, temperature=0.0)
     fused_rows = []
@@ -97,12 +72,22 @@ def test_gemma3_270m_decode_batch_kept_quantized_decodes_as_dequantized(gemma3_g
         return out
 
     monkeypatch.setattr(cpu_quant, "gemv_gated", spy)
-    tokens = {}
+    one, six = {}, {}
     for mode in ("gguf", "none"):
         llm = LLM(model=str(gemma3_gguf), quantization=mode, kv_cache_memory="16MiB", device="cpu")
+        if mode == "gguf":
+            layers = llm.engine.loaded.model.model.layers
+            qkv = [cpu_linear.quant_weight(layer.self_attn.qkv_proj) for layer in layers]
+            assert all(isinstance(w, QuantRows | QuantWeight) for w in qkv)
+            assert any(isinstance(w, QuantRows) for w in qkv)
+            assert all(cpu_linear.quant_weight(la.mlp.gate_up_proj) is not None for la in layers)
+        out = llm.generate([ids], params, use_tqdm=False)
+        one[mode] = list(out[0].outputs[0].token_ids)
         outs = llm.generate([ids] * 6, params, use_tqdm=False)
-        tokens[mode] = [list(o.outputs[0].token_ids) for o in outs]
+        six[mode] = [list(o.outputs[0].token_ids) for o in outs]
         del llm
+    assert len(one["gguf"]) == 16
+    assert one["gguf"] == one["none"]
     assert fused_rows and set(fused_rows) == {6}  # decode steps only: prefill stays bf16
-    assert all(len(t) == 16 for t in tokens["gguf"])
-    assert tokens["gguf"] == tokens["none"]
+    assert all(len(t) == 16 for t in six["gguf"])
+    assert six["gguf"] == six["none"]
