@@ -121,3 +121,16 @@ def serve_proc():
     s = ServeProcess("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     yield s
     s.stop()
+
+
+@pytest.fixture
+def tiles_from():
+    """Sets the rows from which int8 calls run the int8 tiles (the quantized CPU GEMM);
+    restored afterwards."""
+    from pagewarden.kernels.cpu import quant as cpu_quant
+
+    ext = cpu_quant.load()
+    old = ext.set_int8_tiles_min_rows(3)
+    ext.set_int8_tiles_min_rows(old)
+    yield ext.set_int8_tiles_min_rows
+    ext.set_int8_tiles_min_rows(old)

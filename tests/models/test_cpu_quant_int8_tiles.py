@@ -17,16 +17,6 @@ from pagewarden.kernels.cpu.quant import QuantWeight
 from tests.models.test_cpu_quant import TYPES, needs_int8, q8_round, random_weight, reference
 
 
-@pytest.fixture
-def tiles_from():
-    """Sets the rows from which int8 calls run the int8 tiles; restored afterwards."""
-    ext = cpu_quant.load()
-    old = ext.set_int8_tiles_min_rows(3)
-    ext.set_int8_tiles_min_rows(old)
-    yield ext.set_int8_tiles_min_rows
-    ext.set_int8_tiles_min_rows(old)
-
-
 def near(out: torch.Tensor, want: torch.Tensor, rel: float = 256) -> bool:
     top = want.abs().max()
     return bool(((out.float() - want).abs() <= want.abs() / rel + 1e-4 * top).all())
