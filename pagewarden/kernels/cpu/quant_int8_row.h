@@ -239,9 +239,10 @@ struct RowGemv {
     constexpr int qh_at = type == Q5_0 ? 2 : 4;  // Q5_*: the 32 high bits
     // bytes 0-63: vpermt2b (quants); 64-127: vpermt2w (words 0-15: d per lane, 16-31: m per
     // lane, or for Q5_0 words 16-19 / 20-23: the low / high qh word of blocks 0-3); 128-191:
-    // vpermt2w, Q5_1's qh words (0-3 low, 4-7 high)
+    // vpermt2w, Q5_1's qh words (0-3 low, 4-7 high); 192-255: vpermt2w, block q / 2's qh
+    // (32 bits) in the low half of qword q (the bit shuffle's layout, kSel below)
     static constexpr auto kIdx = [] {
-      std::array<uint8_t, 192> t{};
+      std::array<uint8_t, 256> t{};
       for (int i = 0; i < 64; ++i) t[i] = uint8_t(bb * (i / 16) + at + i % 16);  // quant byte i % 16 of block i / 16
       for (int i = 0; i < 16; ++i) {
         t[64 + 2 * i] = uint8_t(bb / 2 * (i / 4));      // word: lane i's block's d
@@ -253,9 +254,22 @@ struct RowGemv {
           t[base + 2 * b] = uint8_t((bb * b + qh_at) / 2);
           t[base + 8 + 2 * b] = uint8_t((bb * b + qh_at) / 2 + 1);
         }
+        for (int q = 0; q < 8; ++q) {
+          t[192 + 8 * q] = uint8_t((bb * (q / 2) + qh_at) / 2);
+          t[192 + 8 * q + 2] = uint8_t((bb * (q / 2) + qh_at) / 2 + 1);
+        }
       }
       return t;
     }();
+    // the bit shuffle's selectors: byte i of the low nibbles (block i / 16, weight i % 16)
+    // takes bit i % 16 of its qword's qh, of the high nibbles bit 16 + i % 16
+    static constexpr auto kSel = [] {
+      std::array<uint8_t, 128> t{};
+      for (int i = 0; i < 64; ++i) t[i] = uint8_t(i % 16), t[64 + i] = uint8_t(16 + i % 16);
+      return t;
+    }();
+    const __m512i ibits = _mm512_loadu_si512(kIdx.data() + 192);
+    const __m512i sel_lo = _mm512_loadu_si512(kSel.data()), sel_hi = _mm512_loadu_si512(kSel.data() + 64);
     const __m512i iq = _mm512_loadu_si512(kIdx.data()), idm = _mm512_loadu_si512(kIdx.data() + 64);
     const __m512i ihq = _mm512_loadu_si512(kIdx.data() + 128);
     const __m512i f = _mm512_set1_epi8(0xF), sixteen = _mm512_set1_epi8(16);
@@ -281,12 +295,20 @@ struct RowGemv {
         const __m512i q = _mm512_permutex2var_epi8(a, iq, b);
         __m512i lo = _mm512_and_si512(q, f), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), f);
         const __m512i dm = _mm512_permutex2var_epi16(a, idm, b);  // words 0-15: d per lane, 16-31: m
+#if defined(__AVX512BITALG__)
+        if constexpr (five) {  // the fifth bits: one vpshufbitqmb per half picks each lane's bit of qh
+          const __m512i h = _mm512_permutex2var_epi16(a, ibits, b);
+          lo = _mm512_mask_add_epi8(lo, _mm512_bitshuffle_epi64_mask(h, sel_lo), lo, sixteen);
+          hi = _mm512_mask_add_epi8(hi, _mm512_bitshuffle_epi64_mask(h, sel_hi), hi, sixteen);
+        }
+#else
         if constexpr (five) {  // the fifth bits: qh's low word over lo, its high word over hi
           const __m128i h = type == Q5_0 ? _mm512_extracti32x4_epi32(dm, 2)
                                          : _mm512_castsi512_si128(_mm512_permutex2var_epi16(a, ihq, b));
           lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(uint64_t(_mm_cvtsi128_si64(h))), lo, sixteen);
           hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(uint64_t(_mm_extract_epi64(h, 1))), hi, sixteen);
         }
+#endif
         const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, lo, xlo), hi, xhi);
         const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(dm));
         acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, dx), acc[j]);
