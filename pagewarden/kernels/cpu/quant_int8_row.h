@@ -140,6 +140,19 @@ inline void quantize_row(const uint16_t* x, int64_t k, int type, RowX* out) {
   }
 }
 
+// The 8 6-bit scales (bytes 0-7) and 8 mins (8-15) of a Q4_K / Q5_K super-block from its
+// 12 scale bytes q (q[0:12] of `s`), in registers: scale j < 4 is q[j] & 63, min j < 4
+// q[j + 4] & 63; scale j >= 4 is (q[j + 4] & 15) | (q[j - 4] >> 6) << 4, min j >= 4
+// (q[j + 4] >> 4) | (q[j] >> 6) << 4.
+inline __m128i k_scales_mins(__m128i s) {
+  const __m128i a = _mm_shuffle_epi8(s, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i top = _mm_shuffle_epi8(s, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  const __m128i low = _mm_mask_blend_epi8(__mmask16(0xF000), a, _mm_srli_epi16(a, 4));  // mins 4-7: high nibble
+  const __m128i keep = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30));  // (q >> 6) << 4
+  return _mm_or_si128(_mm_and_si128(low, keep), high);
+}
+
 // out[j] = the sum of acc[j]'s 16 lanes, j < 4, in one transposing reduction.
 inline void reduce4(const __m512* acc, float* out) {
   __m256 r[4];
@@ -390,15 +403,7 @@ struct RowGemv {
         const uint8_t* b = rows[j] + off;
         _mm_prefetch(reinterpret_cast<const char*>(b + ahead), _MM_HINT_T1);
         _mm_prefetch(reinterpret_cast<const char*>(b + ahead + block_bytes - 1), _MM_HINT_T1);
-        uint32_t t[4];
-        std::memcpy(t, b + 4, 12);
-        constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-        t[3] = ((t[2] >> 4) & k2) | (((t[1] >> 6) & k3) << 4);
-        const uint32_t mins_lo = t[1] & k1;
-        t[1] = (t[2] & k2) | (((t[0] >> 6) & k3) << 4);
-        t[2] = mins_lo;
-        t[0] &= k1;  // bytes 0-7: the 8 scales, 8-15: the 8 mins
-        const __m512 sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t))));
+        const __m512 sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(k_scales_mins(load16(b + 4))));
         uint32_t dm;
         std::memcpy(&dm, b, 4);
         const __m512 dd = _mm512_permutexvar_ps(dm_pick, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(int(dm)))));
