@@ -33,9 +33,11 @@
 // (and mins), spread to the lanes, from the same two registers. About 14 instructions per
 // 128 weights and row instead of 20 and a quarter gather; 8 rows per pass (measured faster
 // than 4 with the weights coming from memory: more independent streams). Q5_0 / Q5_1 add
-// their fifth bits: the 4 blocks' qh words, picked by a vpermt2w (Q5_0: in the scales'
-// permute), are the two 64-bit masks of one masked add of 16 each over the low and the high
-// nibbles. Needs AVX512-VBMI (vpermt2b); without it these types take the pair path.
+// their fifth bits by one masked add of 16 each over the low and the high nibbles; the
+// masks come from one vpermt2w that puts block q / 2's 32-bit qh in qword q and one
+// vpshufbitqmb per half that picks each lane's bit (AVX512-BITALG; without it the qh words
+// go through general registers into the mask registers, about twice the Q5_0 cost). Needs
+// AVX512-VBMI (vpermt2b); without it these types take the pair path.
 // Q4_0 / Q5_0 start the integer sums from their offset (-8 / -16) times each lane's sum of
 // activations (RowX::c4), so no float term for it. Q8_0 (`quad8`, Gemma 3's tied lm_head)
 // also goes 4 blocks (136 bytes) per step: three 64-byte loads, two vpermt2b for the quant
@@ -382,7 +384,8 @@ struct RowGemv {
     for (int j = 0; j < C; j += 4) reduce4(acc + j, out + j);
   }
 
-  // Q4_K / Q5_K: per super-block 8 sub-blocks of 32, 6-bit scales and mins.
+  // Q4_K / Q5_K: per super-block 8 sub-blocks of 32, 6-bit scales and mins (unpacked in
+  // registers, k_scales_mins).
   void k45(const uint8_t* const* rows, int64_t ahead, float* out) const {
     constexpr int C = kRowsPerPass;
     constexpr bool five = type == Q5_K;
