@@ -2,7 +2,7 @@
 
     python bench/llamacpp.py --llama-cpp-bin LLAMA_CPP/build/bin [--model FILE|gemma3]
         [--threads 2] [--rounds 3] [--reps 5] [--quantization gguf none]
-        [--llama-omp inherit PASSIVE] [--batched-fa on]
+        [--llama-omp inherit PASSIVE] [--batched-fa on] [--one-stream]
 
 Each figure is defined the way llama.cpp's own tool defines it, and pagewarden's is
 computed the same way (docs/llamacpp.md):
@@ -23,6 +23,8 @@ with max_tokens=129 (the prefill plus 128 decode steps: llama-bench's pg work); 
     S     64 * (128 + 128) / total time: prompt tokens included
 pagewarden: the same from 64 requests of distinct random prompts at once, max_tokens=1
 and max_tokens=129 (``--batch-reps`` repetitions).
+
+``--one-stream`` leaves out both 64-stream runs (llama-batched-bench and pagewarden's).
 
 Prefix caching is off and every prompt is fresh, so nothing is served from a cache. The
 llama.cpp side runs under each OpenMP wait policy of ``--llama-omp`` (llama.cpp's CPU
@@ -199,7 +201,8 @@ def pagewarden_child(spec: dict) -> dict:
         return dt
 
     timed(1, 8)  # warm-up: kernels built, buffers grown, one and many rows
-    timed(STREAMS, 4)
+    if spec["batch_reps"]:  # not with --one-stream
+        timed(STREAMS, 4)
     out: dict = {"pagewarden": pagewarden.__file__, "omp": os.environ.get("OMP_WAIT_POLICY")}
     for key, n, reps in (("one", 1, spec["reps"]), ("batch", STREAMS, spec["batch_reps"])):
         t1, t_full = [], []
@@ -221,6 +224,8 @@ def pagewarden(spec: dict, env_extra: dict[str, str]) -> dict[str, dict[str, flo
     if not raw["pagewarden"].startswith(str(ROOT)):
         raise BenchOutputError(f"the child imported {raw['pagewarden']}, not this tree's")
     one = pagewarden_figures(raw["one"]["t1"], raw["one"]["t_full"], 1)
+    if not raw["batch"]["t1"]:  # --one-stream
+        return {"one": one}
     batch = pagewarden_figures(raw["batch"]["t1"], raw["batch"]["t_full"], STREAMS)
     return {"one": one, "batch": batch}
 
@@ -265,7 +270,7 @@ def round_steps(args: argparse.Namespace, model: str, r: int) -> list[tuple[str,
                 lambda o=omp: llama_bench(b, model, args.threads, args.reps, o),
             )
         )
-        for fa in args.batched_fa:
+        for fa in [] if args.one_stream else args.batched_fa:
             steps.append(
                 (
                     f"llama-batched-bench omp={omp} fa={fa}",
@@ -274,7 +279,9 @@ def round_steps(args: argparse.Namespace, model: str, r: int) -> list[tuple[str,
             )
     for q in args.quantization:
         spec = {"model": model, "quantization": q, "threads": args.threads, "reps": args.reps}
-        spec.update(batch_reps=args.batch_reps, seed=1000 * r + len(steps))
+        spec.update(
+            batch_reps=0 if args.one_stream else args.batch_reps, seed=1000 * r + len(steps)
+        )
         steps.append((f"pagewarden {q}", lambda s=spec: pagewarden(s, {})))
     return steps if r % 2 == 0 else steps[::-1]
 
@@ -284,7 +291,8 @@ def llama_round_best(results: dict[str, dict]) -> dict[str, float]:
     lb = [v for k, v in results.items() if k.startswith("llama-bench")]
     bb = [v for k, v in results.items() if k.startswith("llama-batched-bench")]
     best = {f: best_of(lb, f) for f in ("pp128", "tg128", "pp128+tg128")}
-    best.update({f: max(x[f] for x in bb) for f in ("S_PP", "S_TG", "S")})
+    if bb:  # not with --one-stream
+        best.update({f: max(x[f] for x in bb) for f in ("S_PP", "S_TG", "S")})
     return best
 
 
@@ -300,12 +308,14 @@ def report(lc: list[dict[str, float]], pw: dict[str, list[dict]]) -> None:
         head += f" {'pw ' + q:>10s} {'ratio':>6s}"
     print(head)
     for label, lf, (sec, pf) in ROWS:
+        if lf not in med:  # --one-stream: no 64-stream rows
+            continue
         line = f"{label:34s} {med[lf]:10.1f}"
         for rounds in pw.values():
             v = statistics.median(r[sec][pf] for r in rounds)
             line += f" {v:10.1f} {v / med[lf]:5.2f}x"
         print(line)
-    if "gguf" in pw and "none" in pw:
+    if "gguf" in pw and "none" in pw and "S" in med:
         g, n = (statistics.median(r["batch"]["pg"] for r in pw[q]) for q in ("gguf", "none"))
         print(f"64 streams S: gguf / none (pagewarden's own bf16 path) {g / n:.2f}x")
 
@@ -325,6 +335,7 @@ def main() -> None:
         "--llama-omp", nargs="+", default=["inherit", "PASSIVE"], help="OMP_WAIT_POLICY values"
     )
     ap.add_argument("--batched-fa", nargs="+", default=["on"], choices=("on", "off", "auto"))
+    ap.add_argument("--one-stream", action="store_true", help="leave out the 64-stream runs")
     ap.add_argument("--pw-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.pw_child:

@@ -60,6 +60,39 @@ def test_four_block_steps_at_odd_block_and_row_counts(name, monkeypatch):
                     assert ((row[key] - loop[key]).abs() <= step).all(), (k, n, key)
 
 
+# (bytes per block, offset, length) of the bits under test: Q5_0 / Q5_1 qh (the fifth bits,
+# picked per lane by a bit shuffle), Q4_K / Q5_K's 12 bytes of 6-bit scales and mins
+# (unpacked in one register).
+_BITS = {"Q5_0": (22, 2, 4), "Q5_1": (24, 4, 4), "Q4_K": (144, 4, 12), "Q5_K": (176, 4, 12)}
+
+
+@needs_int8
+@pytest.mark.parametrize("name", sorted(_BITS))
+def test_fifth_bits_and_k_scales_at_every_bit_pattern(name):
+    """The one-row GEMV with the bytes under test (``_BITS``) set to all ones, alternating
+    bits, single halves and random bytes, block by block: its float32 logits within 1e-4
+    of the largest of q8(x) @ the gguf package's dequantized weight (float32): the kernel
+    uses the weights exactly, so only the float32 summation order differs."""
+    block_bytes, at, size = _BITS[name]
+    per_block = cpu_quant.KERNEL_TYPES[TYPES[name]][1]
+    patterns = [0xFF, 0xAA, 0x55, 0xC0, 0x3F, 0x0F, 0xF0, 0x00]
+    n, k = 12, 8 * per_block if per_block == 32 else 3 * per_block
+    w = random_weight(name, n, k, seed=7)
+    data = w.data.clone().view(n, -1, block_bytes)  # (n, blocks, block_bytes)
+    rng = np.random.default_rng(0)
+    for r in range(n):
+        for b in range(data.shape[1]):
+            i = (r * data.shape[1] + b) % (len(patterns) + 1)
+            fill = rng.integers(0, 256, size) if i == len(patterns) else [patterns[i]] * size
+            data[r, b, at : at + size] = torch.tensor(fill, dtype=torch.uint8)
+    w = QuantWeight(data.view(n, -1), w.qtype, w.shape, float_out=True)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(3)).bfloat16()
+    exact = expected(x, w)
+    got = cpu_quant.gemm(x, w, kernel="int8")
+    assert got.dtype == torch.float32
+    assert (got - exact).abs().max() <= 1e-4 * exact.abs().max()
+
+
 def _guarded(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
     """A writable uint8 array of ``nbytes`` whose last byte is the last of a page, the next
     page unreadable (a read past the end faults)."""

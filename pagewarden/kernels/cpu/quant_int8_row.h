@@ -33,9 +33,11 @@
 // (and mins), spread to the lanes, from the same two registers. About 14 instructions per
 // 128 weights and row instead of 20 and a quarter gather; 8 rows per pass (measured faster
 // than 4 with the weights coming from memory: more independent streams). Q5_0 / Q5_1 add
-// their fifth bits: the 4 blocks' qh words, picked by a vpermt2w (Q5_0: in the scales'
-// permute), are the two 64-bit masks of one masked add of 16 each over the low and the high
-// nibbles. Needs AVX512-VBMI (vpermt2b); without it these types take the pair path.
+// their fifth bits by one masked add of 16 each over the low and the high nibbles; the
+// masks come from one vpermt2w that puts block q / 2's 32-bit qh in qword q and one
+// vpshufbitqmb per half that picks each lane's bit (AVX512-BITALG; without it the qh words
+// go through general registers into the mask registers, about twice the Q5_0 cost). Needs
+// AVX512-VBMI (vpermt2b); without it these types take the pair path.
 // Q4_0 / Q5_0 start the integer sums from their offset (-8 / -16) times each lane's sum of
 // activations (RowX::c4), so no float term for it. Q8_0 (`quad8`, Gemma 3's tied lm_head)
 // also goes 4 blocks (136 bytes) per step: three 64-byte loads, two vpermt2b for the quant
@@ -140,6 +142,19 @@ inline void quantize_row(const uint16_t* x, int64_t k, int type, RowX* out) {
   }
 }
 
+// The 8 6-bit scales (bytes 0-7) and 8 mins (8-15) of a Q4_K / Q5_K super-block from its
+// 12 scale bytes q (q[0:12] of `s`), in registers: scale j < 4 is q[j] & 63, min j < 4
+// q[j + 4] & 63; scale j >= 4 is (q[j + 4] & 15) | (q[j - 4] >> 6) << 4, min j >= 4
+// (q[j + 4] >> 4) | (q[j] >> 6) << 4.
+inline __m128i k_scales_mins(__m128i s) {
+  const __m128i a = _mm_shuffle_epi8(s, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i top = _mm_shuffle_epi8(s, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  const __m128i low = _mm_mask_blend_epi8(__mmask16(0xF000), a, _mm_srli_epi16(a, 4));  // mins 4-7: high nibble
+  const __m128i keep = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30));  // (q >> 6) << 4
+  return _mm_or_si128(_mm_and_si128(low, keep), high);
+}
+
 // out[j] = the sum of acc[j]'s 16 lanes, j < 4, in one transposing reduction.
 inline void reduce4(const __m512* acc, float* out) {
   __m256 r[4];
@@ -239,9 +254,10 @@ struct RowGemv {
     constexpr int qh_at = type == Q5_0 ? 2 : 4;  // Q5_*: the 32 high bits
     // bytes 0-63: vpermt2b (quants); 64-127: vpermt2w (words 0-15: d per lane, 16-31: m per
     // lane, or for Q5_0 words 16-19 / 20-23: the low / high qh word of blocks 0-3); 128-191:
-    // vpermt2w, Q5_1's qh words (0-3 low, 4-7 high)
+    // vpermt2w, Q5_1's qh words (0-3 low, 4-7 high); 192-255: vpermt2w, block q / 2's qh
+    // (32 bits) in the low half of qword q (the bit shuffle's layout, kSel below)
     static constexpr auto kIdx = [] {
-      std::array<uint8_t, 192> t{};
+      std::array<uint8_t, 256> t{};
       for (int i = 0; i < 64; ++i) t[i] = uint8_t(bb * (i / 16) + at + i % 16);  // quant byte i % 16 of block i / 16
       for (int i = 0; i < 16; ++i) {
         t[64 + 2 * i] = uint8_t(bb / 2 * (i / 4));      // word: lane i's block's d
@@ -253,9 +269,22 @@ struct RowGemv {
           t[base + 2 * b] = uint8_t((bb * b + qh_at) / 2);
           t[base + 8 + 2 * b] = uint8_t((bb * b + qh_at) / 2 + 1);
         }
+        for (int q = 0; q < 8; ++q) {
+          t[192 + 8 * q] = uint8_t((bb * (q / 2) + qh_at) / 2);
+          t[192 + 8 * q + 2] = uint8_t((bb * (q / 2) + qh_at) / 2 + 1);
+        }
       }
       return t;
     }();
+    // the bit shuffle's selectors: byte i of the low nibbles (block i / 16, weight i % 16)
+    // takes bit i % 16 of its qword's qh, of the high nibbles bit 16 + i % 16
+    static constexpr auto kSel = [] {
+      std::array<uint8_t, 128> t{};
+      for (int i = 0; i < 64; ++i) t[i] = uint8_t(i % 16), t[64 + i] = uint8_t(16 + i % 16);
+      return t;
+    }();
+    const __m512i ibits = _mm512_loadu_si512(kIdx.data() + 192);
+    const __m512i sel_lo = _mm512_loadu_si512(kSel.data()), sel_hi = _mm512_loadu_si512(kSel.data() + 64);
     const __m512i iq = _mm512_loadu_si512(kIdx.data()), idm = _mm512_loadu_si512(kIdx.data() + 64);
     const __m512i ihq = _mm512_loadu_si512(kIdx.data() + 128);
     const __m512i f = _mm512_set1_epi8(0xF), sixteen = _mm512_set1_epi8(16);
@@ -281,12 +310,20 @@ struct RowGemv {
         const __m512i q = _mm512_permutex2var_epi8(a, iq, b);
         __m512i lo = _mm512_and_si512(q, f), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), f);
         const __m512i dm = _mm512_permutex2var_epi16(a, idm, b);  // words 0-15: d per lane, 16-31: m
+#if defined(__AVX512BITALG__)
+        if constexpr (five) {  // the fifth bits: one vpshufbitqmb per half picks each lane's bit of qh
+          const __m512i h = _mm512_permutex2var_epi16(a, ibits, b);
+          lo = _mm512_mask_add_epi8(lo, _mm512_bitshuffle_epi64_mask(h, sel_lo), lo, sixteen);
+          hi = _mm512_mask_add_epi8(hi, _mm512_bitshuffle_epi64_mask(h, sel_hi), hi, sixteen);
+        }
+#else
         if constexpr (five) {  // the fifth bits: qh's low word over lo, its high word over hi
           const __m128i h = type == Q5_0 ? _mm512_extracti32x4_epi32(dm, 2)
                                          : _mm512_castsi512_si128(_mm512_permutex2var_epi16(a, ihq, b));
           lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(uint64_t(_mm_cvtsi128_si64(h))), lo, sixteen);
           hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(uint64_t(_mm_extract_epi64(h, 1))), hi, sixteen);
         }
+#endif
         const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, lo, xlo), hi, xhi);
         const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(dm));
         acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, dx), acc[j]);
@@ -347,7 +384,8 @@ struct RowGemv {
     for (int j = 0; j < C; j += 4) reduce4(acc + j, out + j);
   }
 
-  // Q4_K / Q5_K: per super-block 8 sub-blocks of 32, 6-bit scales and mins.
+  // Q4_K / Q5_K: per super-block 8 sub-blocks of 32, 6-bit scales and mins (unpacked in
+  // registers, k_scales_mins).
   void k45(const uint8_t* const* rows, int64_t ahead, float* out) const {
     constexpr int C = kRowsPerPass;
     constexpr bool five = type == Q5_K;
@@ -368,15 +406,7 @@ struct RowGemv {
         const uint8_t* b = rows[j] + off;
         _mm_prefetch(reinterpret_cast<const char*>(b + ahead), _MM_HINT_T1);
         _mm_prefetch(reinterpret_cast<const char*>(b + ahead + block_bytes - 1), _MM_HINT_T1);
-        uint32_t t[4];
-        std::memcpy(t, b + 4, 12);
-        constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-        t[3] = ((t[2] >> 4) & k2) | (((t[1] >> 6) & k3) << 4);
-        const uint32_t mins_lo = t[1] & k1;
-        t[1] = (t[2] & k2) | (((t[0] >> 6) & k3) << 4);
-        t[2] = mins_lo;
-        t[0] &= k1;  // bytes 0-7: the 8 scales, 8-15: the 8 mins
-        const __m512 sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t))));
+        const __m512 sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(k_scales_mins(load16(b + 4))));
         uint32_t dm;
         std::memcpy(&dm, b, 4);
         const __m512 dd = _mm512_permutexvar_ps(dm_pick, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(int(dm)))));
