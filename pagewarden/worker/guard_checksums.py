@@ -113,8 +113,10 @@ class ChecksumChecks(GuardState):
             n = r.positions.start
             n_full = n // bs
             full.update(r.block_table[:n_full])
-            if self.strict and n % bs and r.block_table[n_full] not in self._swapped_in:
-                base = r.block_table[n_full] * bs
+            # An open block: the kernel sums it as it reads it, or it is re-read here.
+            open_block = r.block_table[n_full] if n % bs and not self._open_by_kernel else 0
+            if self.strict and open_block and open_block not in self._swapped_in:
+                base = open_block * bs
                 open_slots.extend(range(base, base + n % bs))
         faults: list[KVFault] = []
         full.discard(0)
@@ -158,10 +160,12 @@ class ChecksumChecks(GuardState):
         return faults
 
     def _fused_sum_faults(
-        self, reqs: list[ScheduledRequest], meta: AttentionMetadata
+        self, reqs: list[ScheduledRequest], meta: AttentionMetadata, named: set[int]
     ) -> list[KVFault]:
         """Strict: every sealed context block the kernel read must checksum to its seal
-        (``check_reads`` left these to the kernel)."""
+        (``check_reads`` left these to the kernel), and with the cpu kernel each open
+        context block to its slots' write-time sums (``_open_block_faults``; a block in
+        ``named``, which another fault of the step names, is left to that fault)."""
         checks = meta.read_checks
         assert checks is not None
         if checks.read_sums is None or not self.strict:  # standard: only the scrub picks
@@ -184,17 +188,76 @@ class ChecksumChecks(GuardState):
             some = verify & (checks.read_layers > 0) & (checks.read_layers < n_layers)
             partial = sorted(set(tables[some].tolist()))
             verify &= checks.read_layers == n_layers
-        wrong = verify & (checks.block_sums() != self.block_sums[tables])
+        read = checks.block_sums()  # (S, max_blocks)
+        wrong = verify & (read != self.block_sums[tables])
         n_verified, n_wrong = (int(x) for x in torch.stack([verify.sum(), wrong.sum()]).tolist())
         self.counters.block_verifies += n_verified
         bad_partial = self._verify_sealed(torch.tensor(partial, dtype=torch.int64))
-        if not n_wrong and not bad_partial:
+        bad_open = self._open_block_faults(reqs, meta, read, named) if self._open_by_kernel else []
+        if not n_wrong and not bad_partial and not bad_open:
             return []
-        bad = sorted(set(tables[wrong].tolist()) | set(bad_partial))
+        bad = sorted(set(tables[wrong].tolist()) | set(bad_partial) | set(bad_open))
         detail = (
             "context block content changed since it was sealed (checked by the attention kernel)"
         )
         return [KVFault("checksum", tuple(bad), {}, "read", detail)]
+
+    @property
+    def _open_by_kernel(self) -> bool:
+        """Strict with the cpu checking kernel: each context's open (partly filled) block
+        is verified after the forward pass by the sum the kernel took of it as it read it
+        (``_open_block_faults``), not re-read from the cache before the pass."""
+        return self.strict and self.fused_reads and self.caches[0].device.type == "cpu"
+
+    def _open_block_faults(
+        self,
+        reqs: list[ScheduledRequest],
+        meta: AttentionMetadata,
+        read: torch.Tensor,
+        named: set[int],
+    ) -> list[int]:
+        """Ids of open context blocks whose slots changed since they were written.
+
+        The kernel sums each block it reads over the slots it reads: a decode row
+        (one new token) its context and the new token, ``[0, stop)``; any other row its
+        context, ``[0, start)``. The open block's share of that sum must equal the
+        write-time slot sums (``after_write`` took the new token's first) combined with
+        the offset keys over the same slots, the block checksum's own formula. A block
+        that not every layer read is verified from the cache instead, by its slots::
+
+            block  |o0 o1 o2 .. o(m-1)| .. bs-1      m = (stop or start) - lb * bs
+            read[i, lb] == sum_o offset_key[o] * slot_sums[block * bs + o]  (mod 2^64)
+        """
+        checks = meta.read_checks
+        assert checks is not None and checks.read_layers is not None
+        bs, width, n_layers = self.block_size, meta.max_blocks, len(self.caches)
+        # numpy views of the CPU tensors (_open_by_kernel): one block per row at most.
+        tables = meta.block_index.numpy()  # (S * max_blocks,)
+        layers = checks.read_layers.numpy().reshape(-1)
+        sums = read.numpy().reshape(-1)
+        slot_sums, keys = self.slot_sums.numpy(), self._offset_keys_np
+        bad: list[int] = []
+        rest: list[int] = []  # slots to verify from the cache
+        for i, r in enumerate(reqs):
+            start = r.positions.start
+            if not start % bs:
+                continue  # no open context block: the step starts a block or reads none
+            lb = start // bs
+            block = int(tables[i * width + lb])
+            if block == 0 or block in self._swapped_in or block in named:
+                continue  # padding, verified on arrival, or another fault's
+            end = r.positions.stop if len(r.positions) == 1 else start
+            m = end - lb * bs
+            if layers[i * width + lb] != n_layers:
+                rest.extend(range(block * bs, block * bs + start - lb * bs))
+                continue
+            self.counters.slot_verifies += m
+            want = (slot_sums[block * bs : block * bs + m] * keys[:m]).sum(dtype=numpy.int64)
+            if sums[i * width + lb] != want:
+                bad.append(block)
+        if rest:
+            bad += self._verify_slots(torch.tensor(rest, dtype=torch.int64))
+        return bad
 
     def _verify_sealed(self, ids: torch.Tensor) -> list[int]:
         """Ids of sealed blocks whose content no longer matches their seal."""
