@@ -52,8 +52,9 @@ standard  write-time slot checksums (from the bytes at ``meta.slot_mapping``); b
           blocks by block checksum, a partly filled one by its used slots' write-time
           sums); a scrubber re-verifying ``scrub_blocks_per_step`` sealed blocks per step,
           round robin
-strict    every block a step reads is verified before the forward pass (sealed blocks by
-          block checksum, the open block by its slots' write-time sums)
+strict    every block a step reads is verified before its tokens are released (sealed
+          blocks by block checksum, the open block by its slots' write-time sums): before
+          the forward pass, or from a checking kernel's sums after it (fused reads)
 ========  ==================================================================================
 
 A failed check never raises: it becomes a ``KVFault`` naming the blocks and, for every
