@@ -113,25 +113,27 @@ class ChecksumChecks(GuardState):
             n = r.positions.start
             n_full = n // bs
             full.update(r.block_table[:n_full])
-            if self.strict and n % bs and r.block_table[n_full] not in self._swapped_in:
-                base = r.block_table[n_full] * bs
+            # An open block: the kernel sums it as it reads it, or it is re-read here.
+            open_block = r.block_table[n_full] if n % bs and not self._open_by_kernel else 0
+            if self.strict and open_block and open_block not in self._swapped_in:
+                base = open_block * bs
                 open_slots.extend(range(base, base + n % bs))
         faults: list[KVFault] = []
         full.discard(0)
         full -= self._swapped_in  # verified on arrival in this very step
         if full:
-            ids = torch.tensor(sorted(full), dtype=torch.int64)
-            sealed = self.sealed[ids].cpu()
-            sealed_ids, unsealed_ids = ids[sealed], ids[~sealed]
-            if self.strict and self.fused_reads:
-                # The attention kernel checksums these as it reads them (_fused_sum_faults).
-                sealed_ids = sealed_ids[:0]
-            bad = self._verify_sealed(sealed_ids)
+            ids = sorted(full)
+            flags = _gather(self.sealed, torch.tensor(ids, dtype=torch.int64)).tolist()
+            # The attention kernel checksums sealed ones as it reads them (strict with a
+            # checking kernel: _fused_sum_faults).
+            by_kernel = self.strict and self.fused_reads
+            sealed_ids = [b for b, f in zip(ids, flags) if f and not by_kernel]
+            bad = self._verify_sealed(torch.tensor(sealed_ids)) if sealed_ids else []
             # A full block the guard never sealed (sealing failed or was skipped): check
             # its slots against their write-time sums instead.
-            if unsealed_ids.numel():
-                slots = (unsealed_ids.unsqueeze(1) * bs + torch.arange(bs)).reshape(-1)
-                bad += self._verify_slots(slots)
+            slots = [b * bs + o for b, f in zip(ids, flags) if not f for o in range(bs)]
+            if slots:
+                bad += self._verify_slots(torch.tensor(slots, dtype=torch.int64))
             found_by = "read" if self.strict else "reuse"
             if bad:
                 faults.append(
@@ -158,43 +160,106 @@ class ChecksumChecks(GuardState):
         return faults
 
     def _fused_sum_faults(
-        self, reqs: list[ScheduledRequest], meta: AttentionMetadata
+        self, reqs: list[ScheduledRequest], meta: AttentionMetadata, named: set[int]
     ) -> list[KVFault]:
         """Strict: every sealed context block the kernel read must checksum to its seal
-        (``check_reads`` left these to the kernel)."""
+        (``check_reads`` left these to the kernel), and with the cpu kernel each open
+        context block to its slots' write-time sums (``_open_block_faults``; a block in
+        ``named``, which another fault of the step names, is left to that fault)."""
         checks = meta.read_checks
         assert checks is not None
         if checks.read_sums is None or not self.strict:  # standard: only the scrub picks
             return []
-        bs, device = self.block_size, checks.read_sums.device
-        tables = meta.block_index.view(meta.num_seqs, meta.max_blocks)  # (S, max_blocks)
-        full = torch.tensor([r.positions.start // bs for r in reqs], device=device)  # (S,)
-        logical = torch.arange(meta.max_blocks, device=device)  # (max_blocks,)
+        # numpy on the host (views of CPU tensors): a decode step's few dozen entries,
+        # where each torch op costs more than the whole comparison.
+        bs, n_layers = self.block_size, len(self.caches)
+        tables_t = meta.block_index.view(meta.num_seqs, meta.max_blocks)  # (S, max_blocks)
+        tables = _host(tables_t)
+        full = numpy.array([r.positions.start // bs for r in reqs])  # (S,)
+        logical = numpy.arange(meta.max_blocks)  # (max_blocks,)
         # Full context blocks, sealed before this step and not verified on arrival.
-        verify = (logical < full.unsqueeze(1)) & (tables != 0) & self.sealed[tables]
+        verify = (logical < full[:, None]) & (tables != 0) & _gather(self.sealed, tables_t)
         if self._swapped_in:
-            arrived = torch.tensor(sorted(self._swapped_in), device=device)
-            verify &= ~torch.isin(tables, arrived)
+            verify &= ~numpy.isin(tables, sorted(self._swapped_in))
         # A sliding-window layer skips the blocks before its window: only a block every
         # layer read sums to its seal; one that some layers read is verified from the
         # cache instead; one that no layer read was not read in this step.
         partial: list[int] = []
         if checks.read_layers is not None:
-            n_layers = len(self.caches)
-            some = verify & (checks.read_layers > 0) & (checks.read_layers < n_layers)
+            layers = _host(checks.read_layers)  # (S, max_blocks)
+            some = verify & (layers > 0) & (layers < n_layers)
             partial = sorted(set(tables[some].tolist()))
-            verify &= checks.read_layers == n_layers
-        wrong = verify & (checks.block_sums() != self.block_sums[tables])
-        n_verified, n_wrong = (int(x) for x in torch.stack([verify.sum(), wrong.sum()]).tolist())
-        self.counters.block_verifies += n_verified
-        bad_partial = self._verify_sealed(torch.tensor(partial, dtype=torch.int64))
-        if not n_wrong and not bad_partial:
+            verify &= layers == n_layers
+        # (S, max_blocks): each read block's checksum, summed over kv heads mod 2^64
+        read = _host(checks.read_sums).sum(axis=1, dtype=numpy.int64)
+        wrong = verify & (read != _gather(self.block_sums, tables_t))
+        self.counters.block_verifies += int(verify.sum())
+        bad_partial = self._verify_sealed(torch.tensor(partial)) if partial else []
+        bad_open = self._open_block_faults(reqs, meta, read, named) if self._open_by_kernel else []
+        if not wrong.any() and not bad_partial and not bad_open:
             return []
-        bad = sorted(set(tables[wrong].tolist()) | set(bad_partial))
+        bad = sorted(set(tables[wrong].tolist()) | set(bad_partial) | set(bad_open))
         detail = (
             "context block content changed since it was sealed (checked by the attention kernel)"
         )
         return [KVFault("checksum", tuple(bad), {}, "read", detail)]
+
+    @property
+    def _open_by_kernel(self) -> bool:
+        """Strict with the cpu checking kernel: each context's open (partly filled) block
+        is verified after the forward pass by the sum the kernel took of it as it read it
+        (``_open_block_faults``), not re-read from the cache before the pass."""
+        return self.strict and self.fused_reads and self.caches[0].device.type == "cpu"
+
+    def _open_block_faults(
+        self,
+        reqs: list[ScheduledRequest],
+        meta: AttentionMetadata,
+        read: numpy.ndarray,
+        named: set[int],
+    ) -> list[int]:
+        """Ids of open context blocks whose slots changed since they were written.
+
+        The kernel sums each block it reads over the slots it reads: a decode row
+        (one new token) its context and the new token, ``[0, stop)``; any other row its
+        context, ``[0, start)``. The open block's share of that sum must equal the
+        write-time slot sums (``after_write`` took the new token's first) combined with
+        the offset keys over the same slots, the block checksum's own formula. A block
+        that not every layer read is verified from the cache instead, by its slots::
+
+            block  |o0 o1 o2 .. o(m-1)| .. bs-1      m = (stop or start) - lb * bs
+            read[i, lb] == sum_o offset_key[o] * slot_sums[block * bs + o]  (mod 2^64)
+        """
+        checks = meta.read_checks
+        assert checks is not None and checks.read_layers is not None
+        bs, width, n_layers = self.block_size, meta.max_blocks, len(self.caches)
+        # numpy views of the CPU tensors (_open_by_kernel): one block per row at most.
+        tables = meta.block_index.numpy()  # (S * max_blocks,)
+        layers = checks.read_layers.numpy().reshape(-1)
+        sums = read.reshape(-1)  # (S * max_blocks,) the kernel's block sums
+        slot_sums, keys = self.slot_sums.numpy(), self._offset_keys_np
+        bad: list[int] = []
+        rest: list[int] = []  # slots to verify from the cache
+        for i, r in enumerate(reqs):
+            start = r.positions.start
+            if not start % bs:
+                continue  # no open context block: the step starts a block or reads none
+            lb = start // bs
+            block = int(tables[i * width + lb])
+            if block == 0 or block in self._swapped_in or block in named:
+                continue  # padding, verified on arrival, or another fault's
+            end = r.positions.stop if len(r.positions) == 1 else start
+            m = end - lb * bs
+            if layers[i * width + lb] != n_layers:
+                rest.extend(range(block * bs, block * bs + start - lb * bs))
+                continue
+            self.counters.slot_verifies += m
+            want = (slot_sums[block * bs : block * bs + m] * keys[:m]).sum(dtype=numpy.int64)
+            if sums[i * width + lb] != want:
+                bad.append(block)
+        if rest:
+            bad += self._verify_slots(torch.tensor(rest, dtype=torch.int64))
+        return bad
 
     def _verify_sealed(self, ids: torch.Tensor) -> list[int]:
         """Ids of sealed blocks whose content no longer matches their seal."""
@@ -431,6 +496,19 @@ class ChecksumChecks(GuardState):
             "a block loaded from a KV tier does not checksum in the pool to its entry's sum",
         )
         return self._attach_readers([fault], out.requests)
+
+
+def _host(t: torch.Tensor) -> numpy.ndarray:
+    """A numpy array of ``t``: a view in host memory, else a copy from the device."""
+    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
+
+
+def _gather(state: torch.Tensor, index: torch.Tensor) -> numpy.ndarray:
+    """``state[index]`` as a numpy array (numpy's gather for a host tensor: a few ids,
+    where torch's indexing costs tens of microseconds)."""
+    if state.device.type == "cpu":
+        return state.numpy()[index.numpy()]
+    return state[index].cpu().numpy()
 
 
 def _scrub_fault(bad: list[int]) -> list[KVFault]:

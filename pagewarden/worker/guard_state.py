@@ -25,6 +25,7 @@ from pagewarden.sched.output import FailureKey, KVFault, ScheduledRequest, Sched
 from pagewarden.worker.integrity import (
     ROOT_TAG,
     SlotTags,
+    _offset_keys,
     block_checksums,
     slot_checksums,
 )
@@ -87,6 +88,8 @@ class GuardState:
         # Scrub picks this step's attention kernel checksums as it reads them, verified
         # after the forward pass (``guard_checksums._fuse_scrub``); None: scrubbed at once.
         self._deferred_scrub: list[int] | None = None
+        # The offset keys as a numpy array, for checks that combine a few slot sums.
+        self._offset_keys_np = _offset_keys(block_size, torch.device("cpu")).numpy()
         # The host tier's copy of the same state (tags, slot sums, seals, block sums).
         self.host = TierState(num_host_blocks, block_size)
         if self.sums_on:

@@ -28,7 +28,10 @@ request's expected tags (``meta.read_checks``); the attention kernel compares ev
 it reads through ``meta.block_index`` and, in ``strict``, sums each block's checksum as
 it reads it. ``after_write`` turns its per-block verdicts into the same ``KVFault``s
 (found by "read"), and ``check_reads`` leaves sealed context blocks to it instead of
-re-reading them before the forward pass (``worker/fused_checks.py``).
+re-reading them before the forward pass (``worker/fused_checks.py``); with the cpu
+kernel also each open context block, whose partial sum must equal its written slots'
+write-time sums combined (``_open_block_faults``). Either way a failed read is found in
+the step that reads it, before that step's tokens are released.
 
 What each level checks (each includes the one before):
 
@@ -49,8 +52,9 @@ standard  write-time slot checksums (from the bytes at ``meta.slot_mapping``); b
           blocks by block checksum, a partly filled one by its used slots' write-time
           sums); a scrubber re-verifying ``scrub_blocks_per_step`` sealed blocks per step,
           round robin
-strict    every block a step reads is verified before the forward pass (sealed blocks by
-          block checksum, the open block by its slots' write-time sums)
+strict    every block a step reads is verified before its tokens are released (sealed
+          blocks by block checksum, the open block by its slots' write-time sums): before
+          the forward pass, or from a checking kernel's sums after it (fused reads)
 ========  ==================================================================================
 
 A failed check never raises: it becomes a ``KVFault`` naming the blocks and, for every
@@ -152,20 +156,24 @@ class KVGuard(ChecksumChecks):
                 # whole by this step, from which the sums were just taken.
                 to_seal.extend(r.block_table[start // bs : min(first, stop // bs)])
                 fresh.extend(r.block_table[first : stop // bs])
+        if self.sums_on:
+            # From the bytes at the slots the model actually wrote; first, as strict's
+            # open-block check combines the new tokens' sums with the older slots'.
+            slots = meta.slot_mapping
+            self.slot_sums[slots] = slot_checksums(self.caches, slots)
         # Tags of every request, faulted ones too: a bad tag in a block that a rollback
         # is about to drop would otherwise go unseen, and the block stays in the prefix
         # cache.
-        if meta.read_checks is not None:
-            faults = self._fused_tag_faults(reqs, meta)
-            faults += self._fused_sum_faults(reqs, meta)
-        else:
-            faults = self._check_tags(reqs, meta)
-        faults += self._fused_scrub_faults(reqs, meta)  # the picks check_reads deferred
-        faults += self._check_slot_mapping(reqs, meta)
+        fused = meta.read_checks is not None
+        tags = self._fused_tag_faults(reqs, meta) if fused else self._check_tags(reqs, meta)
+        scrub = self._fused_scrub_faults(reqs, meta)  # the picks check_reads deferred
+        mapping = self._check_slot_mapping(reqs, meta)
+        # A block a tag or write-slot fault names was read or written through a wrong
+        # index: its sum says nothing more, and the fault already recomputes it.
+        named = {b for f in tags + mapping for b in f.block_ids}
+        sums = self._fused_sum_faults(reqs, meta, named) if fused else []
+        faults = tags + sums + scrub + mapping
         if self.sums_on:
-            # From the bytes at the slots the model actually wrote.
-            slots = meta.slot_mapping
-            self.slot_sums[slots] = slot_checksums(self.caches, slots)
             bad_blocks = {b for f in faults for b in f.block_ids} | {0}
             to_seal = sorted(set(to_seal) - bad_blocks)
             if to_seal:

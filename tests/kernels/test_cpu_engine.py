@@ -15,7 +15,7 @@ import random
 import pytest
 
 from pagewarden import LLM, SamplingParams
-from pagewarden.faults.kv_faults import corrupt_tag, flip_bit
+from pagewarden.faults.kv_faults import corrupt_tag, flip_bit, flip_slot_bit
 from pagewarden.kernels.cpu import attention as cpu_attention
 from tests.engine.test_llm_vs_hf import hf_greedy, random_prompts, run_engine
 
@@ -239,3 +239,45 @@ def test_strict_scrub_skips_picks_the_kernel_verifies_in_the_same_step(
     engine.step()
     assert dict(llm.stats().integrity.failures) == {("checksum", "read"): 1}
     assert not from_cache
+
+
+def _open_block_detection(tiny_llama_dir, prompt, monkeypatch, by_kernel: bool):
+    """Strict, one request with a partly filled block: flip a bit of a slot it wrote
+    there, step once; returns (failures, slots verified from the cache, tokens)."""
+    llm = _llm(tiny_llama_dir, "cpu", integrity="strict", scrub_blocks_per_step=0)
+    engine, guard = llm.engine, llm.engine.runner.guard
+    if not by_kernel:  # the open block re-read from the cache before the forward pass
+        guard.__class__ = type("PreRead", (type(guard),), {"_open_by_kernel": False})
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("r", prompt, params)
+    while not engine.scheduler.running or engine.scheduler.running[0].num_computed_tokens < 41:
+        engine.step()
+    from_cache: list[int] = []
+    verify = guard._verify_slots
+    monkeypatch.setattr(
+        guard, "_verify_slots", lambda slots: from_cache.extend(slots.tolist()) or verify(slots)
+    )
+    engine.step()  # reads the open block: nothing changed, nothing found
+    assert not llm.stats().integrity.failures
+    open_block = engine.scheduler.kv.tables["r"].ids[2]  # positions 32..47, 10 written
+    flip_slot_bit(engine.kv_store.caches, open_block * 16 + 3, 1, random.Random(0))
+    engine.step()
+    failures = dict(llm.stats().integrity.failures)
+    tokens = []
+    while engine.has_unfinished():
+        tokens += [o for o in engine.step() if o.finished]
+    return failures, from_cache, tokens[0].outputs[0].token_ids
+
+
+def test_strict_open_block_is_checked_by_the_kernels_sum_of_it(tiny_llama_dir, vocab, monkeypatch):
+    """Strict with the cpu kernel: the partly filled block a step reads is verified by
+    the sum the kernel took as it read it (its slots' write-time sums combined), not
+    re-read from the cache; a flipped bit in a written slot is found in the same step
+    as by the re-read, and the output is still the fault-free one."""
+    prompt = random_prompts(1, vocab, 40, 40, seed=15)[0]  # 2 full blocks and 8 tokens
+    fused = _open_block_detection(tiny_llama_dir, prompt, monkeypatch, by_kernel=True)
+    monkeypatch.undo()
+    pre = _open_block_detection(tiny_llama_dir, prompt, monkeypatch, by_kernel=False)
+    assert fused[0] == pre[0] == {("checksum", "read"): 1}  # in that step, both ways
+    assert pre[1] and not fused[1]  # the kernel's run read no slot from the cache
+    assert fused[2] == pre[2] == hf_greedy(tiny_llama_dir, [prompt], 6)[0]
