@@ -90,6 +90,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--sweeps", type=int, default=3)
     ap.add_argument(
+        "--prefill",
+        action="store_true",
+        help="the calls outside a decode batch, as a prompt's prefill makes them (bf16-decode "
+        "tiles; --rows 2048: a full chunk of the default max_num_batched_tokens)",
+    )
+    ap.add_argument(
         "--process-time",
         action="store_true",
         help="the process's CPU time (all threads, the pool's spin off): less disturbed "
@@ -110,7 +116,7 @@ def main() -> None:
 
         cpu_pool.load().set_spin_us(0)
     times: dict[tuple[str, str, str], list[float]] = collections.defaultdict(list)
-    with cpu_quant.decode_batch(True), torch.inference_mode():
+    with cpu_quant.decode_batch(not args.prefill), torch.inference_mode():
         for _ in range(args.rounds):
             for kind in built["gguf"]:
                 for mode in modes:
@@ -121,7 +127,8 @@ def main() -> None:
                     for t, group in by_type.items():
                         sweep(group, 1)  # warm
                         times[(kind, t, mode)].append(sweep(group, args.sweeps))
-    print(f"{args.rows} rows, ms per step (median of {args.rounds} rounds)")
+    what = "prefill" if args.prefill else "decode batch"
+    print(f"{args.rows} rows ({what}), ms per step (median of {args.rounds} rounds)")
     print(f"{'kind':8} {'gguf type':12} {'layers':>6} {'gguf':>9} {'none':>9} {'gguf/none':>9}")
     tot = dict.fromkeys(modes, 0.0)
     for kind in built["gguf"]:

@@ -24,7 +24,8 @@ def near(out: torch.Tensor, want: torch.Tensor, rel: float = 256) -> bool:
 
 @needs_int8
 @pytest.mark.parametrize("name", sorted(TYPES))
-@pytest.mark.parametrize("m", [2, 5, 17, 70])  # 1 / 2 / 3 row blocks of 3 and remainders
+# row blocks of 4 (plain) and 3 (silu) with every remainder: 4: 2, 1, 3, 2; 3: 2, 2, 1, 1
+@pytest.mark.parametrize("m", [2, 5, 19, 70])
 def test_int8_tiles_match_q8_activations_times_float32_weights(name, m, tiles_from):
     tiles_from(2)
     assert cpu_quant.load().has_int8_tiles_kernel()
@@ -55,14 +56,16 @@ def test_int8_tiles_match_q8_activations_times_float32_weights(name, m, tiles_fr
 @pytest.mark.parametrize("name", ["Q4_1", "Q6_K", "Q8_0"])
 def test_int8_tiles_agree_with_the_int8_loop(name, tiles_from):
     """The tiles and quant_int8.cpp's multi-row loop: the same int8 activations and integer
-    products, only the float32 summation order differs."""
+    products, only the float32 summation order differs: each output is rounded to bf16 from
+    two float32 sums that may differ in their last bits, so they may be one bf16 step
+    (|v| / 128) apart (at |v| / 256, 4 of 120 seeds, 40 per type, failed; x was unseeded)."""
     w = random_weight(name, 200, 512, seed=3)
-    x = torch.randn(9, 512).bfloat16()
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(3)).bfloat16()
     tiles_from(2)
     tiles = cpu_quant.gemm(x, w, kernel="int8").float()
     tiles_from(1 << 30)
     loop = cpu_quant.gemm(x, w, kernel="int8").float()
-    assert near(tiles, loop)
+    assert near(tiles, loop, rel=128)
     assert not torch.equal(tiles, torch.zeros_like(tiles))
 
 

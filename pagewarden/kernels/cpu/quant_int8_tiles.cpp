@@ -16,13 +16,14 @@
 //          float32 (a 32-weight block's values at both of its halves)
 //
 // Loop order: output columns in tiles of 16 (silu: gate tile 0, up tile 0, ...), groups of
-// NR = 4 tiles are the pool's work items: an item decodes its group's 64 weight rows once
-// (quant_int8_unpack.h: 16 rows' quant words unpacked straight to quads, their scales
-// decoded 16 rows per vector; every type), then runs every
-// MR = 3 rows of x through the micro-kernel: per block, MR x NR int32 accumulators over its
-// 8 (Q6_K: 4) k quads (NR 64-byte loads, MR 4-byte broadcasts, MR x NR vpdpbusd per quad),
-// then per (row, tile) int32 -> float32, * dx, FMA by A, FMA of -B by dx * sum v into the
-// MR x NR float32 accumulators (24 + 4 registers). The epilogues are quant_tiles.cpp's.
+// NR tiles (silu 4, else 3) are the pool's work items: an item decodes its group's 16 NR
+// weight rows once (quant_int8_unpack.h: 16 rows' quant words unpacked straight to quads,
+// their scales decoded 16 rows per vector; every type), then runs every
+// MR rows of x (silu 3, else 4) through the micro-kernel: per block, MR x NR int32
+// accumulators over its 8 (Q6_K: 4) k quads (NR 64-byte loads, MR 4-byte broadcasts,
+// MR x NR vpdpbusd per quad), then per (row, tile) int32 -> float32, * dx, FMA by A, FMA
+// of -B by dx * sum v into the MR x NR float32 accumulators (24 + 4 registers). The
+// epilogues are quant_tiles.cpp's.
 
 #include "quant_int8_tiles.h"
 
@@ -42,11 +43,17 @@
 #include "gemm_tile.h"
 #include "quant_decode.h"
 #include "quant_int8_unpack.h"
+#include "scratch64.h"
 
 namespace {
 
-constexpr int MR = 3;   // rows of x per micro-kernel call
-constexpr int NR = 4;   // column tiles per group (an even number: silu pairs)
+// Register blocks (rows of x per micro-kernel call x column tiles per group): silu's
+// groups hold gate/up pairs, NR = 4 (MR = 3); the other calls take NR = 3, MR = 4: a
+// decode batch of 64 rows is 16 whole row blocks (MR = 3: 21 and a one-row call), and
+// the default model's N = 576 / 960 are 12 / 20 groups, which two threads share evenly
+// (NR = 4: 9 / 15, each decoded twice when split by rows).
+constexpr int SILU_MR = 3, SILU_NR = 4;
+constexpr int PLAIN_MR = 4, PLAIN_NR = 3;
 constexpr int TW = 16;  // output columns per tile
 
 // The activations quantized (the calling thread's; workers only read them during a call).
@@ -144,23 +151,33 @@ void micro(const TilesProblem& p, const QuantRows& x, const Group& g, int64_t m0
   tiles_epilogue<R, C>(p, acc, m0, col0);
 }
 
-// Rows [m0, m1) x the group's C tiles.
-template <int C, int SB>
+// Rows [m0, m1) x the group's C tiles, MR rows per micro-kernel call.
+template <int MR, int C, int SB>
 void all_rows(const TilesProblem& p, const QuantRows& x, const Group& g, int64_t col0, int64_t m0, int64_t m1) {
   for (; m0 + MR <= m1; m0 += MR) micro<MR, C, SB>(p, x, g, m0, col0);
   switch (m1 - m0) {
+    case 3: micro<3, C, SB>(p, x, g, m0, col0); break;
     case 2: micro<2, C, SB>(p, x, g, m0, col0); break;
     case 1: micro<1, C, SB>(p, x, g, m0, col0); break;
     default: break;
   }
 }
 
-template <int type>
-void run(const TilesProblem& p) {
+// The group's C <= NR tiles over rows [m0, m1).
+template <int MR, int NR, int SB>
+void group_rows(const TilesProblem& p, const QuantRows& x, const Group& g, int c, int64_t col0, int64_t m0, int64_t m1) {
+  static_assert(NR >= 3 && NR <= 4, "NR: 3 or 4");
+  switch (c) {
+    case 4: all_rows<MR, NR == 4 ? 4 : 3, SB>(p, x, g, col0, m0, m1); break;
+    case 3: all_rows<MR, 3, SB>(p, x, g, col0, m0, m1); break;
+    case 2: all_rows<MR, 2, SB>(p, x, g, col0, m0, m1); break;
+    default: all_rows<MR, 1, SB>(p, x, g, col0, m0, m1); break;
+  }
+}
+
+template <int type, int MR, int NR>
+void run_blocked(const TilesProblem& p, const QuantRows& x) {
   constexpr int SB = type == Q6_K ? 16 : 32;
-  thread_local QuantRows mine;  // the caller's; a worker's own thread_local would be empty
-  quantize<SB>(p, &mine);
-  const QuantRows& x = mine;
   const int64_t out_tiles = (p.n_out + TW - 1) / TW;
   const int64_t tiles = p.silu ? 2 * out_tiles : out_tiles;
   const int64_t groups = (tiles + NR - 1) / NR;
@@ -176,9 +193,8 @@ void run(const TilesProblem& p) {
     if (m0 >= m1) return;
     thread_local std::vector<uint8_t> qs;
     thread_local std::vector<float> ab;
-    if (qs.size() < size_t(NR * qstride)) qs.resize(size_t(NR * qstride));
-    if (ab.size() < size_t(2 * NR * sstride)) ab.resize(size_t(2 * NR * sstride));
-    const Group g{qs.data(), ab.data(), ab.data() + NR * sstride, qstride, sstride};
+    float* const a = scratch64(ab, size_t(2 * NR * sstride));
+    const Group g{scratch64(qs, size_t(NR * qstride)), a, a + NR * sstride, qstride, sstride};
     const int64_t t0 = gi * NR;
     const int c = int(std::min<int64_t>(NR, tiles - t0));
     auto first_row = [&](int64_t t, int* cnt) {  // tile t's rows: cnt from this one
@@ -200,14 +216,18 @@ void run(const TilesProblem& p) {
       for (int r = 0; r < TW; ++r) rows[r] = row0 + std::min(r, cnt - 1) * p.row_bytes;
       unpack_tile<type>(rows, p.k, g.q + j * qstride, g.a + j * sstride, g.b + j * sstride);
     }
-    const int64_t col0 = (p.silu ? t0 / 2 : t0) * TW;
-    switch (c) {
-      case 4: all_rows<4, SB>(p, x, g, col0, m0, m1); break;
-      case 3: all_rows<3, SB>(p, x, g, col0, m0, m1); break;
-      case 2: all_rows<2, SB>(p, x, g, col0, m0, m1); break;
-      default: all_rows<1, SB>(p, x, g, col0, m0, m1); break;
-    }
+    group_rows<MR, NR, SB>(p, x, g, c, (p.silu ? t0 / 2 : t0) * TW, m0, m1);
   });
+}
+
+template <int type>
+void run(const TilesProblem& p) {
+  thread_local QuantRows mine;  // the caller's; a worker's own thread_local would be empty
+  quantize<type == Q6_K ? 16 : 32>(p, &mine);
+  if (p.silu)
+    run_blocked<type, SILU_MR, SILU_NR>(p, mine);
+  else
+    run_blocked<type, PLAIN_MR, PLAIN_NR>(p, mine);
 }
 
 }  // namespace

@@ -32,6 +32,7 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include "gemm_tile.h"
 #include "quant_decode.h"
+#include "scratch64.h"
 
 namespace {
 
@@ -115,8 +116,8 @@ void run(const TilesProblem& p) {
   const int64_t groups = (tiles + NR - 1) / NR;
   const size_t need = size_t(NR) * TW * p.k;
   pw::parallel_items(groups, [&](int64_t g, int) {
-    thread_local std::vector<bf16_bits> scratch;
-    if (scratch.size() < need) scratch.resize(need);
+    thread_local std::vector<bf16_bits> scratch_v;
+    bf16_bits* const scratch = scratch64(scratch_v, need);
     const int64_t t0 = g * NR;
     const int c = int(std::min<int64_t>(NR, tiles - t0));
     auto first_row = [&](int64_t t, int* cnt) {  // tile t's rows: cnt from this one
@@ -136,9 +137,9 @@ void run(const TilesProblem& p) {
       }
       const uint8_t* rows[TW];
       for (int r = 0; r < TW; ++r) rows[r] = row0 + std::min(r, cnt - 1) * p.row_bytes;
-      decode_tile<type>(p, rows, scratch.data() + size_t(j) * TW * p.k);
+      decode_tile<type>(p, rows, scratch + size_t(j) * TW * p.k);
     }
-    group(Args{p, scratch.data(), p.k / 2, (p.silu ? t0 / 2 : t0) * TW}, c);
+    group(Args{p, scratch, p.k / 2, (p.silu ? t0 / 2 : t0) * TW}, c);
   });
 }
 
