@@ -209,7 +209,7 @@ class ChecksumChecks(GuardState):
         """Strict with the cpu checking kernel: each context's open (partly filled) block
         is verified after the forward pass by the sum the kernel took of it as it read it
         (``_open_block_faults``), not re-read from the cache before the pass."""
-        return self.strict and self.fused_reads and self.caches[0].device.type == "cpu"
+        return self.strict and self.fused_reads and self.open_block_sums
 
     def _open_block_faults(
         self,

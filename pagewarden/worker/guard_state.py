@@ -74,6 +74,9 @@ class GuardState:
         # True when the attention backend checks tags (and, strict, checksums) as it
         # reads: bind() hands it the expected tags, after_write() reads its verdicts.
         self.fused_reads = False
+        # True when that backend's read sums also cover each open context block over the
+        # slots a row reads (the cpu kernel): strict verifies the open block by them.
+        self.open_block_sums = False
         self.counters = GuardCounters()
         device = caches[0].device
         self.tags = SlotTags(self.num_blocks, block_size, device)

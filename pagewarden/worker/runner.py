@@ -124,6 +124,9 @@ class ModelRunner:
             keys = (sum_keys(caches), offset_keys(self.kv_store.shape.block_size, self.device))
         self.model.set_attention_ops(make_ops(caches, *keys))
         self.guard.fused_reads = self.guard.tags_on
+        self.guard.open_block_sums = self.guard.tags_on and getattr(
+            make_ops, "sums_open_blocks", False
+        )
 
     def _offload(self, out: SchedulerOutput) -> None:
         """Hand the step's evicted blocks, as they are before this step writes anything,

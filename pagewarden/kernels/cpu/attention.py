@@ -139,6 +139,9 @@ class CpuAttention:
     (``rope_write_decode``)."""
 
     fused_reads = True
+    #: Each open (partly filled) context block's checksum over the slots a row reads is
+    #: in ``read_sums`` (strict's guard verifies it there; the Triton kernel's is not).
+    sums_open_blocks = True
 
     def __init__(
         self,
