@@ -8,7 +8,7 @@ Per request: the tag of its token chain at each position, and whether its contex
 verified once. A fault found by any check names the scheduled requests that read its
 blocks (``_attach_readers``) and forgets their per-request state.
 
-``GuardState`` is the base of ``ChecksumChecks`` (``guard_checksums.py``) and ``KVGuard``
+``GuardState`` is the base of ``ArrivalChecks`` (``guard_arrivals.py``), ``ChecksumChecks`` (``guard_checksums.py``) and ``KVGuard``
 (``kv_guard.py``, whose docstring says what each level checks and when).
 """
 
