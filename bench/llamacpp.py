@@ -30,7 +30,8 @@ Prefix caching is off and every prompt is fresh, so nothing is served from a cac
 llama.cpp side runs under each OpenMP wait policy of ``--llama-omp`` (llama.cpp's CPU
 backend uses OpenMP; ``inherit`` is the environment this bench was started with, before
 pagewarden's import sets OMP_WAIT_POLICY=PASSIVE for itself) and flash attention off and
-on; per round its best of those is its figure. pagewarden runs as its users run it (its
+on; per round its best of those is its figure (start the bench with OMP_WAIT_POLICY
+unset, so that ``inherit`` is llama.cpp's default). pagewarden runs as its users run it (its
 own OMP_WAIT_POLICY default, its kernels' thread pool). Each round alternates the order.
 Prints per-round figures, medians, pagewarden / llama.cpp ratios and ``uptime``.
 """
@@ -346,6 +347,10 @@ def main() -> None:
     model = resolve_model(args.model)
     print(f"{model}; threads {args.threads}; rounds {args.rounds}; reps {args.reps}")
     print(f"OMP_WAIT_POLICY as started: {USER_ENV.get('OMP_WAIT_POLICY', '(unset)')}")
+    if "inherit" in args.llama_omp and USER_ENV.get("OMP_WAIT_POLICY"):
+        # Seen here: started under PASSIVE, llama.cpp's one stream ran at ~0.4x of its
+        # default (spinning) policy's speed; a comparison needs llama.cpp's best.
+        print("WARNING: OMP_WAIT_POLICY is set, so omp=inherit is not llama.cpp's default")
     print(f"uptime: {uptime()}", flush=True)
     lc: list[dict[str, float]] = []
     pw: dict[str, list[dict]] = {q: [] for q in args.quantization}
