@@ -156,7 +156,7 @@ def test_mutators_hammered_from_a_thread_while_the_engine_steps(tiny_llama_dir, 
     wrong: list[str] = []
 
     def hammer() -> None:
-        while not stop.is_set():
+        while not stop.wait(0.001):  # a breath between rounds: the engine keeps the GIL
             try:
                 calls = foreign_calls(engine.scheduler)
             except (KeyError, IndexError, RuntimeError):  # state moved while it was read
@@ -178,7 +178,7 @@ def test_mutators_hammered_from_a_thread_while_the_engine_steps(tiny_llama_dir, 
         stop.set()
         thread.join()
     assert not wrong, wrong[:5]
-    assert refused
+    assert len(refused) > len(set(refused))  # refused again and again, not in one round
     assert outputs == reference(0)
     _assert_pool_whole(engine)
 
