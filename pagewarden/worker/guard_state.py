@@ -8,8 +8,9 @@ Per request: the tag of its token chain at each position, and whether its contex
 verified once. A fault found by any check names the scheduled requests that read its
 blocks (``_attach_readers``) and forgets their per-request state.
 
-``GuardState`` is the base of ``ArrivalChecks`` (``guard_arrivals.py``), ``ChecksumChecks`` (``guard_checksums.py``) and ``KVGuard``
-(``kv_guard.py``, whose docstring says what each level checks and when).
+``GuardState`` is the base of ``ArrivalChecks`` (``guard_arrivals.py``), ``ChecksumChecks``
+(``guard_checksums.py``) and ``KVGuard`` (``kv_guard.py``, whose docstring says what each
+level checks and when).
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ import torch
 from pagewarden.kernels.attention import AttentionMetadata
 from pagewarden.kv.swap_space import BlockSwap
 from pagewarden.sched.output import FailureKey, KVFault, ScheduledRequest, SchedulerOutput
+from pagewarden.worker.fused_checks import offset_keys
 from pagewarden.worker.integrity import (
     ROOT_TAG,
     SlotTags,
-    _offset_keys,
     block_checksums,
     slot_checksums,
 )
@@ -92,7 +93,7 @@ class GuardState:
         # after the forward pass (``guard_checksums._fuse_scrub``); None: scrubbed at once.
         self._deferred_scrub: list[int] | None = None
         # The offset keys as a numpy array, for checks that combine a few slot sums.
-        self._offset_keys_np = _offset_keys(block_size, torch.device("cpu")).numpy()
+        self._offset_keys_np = offset_keys(block_size, torch.device("cpu")).numpy()
         # The host tier's copy of the same state (tags, slot sums, seals, block sums).
         self.host = TierState(num_host_blocks, block_size)
         if self.sums_on:
