@@ -75,6 +75,14 @@ template <int R, int C>
 void micro(const Args& a, int64_t m0, int64_t t0) {
   const bf16_bits* xr[R];
   for (int i = 0; i < R; ++i) xr[i] = a.x + (m0 + i) * a.ldx;
+  {  // the epilogue's residual and output lines, asked for before the k loop (gemm_tile.h)
+    const int64_t col = a.act != kNone ? t0 / 2 * 16 : t0 * 16;
+    const int64_t cols = std::min<int64_t>((a.act != kNone ? C / 2 : C) * 16, a.n_out - col);
+    for (int i = 0; cols > 0 && i < R; ++i) {
+      if (a.res) prefetch_span<false>(a.res + (m0 + i) * a.ldres + col, cols * 2);
+      prefetch_span<true>(a.out + (m0 + i) * a.ldout + col, cols * 2);
+    }
+  }
   __m512 acc[R][C];
   dot_tiles<R, C>(xr, a.w + t0 * a.pairs * 32, a.pairs, acc);
   for (int i = 0; i < R; ++i) {

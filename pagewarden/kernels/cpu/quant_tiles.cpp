@@ -80,6 +80,7 @@ void micro(const Args& a, int64_t m0) {
   const TilesProblem& p = a.p;
   const bf16_bits* xr[R];
   for (int i = 0; i < R; ++i) xr[i] = p.x + (m0 + i) * p.ldx;
+  prefetch_epilogue<R, C>(p, m0, a.col0);
   __m512 acc[R][C];
   dot_tiles<R, C>(xr, a.w, a.pairs, acc);
   tiles_epilogue<R, C>(p, acc, m0, a.col0);
