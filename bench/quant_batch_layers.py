@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--sweeps", type=int, default=3)
+    ap.add_argument("--kinds", nargs="+", help="only these layer kinds (default: all)")
     ap.add_argument(
         "--prefill",
         action="store_true",
@@ -115,10 +116,11 @@ def main() -> None:
         from pagewarden.kernels.cpu import pool as cpu_pool
 
         cpu_pool.load().set_spin_us(0)
+    kinds = [k for k in built["gguf"] if not args.kinds or k in args.kinds]
     times: dict[tuple[str, str, str], list[float]] = collections.defaultdict(list)
     with cpu_quant.decode_batch(not args.prefill), torch.inference_mode():
         for _ in range(args.rounds):
-            for kind in built["gguf"]:
+            for kind in kinds:
                 for mode in modes:
                     by_type: dict[str, list[Call]] = collections.defaultdict(list)
                     for i, (_, c) in enumerate(built[mode][kind]):
@@ -131,7 +133,7 @@ def main() -> None:
     print(f"{args.rows} rows ({what}), ms per step (median of {args.rounds} rounds)")
     print(f"{'kind':8} {'gguf type':12} {'layers':>6} {'gguf':>9} {'none':>9} {'gguf/none':>9}")
     tot = dict.fromkeys(modes, 0.0)
-    for kind in built["gguf"]:
+    for kind in kinds:
         types = collections.Counter(t for t, _ in built["gguf"][kind])
         for t, n in types.items():
             g = statistics.median(times[(kind, t, "gguf")]) * 1e3
