@@ -143,7 +143,7 @@ def _add_preemption_args(parser: argparse.ArgumentParser, d: EngineConfig) -> No
         type=float,
         default=None,
         help="inter-token latency p90 above which the batch shrinks (default: 4x the median "
-        "of the first clean window)",
+        "of the first clean window of each batch size class, powers of two)",
     )
 
 

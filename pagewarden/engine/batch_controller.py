@@ -25,8 +25,14 @@ from the warm-up's single-stream steps cut the budget to 1,024 and then 512 toke
 the client's ITL p99 went from about 140 ms to 350-520 ms). Such steps count as calm:
 they neither lower the limits nor keep them from climbing back.
 
-The latency target is ``target_itl_s`` when given; otherwise it is derived from the
-first full window: ``baseline_factor`` times that window's median inter-token latency.
+The latency target is ``target_itl_s`` when given; otherwise it is derived per batch
+size class (the window's largest decode batch, rounded up to a power of two): the first
+full window of a class sets that class's target, ``baseline_factor`` times the window's
+median inter-token latency, and a class with no target yet is never judged slow. A step's
+time grows with its batch, so one target for all sizes either never fires at one stream or
+fires on every healthy full batch (measured: a target derived from a first window of
+one-stream and small-batch steps, 110 ms, halved an offline 64-stream batch whose steps
+take 90-120 ms, and the 64-stream throughput swung by 10-15% between runs).
 The engine feeds the latencies of all-decode steps only: those grow with the batch,
 which is what this controller sets. A step that also prefills is as slow as the token
 budget lets it be; cutting the batch for it only spread new prompts over more mixed
@@ -134,7 +140,9 @@ class AdaptiveBatchController:
         self.limits = config.ceiling
         # Below the configured maximum while a profile caps the batch (engine/profiles.py).
         self.ceiling_seqs = config.max_num_seqs
-        self.target_itl_s = config.target_itl_s
+        # Derived targets (target_itl_s not configured): batch size class -> seconds.
+        self._targets: dict[int, float] = {}
+        self._last_batch = 0  # the last decode batch seen (the class of an empty window)
         self._latencies: deque[float] = deque()
         self._largest_batch = 0  # the window's largest decode batch
         self._preemptions = 0
@@ -145,6 +153,7 @@ class AdaptiveBatchController:
         """Feed one step; returns the change of limits it caused, if any."""
         self._latencies.extend(signals.inter_token_latencies_s)
         self._largest_batch = max(self._largest_batch, len(signals.inter_token_latencies_s))
+        self._last_batch = len(signals.inter_token_latencies_s) or self._last_batch
         self._preemptions += signals.preemptions
         if signals.integrity_faults:
             return self._decrease("integrity_fault", f"{signals.integrity_faults} fault(s)")
@@ -153,19 +162,20 @@ class AdaptiveBatchController:
                 "preemption_storm", f"{self._preemptions} preemptions in the window"
             )
         p90 = self._window_p90()
-        slow = p90 is not None and self.target_itl_s is not None and p90 > self.target_itl_s
+        target = self.target_itl_s
+        slow = p90 is not None and target is not None and p90 > target
         if slow and self._largest_batch > self._decreased_seqs():
+            assert p90 is not None and target is not None
             return self._decrease(
-                "latency",
-                f"inter-token p90 {p90 * 1e3:.1f} ms > target {self.target_itl_s * 1e3:.1f} ms",
+                "latency", f"inter-token p90 {p90 * 1e3:.1f} ms > target {target * 1e3:.1f} ms"
             )
         # Slow tokens that a lower limit could not speed up count as calm here.
         self._clean_steps += 1
         if self._clean_steps < self.config.window_steps:
             return None
-        if self.target_itl_s is None and p90 is not None:
+        if self.config.target_itl_s is None and p90 is not None:
             median = _quantile(sorted(self._latencies), 0.5)
-            self.target_itl_s = self.config.baseline_factor * median
+            self._targets.setdefault(self._size_class, self.config.baseline_factor * median)
         if self.limits.max_num_seqs >= self.ceiling_seqs:
             self._reset_window()
             return None
@@ -188,6 +198,20 @@ class AdaptiveBatchController:
         if self.limits.max_num_seqs <= self.ceiling_seqs:
             return None
         return self._set(self.ceiling_seqs, "profile", f"capped at {self.ceiling_seqs}")
+
+    @property
+    def target_itl_s(self) -> float | None:
+        """The latency target the current window is judged by: the configured one, or
+        the one derived for its batch size class (None: not derived yet)."""
+        if self.config.target_itl_s is not None:
+            return self.config.target_itl_s
+        return self._targets.get(self._size_class)
+
+    @property
+    def _size_class(self) -> int:
+        """The window's largest decode batch (an empty window: the last one seen) rounded
+        up to a power of two."""
+        return 1 << max(0, (self._largest_batch or self._last_batch) - 1).bit_length()
 
     def _window_p90(self) -> float | None:
         if len(self._latencies) < self.config.min_latency_samples:

@@ -73,7 +73,7 @@ class EngineConfig:
     # Adaptive batch size (engine/batch_controller.py): lower the batch on integrity
     # faults, preemption storms or slow tokens; raise it back after a clean window.
     adaptive_batch: bool = True
-    target_itl_ms: float | None = None  # None: derived from the first clean window
+    target_itl_ms: float | None = None  # None: derived per batch size class
     # KV cache events in vLLM's format on a ZeroMQ PUB socket (engine/kv_events.py);
     # None: off. "array" or "map": how each event is encoded (vLLM's old and new way).
     kv_events_endpoint: str | None = None

@@ -109,6 +109,24 @@ def test_target_derived_from_the_first_window_when_not_given():
     assert change is not None and change.reason == "latency"
 
 
+def test_derived_targets_are_per_batch_size_class():
+    """A target derived at one stream does not judge a full batch: each size class (the
+    window's largest decode batch, up to a power of two) gets its own first window."""
+    ctl = make(max_num_seqs=64, target_itl_s=None, baseline_factor=4.0, min_latency_samples=1)
+    one = StepSignals(inter_token_latencies_s=(0.01,))
+    assert [ctl.observe(one) for _ in range(4)] == [None] * 4
+    assert ctl.target_itl_s == pytest.approx(0.04)
+    full = StepSignals(inter_token_latencies_s=(0.09,) * 64)  # healthy, 9x one stream's
+    assert [ctl.observe(full) for _ in range(8)] == [None] * 8
+    assert ctl.limits.max_num_seqs == 64 and ctl.target_itl_s == pytest.approx(0.36)
+    # 4.4x the full batch's own baseline: slow, and cut
+    change = ctl.observe(StepSignals(inter_token_latencies_s=(0.4,) * 64))
+    assert change is not None and change.reason == "latency" and "target 360.0 ms" in change.detail
+    # one stream is still judged by its own target
+    assert ctl.observe(StepSignals(inter_token_latencies_s=(0.05,))) is None  # batch 1 fits
+    assert ctl.target_itl_s == pytest.approx(0.04)
+
+
 def test_operator_force_is_clamped_and_counted():
     ctl = make()
     change = ctl.force(1)
