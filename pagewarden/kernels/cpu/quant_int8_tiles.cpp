@@ -120,6 +120,7 @@ void micro(const TilesProblem& p, const QuantRows& x, const Group& g, int64_t m0
     xd[i] = x.d.data() + (m0 + i) * nh;
     xs[i] = x.s.data() + (m0 + i) * nh;
   }
+  prefetch_epilogue<R, C>(p, m0, col0);
   __m512 acc[R][C];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < C; ++j) acc[i][j] = _mm512_setzero_ps();
