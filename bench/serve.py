@@ -85,7 +85,9 @@ def _server_cmd(name: str, args: argparse.Namespace, port: int) -> tuple[list[st
     env = dict(os.environ)
     if name == "pagewarden":
         cmd = [sys.executable, "-m", "pagewarden", "serve", "--port", str(port)]
-        cmd += ["--served-model-name", "bench-model", *args.pagewarden_args]
+        # bf16 weights as vLLM's HF folder (a --quantization in --pagewarden-args wins)
+        cmd += ["--served-model-name", "bench-model", "--quantization", "none"]
+        cmd += args.pagewarden_args
         if args.model:
             cmd += ["--model", args.model]
         env["PYTHONPATH"] = str(ROOT)

@@ -56,6 +56,7 @@ def _pagewarden_worker(args: argparse.Namespace):
         cpu_threads=args.cpu_threads,
         kv_cache_memory=args.kv_cache_memory,
         attention_backend=None if args.attention_backend == "default" else args.attention_backend,
+        quantization=args.quantization,
     )
 
     def generate(prompts: list[list[int]], output_len: int) -> list[list[int]]:
@@ -186,6 +187,7 @@ def _common_argv(args: argparse.Namespace) -> list[str]:
     argv = [
         f"--model={args.model}",
         f"--dtype={args.dtype}",
+        f"--quantization={args.quantization}",
         f"--hf-dtype={args.hf_dtype}",
         f"--input-len={args.input_len}",
         f"--output-len={args.output_len}",
@@ -294,6 +296,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="GGUF or HF folder (default: SmolLM2 GGUF)")
     ap.add_argument("--dtype", default="bfloat16", help="pagewarden weights / KV dtype")
+    ap.add_argument(
+        "--quantization",
+        default="none",
+        choices=("auto", "gguf", "none"),
+        help="pagewarden's GGUF weights (default none: bf16, as vLLM's HF folder)",
+    )
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)

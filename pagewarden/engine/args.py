@@ -62,10 +62,11 @@ def _add_model_args(parser: argparse.ArgumentParser, d: EngineConfig) -> None:
         "--quantization",
         choices=QUANTIZATION_MODES,
         default=d.quantization,
-        help="GGUF weights, experimental (docs/quantization.md): none dequantizes every "
-        "tensor at load (default); gguf keeps Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K "
-        "tensors quantized for the CPU kernels (bfloat16 on the CPU; an error where they "
-        "cannot build); auto does so where they apply and build, else none",
+        help="GGUF weights (docs/quantization.md): auto (default) keeps Q4_0/Q4_1/Q5_0/"
+        "Q5_1/Q8_0/Q4_K/Q5_K/Q6_K tensors quantized for the CPU kernels where they apply "
+        "(bfloat16 on the CPU) and their AVX512-BF16/VNNI paths build, else dequantizes; "
+        "gguf keeps them quantized (the portable path without AVX-512; an error where "
+        "nothing builds); none dequantizes every tensor at load",
     )
 
 

@@ -113,10 +113,10 @@ class EngineConfig:
     kv_offload_redis_ttl: int = 86400
     kv_offload_timeout: float = 0.5
     # GGUF weights kept block-quantized for the CPU kernels (kernels/cpu/quant.py,
-    # docs/quantization.md), experimental: none (default) dequantizes at load; gguf keeps
-    # them quantized (bfloat16 on the CPU only); auto where that applies and the kernel
-    # builds, else none.
-    quantization: str = "none"
+    # docs/quantization.md): auto (default) keeps them quantized where that applies
+    # (bfloat16 on the CPU) and the fast kernels build (AVX512-BF16 and VNNI), else
+    # dequantizes; gguf keeps them quantized or fails; none dequantizes at load.
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         self._check_model_and_cache()

@@ -40,12 +40,24 @@ def keep_quantized(quantization: str) -> bool:
         )
     if quantization == "none":
         return False
-    if not cpu_quant.available():
+    ext = cpu_quant.load()
+    if ext is None:
         if quantization == "gguf":
             raise QuantizationError(
                 "quantization 'gguf': the quantized GEMM kernel cannot build here"
             )
+        log.info(
+            "quantization auto: GGUF weights dequantized (the quantized kernel is unavailable)"
+        )
         return False
+    if quantization == "auto" and not (ext.has_vector_kernel() and ext.has_int8_kernel()):
+        log.info(
+            "quantization auto: GGUF weights dequantized to bf16: this CPU lacks AVX512-BF16 "
+            "or VNNI, where the quantized kernels are fast (--quantization gguf forces them)"
+        )
+        return False
+    if quantization == "auto":
+        log.info("quantization auto: GGUF weights kept quantized (--quantization none dequantizes)")
     return True
 
 

@@ -48,18 +48,20 @@ def test_llm_takes_every_engine_config_field() -> None:
     assert {f.name for f in fields(EngineConfig)} <= params
 
 
-def test_quantization_defaults_to_none_and_gguf_is_checked() -> None:
-    """GGUF weights stay dequantized unless asked (experimental, docs/quantization.md);
-    float32 / float16 runs and GPUs keep the dense path under auto, and refuse gguf."""
+def test_quantization_defaults_to_auto_and_gguf_is_checked() -> None:
+    """GGUF weights stay quantized by default where the kernels apply (auto,
+    docs/quantization.md); float32 / float16 runs and GPUs keep the dense path under
+    auto, and refuse gguf."""
     import argparse
 
     from pagewarden.engine.args import add_engine_args, engine_config
 
-    assert EngineConfig().quantization == "none"
-    assert EngineConfig().resolved_quantization == "none"
+    assert EngineConfig().quantization == "auto"
+    assert EngineConfig(device="cpu").resolved_quantization == "auto"
+    assert EngineConfig(device="cpu", dtype="float32").resolved_quantization == "none"
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    assert engine_config(parser.parse_args([])).quantization == "none"
+    assert engine_config(parser.parse_args([])).quantization == "auto"
     cfg = engine_config(parser.parse_args(["--quantization", "gguf", "--device", "cpu"]))
     assert cfg.resolved_quantization == "gguf"
     assert EngineConfig(quantization="auto", device="cpu").resolved_quantization == "auto"
