@@ -125,3 +125,34 @@ def test_loading_a_gguf_imports_neither_triton_nor_numba():
     )
     lines = out.stdout.strip().splitlines()
     assert lines[-2:] == ["True", "[]"], out.stderr[-2000:]
+
+
+def test_auto_keeps_quantized_only_where_the_fast_kernels_build(monkeypatch, caplog):
+    """auto (the default) dequantizes on a CPU without the AVX512-BF16 / VNNI paths (and
+    says so), and where nothing builds; gguf forces the portable path, or fails."""
+    import logging
+
+    from pagewarden.kernels.cpu import quant as cpu_quant
+    from pagewarden.models.gguf_weights import QuantizationError, keep_quantized
+
+    class Ext:
+        def __init__(self, fast: bool) -> None:
+            self.fast = fast
+
+        def has_vector_kernel(self) -> bool:
+            return True
+
+        def has_int8_kernel(self) -> bool:
+            return self.fast
+
+    caplog.set_level(logging.INFO, logger="pagewarden.models.gguf_weights")
+    monkeypatch.setattr(cpu_quant, "load", lambda: Ext(True))
+    assert keep_quantized("auto") and keep_quantized("gguf") and not keep_quantized("none")
+    assert "kept quantized" in caplog.text
+    monkeypatch.setattr(cpu_quant, "load", lambda: Ext(False))
+    assert not keep_quantized("auto") and keep_quantized("gguf")
+    assert "VNNI" in caplog.text
+    monkeypatch.setattr(cpu_quant, "load", lambda: None)
+    assert not keep_quantized("auto")
+    with pytest.raises(QuantizationError, match="cannot build"):
+        keep_quantized("gguf")
