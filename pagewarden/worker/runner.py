@@ -255,7 +255,12 @@ class ModelRunner:
         ``hidden`` (T, hidden); ``prompt`` is the step's prompt logprobs, by request."""
         if not sampled:
             return ModelRunnerOutput(sampled_token_ids={}, faults=faults, prompt_logprobs=prompt)
-        logits = self.model.compute_logits(hidden[sample_rows], dtype=None)  # (S, vocab)
+        # One row per sequence, its next token's, as a decode step's rows are (int8 rows
+        # for a quantized lm_head from INT8_DECODE_MIN_ROWS), whatever the step: a
+        # prefill step's few rows otherwise decode the whole quantized table into bf16
+        # tiles (Gemma 3: 262,144 x 640 weights per prefill step).
+        with cpu_quant.decode_batch(True):
+            logits = self.model.compute_logits(hidden[sample_rows], dtype=None)  # (S, vocab)
         rows = [
             SamplingRow(
                 params=r.sampling_params,

@@ -339,16 +339,18 @@ def test_llm_with_gguf_quantization_answers_greedy_chat():
 def test_gguf_decode_batches_use_int8_and_prefill_stays_bf16(monkeypatch):
     """Six greedy chats at once under ``quantization="gguf"``: the prefill's many-row
     GEMMs run the bf16-decode kernel, the six-row decode steps the int8 tiles, and every
-    answer is still right (int8-rounded prefill activations lose "Paris")."""
+    answer is still right (int8-rounded prefill activations lose "Paris"). The lm_head's
+    rows (one per sequence, the next token's) take the int8 tiles in every step, the
+    prefill's too (not the whole vocabulary decoded to bf16 tiles for six rows)."""
     from pagewarden import LLM
     from pagewarden.sampling_params import SamplingParams
 
-    picks: list[tuple[int, str]] = []
+    picks: list[tuple[int, int, str]] = []
     pick = cpu_quant.pick_kernel
 
     def spy(ext, x, w):
         kernel = pick(ext, x, w)
-        picks.append((x.shape[0], kernel))
+        picks.append((x.shape[0], w.shape[0], kernel))
         return kernel
 
     monkeypatch.setattr(cpu_quant, "pick_kernel", spy)
@@ -356,9 +358,12 @@ def test_gguf_decode_batches_use_int8_and_prefill_stays_bf16(monkeypatch):
     msgs = [[{"role": "user", "content": "What is the capital of France?"}]] * 6
     outs = llm.chat(msgs, SamplingParams(max_tokens=12, temperature=0.0))
     assert all("Paris" in o.outputs[0].text for o in outs)
-    assert ("int8" in {k for rows, k in picks if rows == 6}) and all(
-        k == "bf16" for rows, k in picks if rows > 6
+    assert ("int8" in {k for rows, _, k in picks if rows == 6}) and all(
+        k == "bf16" for rows, _, k in picks if rows > 6
     )
+    vocab = llm.get_tokenizer().vocab_size
+    heads = [k for rows, n, k in picks if n == vocab]
+    assert heads and set(heads) == {"int8"}
 
 
 def test_fused_shards_of_mixed_types_stay_quantized_as_row_runs():
