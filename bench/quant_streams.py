@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-STREAMS, N_PROMPT, N_GEN = 64, 128, 128
+from bench.llamacpp import N_GEN, N_PROMPT, STREAMS, pagewarden_figures  # noqa: E402
 
 
 def main() -> None:
@@ -63,7 +63,8 @@ def main() -> None:
     print(f"uptime: {os.popen('uptime').read().strip()}")
 
     def figures(a: float, b: float) -> tuple[float, float, float]:
-        return STREAMS * N_PROMPT / a, STREAMS * N_GEN / (b - a), STREAMS * (N_PROMPT + N_GEN) / b
+        f = pagewarden_figures([a], [b], STREAMS)
+        return f["pp"], f["tg"], f["pg"]
 
     for r in range(args.rounds):
         for q in modes if r % 2 == 0 else modes[::-1]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pagewarden.sched.output import KVFault, SchedulerOutput
+from pagewarden.sched.output import Finder, KVFault, SchedulerOutput
 from pagewarden.worker.guard_state import GuardState, copy_state
 from pagewarden.worker.integrity import (
     combine_slot_checksums,
@@ -51,16 +51,12 @@ class ArrivalChecks(GuardState):
         # Checked on arrival, good or bad: this step's read checks skip them (a bad one
         # is already a fault; its readers are rolled back).
         self._swapped_in = {w.dst for w in swaps}
-        if not bad:
-            return []
-        fault = KVFault(
-            "checksum",
-            tuple(sorted(set(bad))),
-            {},
+        return self._arrival_fault(
+            bad,
             "swap_in",
             "a block swapped in from the host tier does not hold what was swapped out",
+            out,
         )
-        return self._attach_readers([fault], out.requests)
 
     def _verify_sealed(self, ids: torch.Tensor) -> list[int]:
         """Ids of sealed blocks whose content no longer matches their seal."""
@@ -106,14 +102,19 @@ class ArrivalChecks(GuardState):
         self.sealed[ids] = True
         self.counters.block_verifies += len(loads)
         self._swapped_in |= set(ids.tolist())  # verified on arrival: skip the read checks
-        bad = ids[got != want].tolist()
-        if not bad:
-            return []
-        fault = KVFault(
-            "checksum",
-            tuple(sorted(set(bad))),
-            {},
+        return self._arrival_fault(
+            ids[got != want].tolist(),
             "tier_load",
             "a block loaded from a KV tier does not checksum in the pool to its entry's sum",
+            out,
         )
+
+    def _arrival_fault(
+        self, bad: list[int], found_by: Finder, detail: str, out: SchedulerOutput
+    ) -> list[KVFault]:
+        """The "checksum" fault of the arrived blocks ``bad`` (none if empty), with the
+        step's requests that read them."""
+        if not bad:
+            return []
+        fault = KVFault("checksum", tuple(sorted(set(bad))), {}, found_by, detail)
         return self._attach_readers([fault], out.requests)
