@@ -67,8 +67,9 @@ def test_unpacked_tiles_read_nothing_past_the_weight(name, tiles_from):
 @pytest.mark.parametrize("rows", [2, 17])  # quant_int8.cpp's loop; the tiles
 def test_gelu_tanh_fused_into_the_int8_gemm(rows, tiles_from):
     """GELU-tanh(gate) * up (Gemma's gate_up) in the int8 kernels' epilogue, float32 sums
-    rounded once; ``gemv_gated`` sends a decode batch's rows there and leaves a prefill's
-    (no decode batch) to the GEMM + torch (None)."""
+    rounded once; ``gemv_gated`` sends a decode batch's rows there, a prefill's (no decode
+    batch) to the bf16 tiles' fused epilogue when they are enough rows for the tiles, and
+    leaves fewer to the GEMM + torch (None)."""
     tiles_from(3)
     w = random_weight("Q5_0", 2 * 72, 96, seed=rows)
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
@@ -81,7 +82,15 @@ def test_gelu_tanh_fused_into_the_int8_gemm(rows, tiles_from):
 
     ext = cpu_quant.load()
     assert near(ext.gemm(x, w.data, w.qtype, None, True, False, False, True, True))
-    assert cpu_quant.gemv_gated(x, w, "gelu_tanh") is None
+    prefill = cpu_quant.gemv_gated(x, w, "gelu_tanh")
+    if rows < ext.gelu_tiles_min_rows():
+        assert prefill is None
+    else:  # x and the weights rounded to bf16, not x to int8
+        bf = x.float() @ reference(w).bfloat16().float().T
+        exact_bf = torch.nn.functional.gelu(bf[:, :72], approximate="tanh") * bf[:, 72:]
+        assert prefill is not None and prefill.shape == (rows, 72)
+        err = (prefill.float() - exact_bf).abs()
+        assert (err <= exact_bf.abs() / 128 + 1e-4 * exact_bf.abs().max()).all()
     with cpu_quant.decode_batch(True):
         got = cpu_quant.gemv_gated(x, w, "gelu_tanh")
     if rows < cpu_quant.INT8_DECODE_MIN_ROWS:

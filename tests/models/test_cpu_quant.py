@@ -117,7 +117,8 @@ def test_tiles_path_is_the_bf16_weight_product(name, m, direct_max_rows):
     by exactly the bf16-rounded dequantized weights: float32 outputs equal the float32
     product of bf16 x and those weights up to summation order (1e-5 of the largest), with
     N = 200 (12.5 tiles of 16: a short tile and a short group), gate/up halves of 100
-    and x / residual rows strided."""
+    and x / residual rows strided. GELU-tanh(gate) * up is fused in the tiles' epilogue
+    (``gemv_gated``, the rows a prefill sends there); in registers it is not (None)."""
     n, k = 200, 768
     w = random_weight(name, n, k, seed=m)
     wb = reference(w).bfloat16().float()
@@ -137,9 +138,14 @@ def test_tiles_path_is_the_bf16_weight_product(name, m, direct_max_rows):
         want = exact + residual.float()
         assert ((with_res - want).abs() <= want.abs() / 256 + 1e-5 * want.abs().max()).all()
         outs.append(cpu_quant.gemm(x, w, silu_mul=True, kernel="bf16").float())
+        gelu = cpu_quant.gemv_gated(x, w, "gelu_tanh")
+        assert (gelu is None) == (rows > 0 or m < 2), rows
     silu = torch.nn.functional.silu(exact[:, :100]) * exact[:, 100:]
     for out in outs:  # SiLU: std::exp in registers, gemm.cpp's polynomial exp in tiles
         assert ((out - silu).abs() <= silu.abs() / 128 + 1e-4 * silu.abs().max()).all()
+    want = torch.nn.functional.gelu(exact[:, :100], approximate="tanh") * exact[:, 100:]
+    assert gelu is not None and gelu.shape == (m, 100) and gelu.dtype == torch.bfloat16
+    assert ((gelu.float() - want).abs() <= want.abs() / 128 + 1e-4 * want.abs().max()).all()
 
 
 def q8_round(x: torch.Tensor) -> torch.Tensor:

@@ -216,14 +216,14 @@ def linear_gated(layer: nn.Linear, x: torch.Tensor, act: str) -> torch.Tensor:
     """act(gate) * up (T, I) of ``layer`` = [gate; up] (2I, in) applied to x (T, in),
     ``act`` "silu" or "gelu_tanh" (torch's approximate="tanh"): one fused call where the
     layer was packed with ``gate_up=True``; else the GEMM, then the activation (SiLU*mul
-    fused, GELU-tanh in torch: two ops, each rounded; a quantized layer's one-row call has
-    GELU-tanh fused in its int8 GEMV)."""
+    fused, GELU-tanh in torch: two ops, each rounded; a quantized layer fuses GELU-tanh
+    wherever ``quant.gemv_gated`` has a kernel for the rows: all but 2-4 prefill rows)."""
     q = layer.__dict__.get(_QUANT)
     if isinstance(q, cpu_quant.QuantWeight) and layer.bias is None:
         if act == "silu":
             return cpu_quant.gemm(x, q, silu_mul=True)
         out = cpu_quant.gemv_gated(x, q, act) if act == "gelu_tanh" else None
-        if out is not None:  # one row: GELU-tanh fused into the int8 GEMV
+        if out is not None:  # GELU-tanh fused into the int8 kernels or the bf16 tiles
             return out
     tiles = layer.__dict__.get(_GATE_UP)
     if tiles is not None:

@@ -230,6 +230,10 @@ int64_t set_direct_max_rows(int64_t rows) {
   return std::exchange(direct_max_rows(), rows);
 }
 
+// The fewest bf16 rows whose gated call can fuse GELU-tanh (quant_tiles.cpp's epilogue);
+// 0 where this build has no tiles path.
+int64_t gelu_tiles_min_rows() { return kHasVector && has_tiles_kernel() ? direct_max_rows() + 1 : 0; }
+
 // int8 calls with at least this many rows run quant_int8_tiles.cpp (weights decoded once
 // per call into int8 tiles), fewer quant_int8.cpp (set_int8_tiles_min_rows: benches, tests;
 // at 2 rows quant_int8.cpp's loop measured faster, at 4 the tiles: bench/quant_gemv.py).
@@ -290,8 +294,10 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, const c1
   }
   if (p.m == 0 || p.n_out == 0) return out;
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  // gelu: GELU-tanh(gate) * up, the epilogues of quant_int8.cpp and the int8 tiles only
-  TORCH_CHECK(!gelu || (silu_mul && int8), "gelu: int8 gated calls only");
+  // gelu: GELU-tanh(gate) * up, the epilogues of quant_int8.cpp and of both tiles paths
+  // (not the few-row decode in registers nor the scalar path: gelu_tiles_min_rows)
+  TORCH_CHECK(!gelu || (silu_mul && (int8 || (bf16 && !portable && p.m >= gelu_tiles_min_rows() && gelu_tiles_min_rows() > 0))),
+              "gelu: int8 gated calls, or bf16 ones of at least gelu_tiles_min_rows() rows");
   if (int8) {  // quant_int8.cpp
     TORCH_CHECK(bf16 && !portable && has_int8_kernel(), "cpu_quant int8: needs bf16 x and an AVX512-VNNI build");
     TORCH_CHECK(p.k % 32 == 0 && (x.data_ptr() != nullptr), "cpu_quant int8: K a multiple of 32");
@@ -315,7 +321,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, const c1
                          res.defined() ? reinterpret_cast<const uint16_t*>(res.data_ptr()) : nullptr,
                          res.defined() ? res.stride(0) : 0,
                          float_out ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr()),
-                         float_out ? out.data_ptr<float>() : nullptr};
+                         float_out ? out.data_ptr<float>() : nullptr, gelu};
     gemm_tiles(q);
     return out;
   }
@@ -395,14 +401,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_int8_tiles_min_rows", &set_int8_tiles_min_rows,
         "rows from which int8 calls run the int8 tiles (below: quant_int8.cpp); returns the old value");
   m.def("has_int8_tiles_kernel", &has_int8_tiles_kernel, "whether this build has the int8 tiles (AVX512-VNNI)");
+  m.def("gelu_tiles_min_rows", &gelu_tiles_min_rows,
+        "the fewest bf16 rows whose gated call fuses GELU-tanh (the bf16 tiles; 0: none in this build)");
   m.def("has_int8_kernel", &has_int8_kernel, "whether this build has the AVX512-VNNI int8 path");
   m.def(
       "gemm",
       [](const at::Tensor& x, const at::Tensor& w, int64_t type, const c10::optional<at::Tensor>& residual,
          bool silu_mul, bool portable, bool float_out, bool int8,
          bool gelu) { return gemm(x, w, type, residual, silu_mul, portable, float_out, int8, gelu); },
-      "x @ W^T against GGUF-quantized W, fused epilogues (int8: quant_int8.cpp; gelu: with silu_mul and int8, "
-      "GELU-tanh(gate) * up)",
+      "x @ W^T against GGUF-quantized W, fused epilogues (int8: quant_int8.cpp; gelu: with silu_mul, int8 or "
+      "gelu_tiles_min_rows() bf16 rows, GELU-tanh(gate) * up)",
       py::arg("x"), py::arg("w"), py::arg("type"), py::arg("residual"), py::arg("silu_mul"), py::arg("portable"),
       py::arg("float_out"), py::arg("int8"), py::arg("gelu") = false);
   m.def("gemv_parts", &gemv_parts, "a QuantRows weight's parts against one bf16 row, into one output (or None)");

@@ -291,14 +291,19 @@ def gemv_gated(x: torch.Tensor, w: QuantWeight, act: str) -> torch.Tensor | None
     """act(gate) * up (M, N / 2) for W = [gate; up] and bf16 rows x (M, K), through the
     int8 kernels with the activation fused (``act`` "silu" or "gelu_tanh", torch's
     approximate="tanh", in float32 on the float32 sums, rounded once): one row through the
-    int8 GEMV, several where ``pick_kernel`` sends them to int8 (a decode batch's tiles);
-    None where neither applies (then compute the GEMM, then act)."""
+    int8 GEMV, several where ``pick_kernel`` sends them to int8 (a decode batch's tiles)
+    and, for GELU-tanh, a prefill's rows through the bf16 tiles (from the extension's
+    ``gelu_tiles_min_rows``); None where none applies (then compute the GEMM, then act)."""
     if x.dim() == 2 and x.shape[0] > 1:
         ext = _require()
-        if pick_kernel(ext, x, w) != "int8":
-            return None
+        gelu = act == "gelu_tanh"
         x = x if x.stride(-1) == 1 else x.contiguous()
-        return ext.gemm(x, w.data, w.qtype, None, True, False, False, True, act == "gelu_tanh")
+        if pick_kernel(ext, x, w) == "int8":
+            return ext.gemm(x, w.data, w.qtype, None, True, False, False, True, gelu)
+        min_rows = int(ext.gelu_tiles_min_rows())
+        if gelu and x.dtype == torch.bfloat16 and 0 < min_rows <= x.shape[0]:
+            return ext.gemm(x, w.data, w.qtype, None, True, False, False, False, True)
+        return None
     if FORCED_KERNEL not in (None, "int8") or not INT8_MAX_ROWS:
         return None
     return _require().gemv_auto(x, w.data, w.qtype, None, GATED_ACTS[act], False)

@@ -15,7 +15,7 @@ struct TilesProblem {
   int64_t ldres;
   uint16_t* out;   // (M, N) bf16, or null when out_f32 is set
   float* out_f32;  // (M, N) float32 outputs (logits)
-  bool gelu = false;  // with silu: out = gelu_tanh(gate . x) * (up . x) (the int8 tiles only)
+  bool gelu = false;  // with silu: out = gelu_tanh(gate . x) * (up . x)
 };
 
 // Whether this build has the tiles path (AVX512-BF16).
