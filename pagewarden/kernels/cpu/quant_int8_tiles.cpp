@@ -217,6 +217,15 @@ void run_blocked(const TilesProblem& p, const QuantRows& x) {
       for (int r = 0; r < TW; ++r) rows[r] = row0 + std::min(r, cnt - 1) * p.row_bytes;
       unpack_tile<type>(rows, p.k, g.q + j * qstride, g.a + j * sstride, g.b + j * sstride);
     }
+    // The group this thread likely takes next (items go round the threads): its weight
+    // rows towards L2 while this one computes (a decode batch's few rows compute for
+    // ~15 us a group; without this the next group's first tile waits on memory).
+    const int64_t next = (item + th) / parts;
+    if (next != gi && next < groups)
+      for (int64_t t = next * NR; t < std::min<int64_t>(tiles, next * NR + NR); ++t) {
+        const uint8_t* row0 = first_row(t, &cnt);
+        prefetch_l2(row0, cnt * p.row_bytes);
+      }
     group_rows<MR, NR, SB>(p, x, g, c, (p.silu ? t0 / 2 : t0) * TW, m0, m1);
   });
 }
