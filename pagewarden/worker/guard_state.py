@@ -26,6 +26,7 @@ from pagewarden.sched.output import FailureKey, KVFault, ScheduledRequest, Sched
 from pagewarden.worker.fused_checks import offset_keys
 from pagewarden.worker.integrity import (
     ROOT_TAG,
+    SlotChecksums,
     SlotTags,
     block_checksums,
     slot_checksums,
@@ -102,6 +103,8 @@ class GuardState:
             reserved = torch.zeros(1, dtype=torch.int64)
             block_checksums(caches, reserved)
             slot_checksums(caches, reserved)
+        # after_write's sums of the slots each step wrote
+        self.slot_checksums = SlotChecksums(caches)
 
     def set_level(self, level: str) -> None:
         """Switch between ``standard`` and ``strict`` between two steps (a profile switch).
