@@ -103,8 +103,9 @@ class GuardState:
             reserved = torch.zeros(1, dtype=torch.int64)
             block_checksums(caches, reserved)
             slot_checksums(caches, reserved)
-        # after_write's sums of the slots each step wrote
-        self.slot_checksums = SlotChecksums(caches)
+        # after_write's sums of the slots each step wrote (levels with sums only: off
+        # builds no checksum kernel)
+        self.slot_checksums = SlotChecksums(caches) if self.sums_on else None
 
     def set_level(self, level: str) -> None:
         """Switch between ``standard`` and ``strict`` between two steps (a profile switch).

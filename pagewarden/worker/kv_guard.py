@@ -158,6 +158,7 @@ class KVGuard(ChecksumChecks):
         if self.sums_on:
             # From the bytes at the slots the model actually wrote; first, as strict's
             # open-block check combines the new tokens' sums with the older slots'.
+            assert self.slot_checksums is not None  # built where sums_on
             slots, sums = meta.slot_mapping, self.slot_checksums(meta.slot_mapping)
             if slots.device.type == "cpu" and self.slot_sums.device.type == "cpu":
                 self.slot_sums.numpy()[slots.numpy()] = sums.numpy()  # torch's index_put
