@@ -22,9 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from pagewarden.kernels.cpu import pool as cpu_pool  # noqa: E402
 from pagewarden.kernels.cpu import quant as cpu_quant  # noqa: E402
-from pagewarden.kernels.cpu.build import compile_extension  # noqa: E402
 from tests.models.test_cpu_quant import random_weight  # noqa: E402
 
 TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
@@ -57,9 +55,7 @@ def main() -> None:
     if native is None or not native.has_int8_kernel():
         sys.exit("the native build has no AVX512-VNNI int8 GEMV here: nothing to compare")
     flags = cpu_quant.CFLAGS + [f"-mno-{isa}" for isa in args.without]
-    name = "cpu_quant_no_" + "_".join(args.without)
-    ext = compile_extension(name, cpu_quant._SOURCES, flags)
-    cpu_pool.bind(ext)
+    ext = cpu_quant.build_variant("cpu_quant_no_" + "_".join(args.without), flags)
     if not ext.has_int8_kernel():
         sys.exit(f"without {args.without} the build has no int8 GEMV: nothing to compare")
     for t in TYPES:

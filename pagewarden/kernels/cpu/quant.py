@@ -189,11 +189,17 @@ def load() -> ModuleType | None:
     return ext
 
 
-def build_avx2() -> ModuleType:
-    """The extension built without AVX-512 (its portable path): for tests and benches."""
-    ext = compile_extension("cpu_quant_avx2", _SOURCES, AVX2_CFLAGS)
+def build_variant(name: str, cflags: list[str]) -> ModuleType:
+    """The extension built again as ``pagewarden_<name>`` with other ``cflags`` (another
+    CPU's instruction sets), bound to the kernels' pool: for tests and benches."""
+    ext = compile_extension(name, _SOURCES, cflags)
     cpu_pool.bind(ext)
     return ext
+
+
+def build_avx2() -> ModuleType:
+    """The extension built without AVX-512 (its portable path): for tests and benches."""
+    return build_variant("cpu_quant_avx2", AVX2_CFLAGS)
 
 
 def available() -> bool:
