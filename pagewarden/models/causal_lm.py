@@ -18,7 +18,9 @@ from pagewarden.kernels.cpu import fused as cpu_fused
 from pagewarden.kernels.cpu import linear as cpu_linear
 from pagewarden.kernels.cpu.linear import embedding, linear
 from pagewarden.kernels.cpu.quant import QuantWeight
+from pagewarden.models import decode_chain
 from pagewarden.models.config import ModelConfig
+from pagewarden.models.decode_chain import DecodeChain
 from pagewarden.models.layers import (
     Attention,
     DecoderLayer,
@@ -82,6 +84,9 @@ class DecoderForCausalLM(nn.Module):
         # The dtype the weights were loaded in; the KV cache uses it too.
         self.storage_dtype: torch.dtype | None = None
         self._attention = self.attention_layers()
+        # One-token decode steps of quantized layers in two calls a layer (decode_chain.py);
+        # False: to be built at the first forward, None: not for this model.
+        self._decode_chain: DecodeChain | None | bool = False
 
     def attention_features(self) -> list[str]:
         """The ``attend`` keywords some layer of this model needs (sliding_window, softcap)."""
@@ -140,6 +145,7 @@ class DecoderForCausalLM(nn.Module):
             cpu_fused.load()  # built now (once per machine), not in the first request
         for rope in self.ropes:
             rope.reset()
+        self._decode_chain = False  # built again from the weights as they are now
         return dtype
 
     def select_context(self, max_model_len: int) -> int | None:
@@ -177,6 +183,11 @@ class DecoderForCausalLM(nn.Module):
             rope.lookup(positions, size, x.dtype, device, rope_long if i == 0 else None)
             for i, rope in enumerate(self.ropes)
         ]
+        chain = self._decode_chain
+        if chain is False:  # not built yet (after the weights are in their final place)
+            chain = self._decode_chain = DecodeChain.build(self.model.layers)
+        if chain is not None and decode_chain.applies(x, meta):
+            return self.model.norm(chain.run(x, rotations, kv_caches, meta))
         for layer, attn, cache in zip(self.model.layers, self._attention, kv_caches):
             cos, sin = rotations[attn.rope_index]  # (T, 1, D)
             x = layer.forward(x, cos, sin, cache, meta)  # no hooks: see models/layers.py

@@ -263,8 +263,13 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache, meta: AttentionMetadata) -> torch.Tensor:
         """Attention output (T, n_heads * D), before o_proj (the layer adds the residual)."""
-        t, d = x.shape[0], self.head_dim
         qkv = linear(self._qkv_proj, x)  # (T, q_size + 2 * kv_size)
+        return self.attend_qkv(qkv, cos, sin, cache, meta)
+
+    def attend_qkv(self, qkv, cos, sin, cache, meta: AttentionMetadata) -> torch.Tensor:
+        """``forward`` from the projected qkv (T, q_size + 2 * kv_size) on (q/k norms,
+        RoPE, K/V written, attention); qkv may be changed in place."""
+        t, d = qkv.shape[0], self.head_dim
         if self._qk_norms is not None:  # per head, in place where fused
             q_norm, k_norm = self._qk_norms
             qk = qkv[:, : self.q_size + self.kv_size].view(t, self.n_heads + self.n_kv, d)

@@ -69,6 +69,7 @@ the Python wrappers only call here when the layouts hold.
 #include <limits>
 #include <type_traits>
 
+#include "norm_api.h"
 #include "pool.h"
 
 namespace {
@@ -468,11 +469,29 @@ at::Tensor mask_rows_(at::Tensor x, const at::Tensor& bits, const std::vector<in
   return x;
 }
 
+// rms_norm's row for one bf16 row, behind norm_api.h's capsule (cpu_quant's decode chain).
+void norm_row_bf16(const void* x, const void* w, int w_f32, void* y, int64_t H, float eps) {
+  const auto* xr = static_cast<const BFloat16*>(x);
+  auto* yr = static_cast<BFloat16*>(y);
+  if (w_f32)
+    rms_norm_row(xr, static_cast<const float*>(w), yr, H, eps);
+  else
+    rms_norm_row(xr, static_cast<const BFloat16*>(w), yr, H, eps);
+}
+
+const PwNormApi kNormApi{kPwNormApiVersion, &norm_row_bf16};
+
+pybind11::object norm_api() {
+  return pybind11::reinterpret_steal<pybind11::object>(
+      PyCapsule_New(const_cast<PwNormApi*>(&kNormApi), kPwNormCapsuleName, nullptr));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_pool", &pw::set_pool, "hand work items to the pool behind a cpu_pool capsule");
   m.def("rms_norm", &rms_norm, "RMSNorm of x (T, H) by weight (H,), bitwise the torch path");
+  m.def("norm_api", &norm_api, "the one-row RMSNorm's capsule, for cpu_quant's set_norm");
   m.def("rms_norm_add", &rms_norm_add, "residual + rms_norm(x), bitwise the torch path");
   m.def("rms_norm_heads_", &rms_norm_heads_, "RMSNorm of each head of qk (T, NH, D) in place");
   m.def("rope_", &rope_, "rotate-half RoPE of qk (T, NH, D) in place");

@@ -43,9 +43,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <utility>
 #include <vector>
 
+#include "norm_api.h"
 #include "pool.h"
 #include "quant_int8.h"
 #include "quant_int8_tiles.h"
@@ -392,6 +394,76 @@ at::Tensor gemv_parts(const at::Tensor& x, const std::vector<at::Tensor>& ws, co
   return out;
 }
 
+// A one-token decode step's layers in fewer calls (models/decode_chain.py): the fused
+// extension's RMSNorm row (norm_api.h, bound by set_norm) and gemv_auto's int8 GEMVs,
+// chained in C++. Each step is the same call, on the same bytes, as the Python chain of
+// fused.rms_norm and gemv_auto it replaces, so the results are those bit for bit; what
+// goes is a decode step's ~5 Python-to-C++ calls per layer and their tensor handling.
+const PwNormApi*& norm_api() {
+  static const PwNormApi* api = nullptr;
+  return api;
+}
+
+void set_norm(const py::object& capsule) {
+  if (capsule.is_none()) {
+    norm_api() = nullptr;
+    return;
+  }
+  auto* api = static_cast<const PwNormApi*>(PyCapsule_GetPointer(capsule.ptr(), kPwNormCapsuleName));
+  if (api == nullptr) throw py::error_already_set();
+  TORCH_CHECK(api->version == kPwNormApiVersion, "cpu_norm: api version ", api->version, ", want ",
+              kPwNormApiVersion);
+  norm_api() = api;
+}
+
+// Whether decode_layer_head / decode_layer_tail run here: the int8 GEMV and a bound norm.
+bool has_decode_chain() { return has_int8_kernel() && norm_api() != nullptr; }
+
+void check_row(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == 1 && t.scalar_type() == at::kBFloat16 && t.stride(1) == 1,
+              "decode chain: ", what, " must be one contiguous bf16 row (1, K)");
+}
+
+// RMSNorm of the row x (1, H) by w (H,) (bf16 or float32), as fused.rms_norm computes it.
+at::Tensor norm_row(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous() &&
+                  (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat),
+              "decode chain: a norm weight must be contiguous (H,) bf16 or float32");
+  at::Tensor y = at::empty_like(x);
+  norm_api()->row_bf16(x.data_ptr(), w.data_ptr(), w.scalar_type() == at::kFloat, y.data_ptr(), x.size(1),
+                       static_cast<float>(eps));
+  return y;
+}
+
+// A layer's head: norm(x) @ Wqkv^T for the row x (1, H).
+at::Tensor decode_layer_head(const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& wqkv,
+                             int64_t tqkv) {
+  TORCH_CHECK(has_decode_chain(), "decode chain: needs the int8 GEMV and set_norm");
+  check_row(x, "x");
+  return gemm(norm_row(x, norm_w, eps), wqkv, tqkv, c10::nullopt, false, false, false, true);
+}
+
+// A pre-norm layer after its attention a (1, q_size), for the residual row x (1, H):
+//   x1 = x + a @ Wo^T;  x2 = x1 + act(gate_up(norm(x1, post_w))) @ Wdown^T
+// (act 1 SiLU, 2 GELU-tanh, of gate times up), then, given the next layer's input norm
+// weight and qkv weight, that layer's head on x2. Returns (x2, next qkv or None).
+std::tuple<at::Tensor, c10::optional<at::Tensor>> decode_layer_tail(
+    const at::Tensor& a, const at::Tensor& x, const at::Tensor& wo, int64_t to, const at::Tensor& post_w,
+    double eps, const at::Tensor& wgu, int64_t tgu, int64_t act, const at::Tensor& wd, int64_t td,
+    const c10::optional<at::Tensor>& next_w, double next_eps, const c10::optional<at::Tensor>& wqkv,
+    int64_t tqkv) {
+  TORCH_CHECK(has_decode_chain(), "decode chain: needs the int8 GEMV and set_norm");
+  TORCH_CHECK(act == 1 || act == 2, "decode chain: act 1 (silu) or 2 (gelu_tanh)");
+  TORCH_CHECK(next_w.has_value() == wqkv.has_value(), "decode chain: the next norm and qkv together");
+  check_row(a, "a");
+  check_row(x, "x");
+  const at::Tensor x1 = gemm(a, wo, to, x, false, false, false, true);
+  const at::Tensor g = gemm(norm_row(x1, post_w, eps), wgu, tgu, c10::nullopt, true, false, false, true, act == 2);
+  at::Tensor x2 = gemm(g, wd, td, x1, false, false, false, true);
+  if (!next_w) return {x2, c10::nullopt};
+  return {x2, decode_layer_head(x2, *next_w, next_eps, *wqkv, tqkv)};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_pool", &pw::set_pool, "hand work items to the pool behind a cpu_pool capsule");
   m.def("has_vector_kernel", &has_vector_kernel, "whether this build has the AVX512-BF16 path");
@@ -414,5 +486,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("x"), py::arg("w"), py::arg("type"), py::arg("residual"), py::arg("silu_mul"), py::arg("portable"),
       py::arg("float_out"), py::arg("int8"), py::arg("gelu") = false);
   m.def("gemv_parts", &gemv_parts, "a QuantRows weight's parts against one bf16 row, into one output (or None)");
+  m.def("set_norm", &set_norm, "bind the decode chain to fused's norm_api() capsule (None unbinds)");
+  m.def("has_decode_chain", &has_decode_chain, "whether decode_layer_head / _tail run in this build");
+  m.def("decode_layer_head", &decode_layer_head, "norm(x) @ Wqkv^T for one bf16 row");
+  m.def("decode_layer_tail", &decode_layer_tail,
+        "o_proj + residual, post norm, gated MLP + residual, and the next layer's head, for one bf16 row");
   m.def("gemv_auto", &gemv_auto, "gemm's auto rule for one bf16 row (the int8 GEMV; act 0/1/2), or None");
 }

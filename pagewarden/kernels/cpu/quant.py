@@ -35,6 +35,7 @@ from typing import Literal
 
 import torch
 
+from pagewarden.kernels.cpu import fused as cpu_fused
 from pagewarden.kernels.cpu import pool as cpu_pool
 from pagewarden.kernels.cpu.build import built_once, compile_extension
 from pagewarden.kernels.cpu.fused import DISABLE_ENV
@@ -186,7 +187,15 @@ def load() -> ModuleType | None:
         )
         return None
     cpu_pool.bind(ext)
+    bind_norm(ext)
     return ext
+
+
+def bind_norm(ext: ModuleType) -> None:
+    """Give ``ext``'s decode chain (``decode_layer_head`` / ``_tail``) the fused extension's
+    one-row RMSNorm; without it (no fused extension) the chain is off."""
+    fused = cpu_fused.load()
+    ext.set_norm(None if fused is None else fused.norm_api())
 
 
 def build_variant(name: str, cflags: list[str]) -> ModuleType:
@@ -194,6 +203,7 @@ def build_variant(name: str, cflags: list[str]) -> ModuleType:
     CPU's instruction sets), bound to the kernels' pool: for tests and benches."""
     ext = compile_extension(name, _SOURCES, cflags)
     cpu_pool.bind(ext)
+    bind_norm(ext)
     return ext
 
 
