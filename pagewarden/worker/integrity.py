@@ -230,21 +230,38 @@ class SlotChecksums:
 
     def __init__(self, caches: list[torch.Tensor]) -> None:
         self.caches = caches
-        self._cpu = integrity_cpu.usable(caches)
+        cpu = integrity_cpu.usable(caches)
         limbs = _row_limbs(caches[0])
-        self._keys = _limb_keys(len(caches), limbs, caches[0].device) if self._cpu else None
+        keys = _limb_keys(len(caches), limbs, caches[0].device) if cpu else None
+        # the C++ kernel with the caches bound: no list of layer tensors to convert per call
+        self._bound = integrity_cpu.cache_sums(caches, keys) if keys is not None else None
 
-    def __call__(self, slots: torch.Tensor) -> torch.Tensor:
-        """``slot_checksums(caches, slots)``. (num_slots,) int64."""
+    def _kernel(self, slots: torch.Tensor):
+        """The bound C++ kernel where it takes ``slots``; None: the torch path."""
         if (
-            self._keys is not None
+            self._bound is not None
             and integrity_cpu.enabled  # tests switch the C++ kernels off
             and slots.dtype == torch.int64
             and slots.dim() == 1
             and slots.device.type == "cpu"
         ):
-            return integrity_cpu.slot_sums(self.caches, slots, self._keys)
-        return slot_checksums(self.caches, slots)
+            return self._bound
+        return None
+
+    def __call__(self, slots: torch.Tensor) -> torch.Tensor:
+        """``slot_checksums(caches, slots)``. (num_slots,) int64."""
+        bound = self._kernel(slots)
+        return slot_checksums(self.caches, slots) if bound is None else bound.slot_sums(slots)
+
+    def store(self, slots: torch.Tensor, into: torch.Tensor) -> None:
+        """``into[slots] = self(slots)``: write-time sums recorded in one call on the CPU."""
+        bound = self._kernel(slots)
+        if bound is not None and into.device.type == "cpu":
+            bound.store_slot_sums(slots, into)
+        elif slots.device.type == "cpu" and into.device.type == "cpu":
+            into.numpy()[slots.numpy()] = self(slots).numpy()  # numpy's: torch's index_put
+        else:  # costs tens of microseconds more
+            into[slots] = self(slots)
 
 
 def combine_slot_checksums(slot_sums: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,8 @@ of the same split).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from pagewarden.kernels.cpu import checksum
@@ -53,3 +55,8 @@ def slot_sums(
 ) -> torch.Tensor:
     """Slot checksums, the value ``integrity.slot_checksums`` defines. (n,) int64."""
     return checksum.slot_sums(caches, slots, limb_keys)
+
+
+def cache_sums(caches: list[torch.Tensor], limb_keys: torch.Tensor) -> Any:
+    """``slot_sums`` bound to ``caches`` and ``limb_keys`` once (``checksum.cache_sums``)."""
+    return checksum.cache_sums(caches, limb_keys)

@@ -113,9 +113,12 @@ class KVGuard(ChecksumChecks):
             self.sealed[fresh_ids] = False
             self.tags.tags[fresh_ids] = 0
         meta.slot_tags = self.tags.tags.view(-1)
-        meta.new_tags = self.chains.new_tags(list(out.requests)).to(self.tags.tags.device)  # (T,)
-        if self.fused_reads:
-            expected = self._expected_tags(list(out.requests))
+        reqs = list(out.requests)
+        if not self.fused_reads:
+            meta.new_tags = self.chains.new_tags(reqs).to(self.tags.tags.device)  # (T,)
+        else:
+            expected = self._expected_tags(reqs)  # (S, max stop); the new tags are in it
+            meta.new_tags = self.chains.written(expected, reqs).to(self.tags.tags.device)
             n_kv = self.caches[0].shape[3]
             sums = self.strict or self._deferred_scrub is not None
             checks = allocate_read_checks(
@@ -159,11 +162,7 @@ class KVGuard(ChecksumChecks):
             # From the bytes at the slots the model actually wrote; first, as strict's
             # open-block check combines the new tokens' sums with the older slots'.
             assert self.slot_checksums is not None  # built where sums_on
-            slots, sums = meta.slot_mapping, self.slot_checksums(meta.slot_mapping)
-            if slots.device.type == "cpu" and self.slot_sums.device.type == "cpu":
-                self.slot_sums.numpy()[slots.numpy()] = sums.numpy()  # torch's index_put
-            else:  # costs tens of microseconds per step more
-                self.slot_sums[slots] = sums
+            self.slot_checksums.store(meta.slot_mapping, self.slot_sums)
         # Tags of every request, faulted ones too: a bad tag in a block that a rollback
         # is about to drop would otherwise go unseen, and the block stays in the prefix
         # cache.

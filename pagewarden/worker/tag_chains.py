@@ -17,6 +17,7 @@ after it syncs).
 
 from __future__ import annotations
 
+import numpy
 import torch
 
 from pagewarden.sched.output import ScheduledRequest
@@ -67,6 +68,17 @@ class TagChains:
             start, stop = r.positions.start, r.positions.stop
             tags.extend(self.chain(r, stop)[start:stop])
         return torch.tensor(tags, dtype=torch.int64)
+
+    @staticmethod
+    def written(expected: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
+        """``new_tags(reqs)`` taken from ``expected(reqs)``: each row's positions
+        ``[start, stop)``, in order (a step that needs both computes the chains once)."""
+        rows = expected.numpy()
+        if len(reqs) == 1:  # one stream: no list, no concatenation
+            p = reqs[0].positions
+            return torch.from_numpy(rows[0, p.start : p.stop].copy())
+        parts = [rows[i, r.positions.start : r.positions.stop] for i, r in enumerate(reqs)]
+        return torch.from_numpy(numpy.concatenate(parts))
 
     def expected(self, reqs: list[ScheduledRequest]) -> torch.Tensor:
         """(S, max stop) int64: the tag of each request's token chain at each position,

@@ -18,6 +18,7 @@ from pagewarden.worker.integrity import (
     MASK64,
     ROOT_TAG,
     KVIntegrityError,
+    SlotChecksums,
     SlotTags,
     _limb_keys,
     _offset_keys,
@@ -120,6 +121,32 @@ def test_cpp_and_torch_kernels_agree(dtype: torch.dtype, heads: int, dim: int, m
         torch.tensor([319, 17, 0, 301]),
         monkeypatch,
     )
+
+
+@pytest.mark.skipif(not integrity_cpu.available(), reason="checksum extension not built")
+def test_bound_slot_checksums_equal_the_torch_path_and_store_in_place(monkeypatch) -> None:
+    """``SlotChecksums`` (the C++ kernel with the caches bound once) gives
+    ``slot_checksums``' values, and ``store`` writes them at the slots, nowhere else; an
+    out-of-range slot raises before anything is written."""
+    g = torch.Generator().manual_seed(11)
+    caches = [(torch.randn(2, 6, 4, 3, 64, generator=g) * 1e30).bfloat16() for _ in range(4)]
+    sums = SlotChecksums(caches)
+    assert sums._bound is not None
+    slots = torch.tensor([23, 0, 9, 9, 17])
+    monkeypatch.setattr(integrity_cpu, "enabled", False)
+    want = slot_checksums(caches, slots)  # the torch path
+    monkeypatch.setattr(integrity_cpu, "enabled", True)
+    assert torch.equal(sums(slots), want)
+    into = torch.full((24,), 5, dtype=torch.int64)
+    sums.store(slots, into)
+    assert torch.equal(into[slots], want)
+    untouched = torch.ones(24, dtype=torch.bool)
+    untouched[slots] = False
+    assert bool((into[untouched] == 5).all())
+    before = into.clone()
+    with pytest.raises(IndexError):
+        sums.store(torch.tensor([3, 24]), into)
+    assert torch.equal(into, before)
 
 
 def test_cpp_kernel_reads_the_int32_limbs_of_any_layout(monkeypatch) -> None:

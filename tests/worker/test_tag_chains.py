@@ -34,6 +34,11 @@ def test_expected_and_new_tags_follow_each_chain_as_requests_grow_and_leave() ->
     step = [_req("b", b + [7], 3, 4, 3), _req("a", a, 70, 90, 80)]
     assert chains.new_tags(step).tolist() == [_want(b + [7], 4, 4)[3]] + _want(a, 90, 90)[70:]
     assert chains.expected(step).tolist() == [_want(b + [7], 4, 90), _want(a, 90, 90)]
+    # the same new tags out of the expected table, for several requests and for one
+    assert torch.equal(TagChains.written(chains.expected(step), step), chains.new_tags(step))
+    assert torch.equal(
+        TagChains.written(chains.expected(step[:1]), step[:1]), chains.new_tags(step[:1])
+    )
     # a leaves; c takes its row and must not see a's tags past its own stop.
     chains.forget("a")
     c = [9, 8]

@@ -26,6 +26,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -130,9 +131,7 @@ at::Tensor block_sums(const std::vector<at::Tensor>& caches, const at::Tensor& b
   return out;
 }
 
-at::Tensor slot_sums(const std::vector<at::Tensor>& caches, const at::Tensor& slots,
-                     const at::Tensor& limb_keys) {
-  const Layers ls = layers_of(caches, limb_keys);
+at::Tensor slot_sums_of(const Layers& ls, const at::Tensor& limb_keys, const at::Tensor& slots) {
   const at::Tensor flat = checked(slots, ls.num_blocks * ls.bs, "slot");
   at::Tensor out = at::empty({flat.numel()}, flat.options());
   const int64_t* s = flat.data_ptr<int64_t>();
@@ -148,6 +147,41 @@ at::Tensor slot_sums(const std::vector<at::Tensor>& caches, const at::Tensor& sl
   return out;
 }
 
+at::Tensor slot_sums(const std::vector<at::Tensor>& caches, const at::Tensor& slots,
+                     const at::Tensor& limb_keys) {
+  return slot_sums_of(layers_of(caches, limb_keys), limb_keys, slots);
+}
+
+// One KV store's layer caches and limb keys, checked once: the guard sums the slots each
+// step wrote, and handing over (and checking) every layer's cache again per call cost
+// more than the sums of one stream's slot (30 tensors through pybind and layers_of).
+// Holds the tensors, so the pointers stay valid as long as it lives.
+class CacheSums {
+ public:
+  CacheSums(std::vector<at::Tensor> caches, at::Tensor limb_keys)
+      : caches_(std::move(caches)), keys_(std::move(limb_keys)), ls_(layers_of(caches_, keys_)) {}
+
+  at::Tensor slot_sums(const at::Tensor& slots) const { return slot_sums_of(ls_, keys_, slots); }
+
+  // into[slots[j]] = slot_sum(slots[j]): the guard's write-time sums, recorded in place.
+  void store_slot_sums(const at::Tensor& slots, const at::Tensor& into) const {
+    TORCH_CHECK(into.device().is_cpu() && into.scalar_type() == at::kLong && into.dim() == 1 &&
+                    into.is_contiguous() && into.numel() == ls_.num_blocks * ls_.bs,
+                "into: (num_blocks * block_size,) int64, contiguous, on the CPU");
+    const at::Tensor sums = slot_sums_of(ls_, keys_, slots);
+    const at::Tensor flat = slots.to(at::kLong).reshape(-1).contiguous();  // checked above
+    const int64_t* s = flat.data_ptr<int64_t>();
+    const int64_t* v = sums.data_ptr<int64_t>();
+    int64_t* o = into.data_ptr<int64_t>();
+    for (int64_t j = 0; j < flat.numel(); ++j) o[s[j]] = v[j];
+  }
+
+ private:
+  std::vector<at::Tensor> caches_;
+  at::Tensor keys_;
+  Layers ls_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -155,4 +189,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vectorised", [] { return kVector; }, "whether this build has the AVX512DQ dot product");
   m.def("block_sums", &block_sums, "block checksums over every layer", py::call_guard<py::gil_scoped_release>());
   m.def("slot_sums", &slot_sums, "slot checksums over every layer", py::call_guard<py::gil_scoped_release>());
+  py::class_<CacheSums>(m, "CacheSums", "slot sums over one fixed list of layer caches")
+      .def(py::init<std::vector<at::Tensor>, at::Tensor>())
+      .def("slot_sums", &CacheSums::slot_sums, "slot checksums over every layer",
+           py::call_guard<py::gil_scoped_release>())
+      .def("store_slot_sums", &CacheSums::store_slot_sums, "into[slots] = their slot checksums",
+           py::call_guard<py::gil_scoped_release>());
 }

@@ -16,6 +16,7 @@ import logging
 import os
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -62,3 +63,13 @@ def slot_sums(
     ext = load()
     assert ext is not None, "check load() first"
     return ext.slot_sums(caches, slots, limb_keys)
+
+
+def cache_sums(caches: list[torch.Tensor], limb_keys: torch.Tensor) -> Any:
+    """``slot_sums`` with ``caches`` and ``limb_keys`` bound (and checked) once: the
+    kernel's ``CacheSums``, with ``slot_sums(slots)`` and ``store_slot_sums(slots, into)``
+    (``into[slots]`` = their sums; IndexError, nothing written, for a slot outside the pool).
+    It keeps the tensors alive."""
+    ext = load()
+    assert ext is not None, "check load() first"
+    return ext.CacheSums(caches, limb_keys)
