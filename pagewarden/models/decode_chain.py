@@ -22,7 +22,7 @@ states are equal bit for bit (``tests/models/test_decode_chain.py``). It applies
 every layer is a plain ``DecoderLayer`` whose four projections are single-type GGUF
 weights without bias and the step is one bf16 row of decode (``DecoderForCausalLM``
 checks the step); elsewhere the per-layer path runs. ``PAGEWARDEN_DECODE_CHAIN=0`` turns
-it off (for A/B measurement: ``bench/llamacpp.py``'s pagewarden rows either way).
+it off (for A/B measurements; read when a model's chain is built, at its first forward).
 """
 
 from __future__ import annotations
