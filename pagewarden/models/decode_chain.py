@@ -16,18 +16,23 @@ gated MLP with the residual, and the next layer's input norm and qkv GEMV in C++
         x, qkv = decode_layer_tail(a, x, o_i, post_norm_i, gate_up_i, down_i,
                                    norm_{i+1}, qkv_{i+1})      # qkv None after the last
 
-Every operation is the same kernel on the same bytes as the per-layer path (the norm is
-the fused extension's own row function, reached through ``norm_api.h``), so the hidden
-states are equal bit for bit (``tests/models/test_decode_chain.py``). It applies where
-every layer is a plain ``DecoderLayer`` whose four projections are single-type GGUF
-weights without bias and the step is one bf16 row of decode (``DecoderForCausalLM``
-checks the step); elsewhere the per-layer path runs. ``PAGEWARDEN_DECODE_CHAIN=0`` turns
+A sandwich layer (Gemma 2 / 3: each block's output normed before its residual add) has
+its own tail, ``decode_sandwich_tail``, the same way. Every operation is the same kernel
+on the same bytes as the per-layer path (the norms are the fused extension's own row
+functions, reached through ``norm_api.h``; a ``QuantRows`` qkv goes through
+``gemv_parts``' loop), so the hidden states are equal bit for bit
+(``tests/models/test_decode_chain.py``). It applies where every layer is a plain
+``DecoderLayer`` or ``SandwichDecoderLayer`` whose projections are GGUF weights without
+bias (qkv may be several types in row parts, the others one type each), and the step is
+one bf16 row of decode (``DecoderForCausalLM`` checks the step); elsewhere the per-layer
+path runs. ``PAGEWARDEN_DECODE_CHAIN=0`` turns
 it off (for A/B measurements; read when a model's chain is built, at its first forward).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -64,8 +69,9 @@ def applies(x: torch.Tensor, meta: AttentionMetadata) -> bool:
 @dataclass(frozen=True)
 class _Layer:
     attn: Attention
-    head: tuple  # decode_layer_head's (norm weight, eps, qkv data, qkv type)
-    tail: tuple  # decode_layer_tail's (o, o type, post norm, eps, gate_up, type, act, down, type)
+    head: tuple  # decode_layer_head's (norm weight, eps, [qkv parts' data], [their types])
+    tail: Callable  # the extension's decode_layer_tail or decode_sandwich_tail
+    args: tuple  # its arguments after (a, x) and before the next layer's head
 
 
 class DecodeChain:
@@ -74,9 +80,10 @@ class DecodeChain:
     def __init__(self, ext: ModuleType, layers: list[_Layer]) -> None:
         self._ext = ext
         self._layers = layers
-        # each layer's tail with the next layer's head (None, 0, None, 0 after the last)
+        # each layer's tail arguments with the next layer's head (none after the last)
+        last = (None, 0.0, [], [])
         self._tails = [
-            (*layer.tail, *(layers[i + 1].head if i + 1 < len(layers) else (None, 0.0, None, 0)))
+            (layer.tail, (*layer.args, *(layers[i + 1].head if i + 1 < len(layers) else last)))
             for i, layer in enumerate(layers)
         ]
 
@@ -86,23 +93,10 @@ class DecodeChain:
         ext = cpu_quant.load() if enabled() else None
         if ext is None or not ext.has_decode_chain():
             return None
-        chained = []
-        for layer in layers:
-            if type(layer) is not DecoderLayer:
-                return None
-            norm, attn, o_proj, post_norm, mlp, down_proj = layer._blocks
-            act = _ACTS.get(mlp.activation)
-            projections = [attn.qkv_proj, o_proj, mlp.gate_up_proj, down_proj]
-            weights = [_plain_quant(p) for p in projections]
-            norms = [_norm_weight(n) for n in (norm, post_norm)]
-            if act is None or None in weights or None in norms:
-                return None
-            qkv, o, gate_up, down = weights
-            head = (norms[0], norm.eps, qkv.data, qkv.qtype)
-            tail = (o.data, o.qtype, norms[1], post_norm.eps, gate_up.data, gate_up.qtype, act,
-                    down.data, down.qtype)  # fmt: skip
-            chained.append(_Layer(attn, head, tail))
-        return DecodeChain(ext, chained) if chained else None
+        chained = [_chain_layer(ext, layer) for layer in layers]
+        if not chained or None in chained:
+            return None
+        return DecodeChain(ext, chained)  # type: ignore[arg-type]
 
     def run(
         self,
@@ -112,13 +106,62 @@ class DecodeChain:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """The layers' output (1, hidden) for one bf16 decode row x (1, hidden)."""
-        ext = self._ext
-        qkv = ext.decode_layer_head(x, *self._layers[0].head)
-        for layer, tail, cache in zip(self._layers, self._tails, kv_caches):
+        qkv = self._ext.decode_layer_head(x, *self._layers[0].head)
+        for layer, (tail, args), cache in zip(self._layers, self._tails, kv_caches):
             cos, sin = rotations[layer.attn.rope_index]
             a = layer.attn.attend_qkv(qkv, cos, sin, cache, meta)
-            x, qkv = ext.decode_layer_tail(a, x, *tail)
+            x, qkv = tail(a, x, *args)
         return x
+
+
+def _chain_layer(ext: ModuleType, layer: nn.Module) -> _Layer | None:
+    """One layer's part of the chain: a pre-norm ``DecoderLayer`` or a sandwich layer
+    (Gemma's), every norm with one eps; None where the chain cannot run it."""
+    from pagewarden.models.gemma import SandwichDecoderLayer  # gemma imports causal_lm
+
+    if type(layer) is DecoderLayer:
+        norm, attn, o_proj, post_norm, mlp, down_proj = layer._blocks
+        norms = [norm, post_norm]
+    elif type(layer) is SandwichDecoderLayer:
+        norm, attn, o_proj, post_attn, pre_mlp, mlp, post_mlp = layer._blocks
+        norms = [norm, post_attn, pre_mlp, post_mlp]
+        down_proj = mlp.down_proj
+    else:
+        return None
+    act = _ACTS.get(mlp.activation)
+    qkv = _qkv_parts(attn.qkv_proj)
+    o, gate_up, down = (_plain_quant(p) for p in (o_proj, mlp.gate_up_proj, down_proj))
+    factors = [_norm_weight(n) for n in norms]
+    if act is None or qkv is None or None in (o, gate_up, down) or None in factors:
+        return None
+    if len({n.eps for n in norms}) != 1:
+        return None
+    assert o is not None and gate_up is not None and down is not None
+    head = (factors[0], norm.eps, *qkv)
+    if len(norms) == 2:
+        args = (o.data, o.qtype, factors[1], norm.eps, gate_up.data, gate_up.qtype, act,
+                down.data, down.qtype)  # fmt: skip
+        return _Layer(attn, head, ext.decode_layer_tail, args)
+    args = (o.data, o.qtype, factors[1], factors[2], norm.eps, gate_up.data, gate_up.qtype, act,
+            down.data, down.qtype, factors[3])  # fmt: skip
+    return _Layer(attn, head, ext.decode_sandwich_tail, args)
+
+
+def _qkv_parts(layer: nn.Linear) -> tuple[list[torch.Tensor], list[int]] | None:
+    """The qkv projection's quantized row parts (one for a single-type weight, several
+    for a ``QuantRows``: Q4_K_M's q, k and v of different types), without bias."""
+    q = quant_weight(layer)
+    if layer.bias is not None:
+        return None
+    if isinstance(q, cpu_quant.QuantRows):
+        parts = list(q.parts)
+    elif isinstance(q, cpu_quant.QuantWeight):
+        parts = [q]
+    else:
+        return None
+    if any(p.float_out for p in parts):
+        return None
+    return [p.data for p in parts], [p.qtype for p in parts]
 
 
 def _plain_quant(layer: nn.Linear) -> cpu_quant.QuantWeight | None:

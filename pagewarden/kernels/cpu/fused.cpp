@@ -479,7 +479,17 @@ void norm_row_bf16(const void* x, const void* w, int w_f32, void* y, int64_t H, 
     rms_norm_row(xr, static_cast<const BFloat16*>(w), yr, H, eps);
 }
 
-const PwNormApi kNormApi{kPwNormApiVersion, &norm_row_bf16};
+void norm_row_add_bf16(const void* x, const void* w, int w_f32, const void* res, void* y, int64_t H, float eps) {
+  const auto* xr = static_cast<const BFloat16*>(x);
+  const auto* rr = static_cast<const BFloat16*>(res);
+  auto* yr = static_cast<BFloat16*>(y);
+  if (w_f32)
+    rms_norm_row(xr, static_cast<const float*>(w), yr, H, eps, rr);
+  else
+    rms_norm_row(xr, static_cast<const BFloat16*>(w), yr, H, eps, rr);
+}
+
+const PwNormApi kNormApi{kPwNormApiVersion, &norm_row_bf16, &norm_row_add_bf16};
 
 pybind11::object norm_api() {
   return pybind11::reinterpret_steal<pybind11::object>(

@@ -13,7 +13,9 @@ struct PwNormApi {
   // y (H,) = RMSNorm of the bf16 row x (H,) by w (H,), bf16 (w_f32 0) or float32 (1):
   // fused.rms_norm's row. y may not alias x.
   void (*row_bf16)(const void* x, const void* w, int w_f32, void* y, int64_t H, float eps);
+  // y = res + RMSNorm(x) (the norm rounded to bf16 first): fused.rms_norm_add's row.
+  void (*row_add_bf16)(const void* x, const void* w, int w_f32, const void* res, void* y, int64_t H, float eps);
 };
 
-constexpr int kPwNormApiVersion = 1;
+constexpr int kPwNormApiVersion = 2;
 constexpr const char* kPwNormCapsuleName = "pagewarden.cpu_norm";

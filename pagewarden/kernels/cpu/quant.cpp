@@ -371,16 +371,9 @@ at::Tensor gemv_auto(const at::Tensor& x, const at::Tensor& w, int64_t type, con
   return gemm(x, w, type, residual, act > 0, false, float_out && !residual && act == 0, true, act == 2);
 }
 
-// A QuantRows weight (row ranges of different types over one K) against one bf16 row:
-// every part's int8 GEMV written into its columns of one (1, N) output, the residual split
-// the same way; one call from Python, no concatenation. None where gemv_auto's rule does
-// not apply.
-at::Tensor gemv_parts(const at::Tensor& x, const std::vector<at::Tensor>& ws, const std::vector<int64_t>& types,
+// gemv_parts' product, its rule already checked.
+at::Tensor parts_gemv(const at::Tensor& x, const std::vector<at::Tensor>& ws, const std::vector<int64_t>& types,
                       const c10::optional<at::Tensor>& residual) {
-  TORCH_CHECK(!ws.empty() && ws.size() == types.size(), "gemv_parts: one type per part");
-  if (!has_int8_kernel() || x.dim() != 2 || x.size(0) != 1 || x.scalar_type() != at::kBFloat16 || x.stride(1) != 1)
-    return {};
-  if (residual && (residual->scalar_type() != at::kBFloat16 || residual->stride(-1) != 1)) return {};
   int64_t n = 0;
   for (const auto& w : ws) n += w.size(0);
   TORCH_CHECK(!residual || (residual->dim() == 2 && residual->size(1) == n), "residual: (1, N)");
@@ -392,6 +385,19 @@ at::Tensor gemv_parts(const at::Tensor& x, const std::vector<at::Tensor>& ws, co
     gemm(x, ws[i], types[i], r, false, false, false, true, false, &o);
   }
   return out;
+}
+
+// A QuantRows weight (row ranges of different types over one K) against one bf16 row:
+// every part's int8 GEMV written into its columns of one (1, N) output, the residual split
+// the same way; one call from Python, no concatenation. None where gemv_auto's rule does
+// not apply.
+at::Tensor gemv_parts(const at::Tensor& x, const std::vector<at::Tensor>& ws, const std::vector<int64_t>& types,
+                      const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(!ws.empty() && ws.size() == types.size(), "gemv_parts: one type per part");
+  if (!has_int8_kernel() || x.dim() != 2 || x.size(0) != 1 || x.scalar_type() != at::kBFloat16 || x.stride(1) != 1)
+    return {};
+  if (residual && (residual->scalar_type() != at::kBFloat16 || residual->stride(-1) != 1)) return {};
+  return parts_gemv(x, ws, types, residual);
 }
 
 // A one-token decode step's layers in fewer calls (models/decode_chain.py): the fused
@@ -435,12 +441,34 @@ at::Tensor norm_row(const at::Tensor& x, const at::Tensor& w, double eps) {
   return y;
 }
 
-// A layer's head: norm(x) @ Wqkv^T for the row x (1, H).
-at::Tensor decode_layer_head(const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& wqkv,
-                             int64_t tqkv) {
+// y = res + norm(x, w): what fused.rms_norm_add computes, for rows (1, H).
+at::Tensor norm_row_add(const at::Tensor& x, const at::Tensor& w, const at::Tensor& res, double eps) {
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous() &&
+                  (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat),
+              "decode chain: a norm weight must be contiguous (H,) bf16 or float32");
+  at::Tensor y = at::empty_like(x);
+  norm_api()->row_add_bf16(x.data_ptr(), w.data_ptr(), w.scalar_type() == at::kFloat, res.data_ptr(), y.data_ptr(),
+                           x.size(1), static_cast<float>(eps));
+  return y;
+}
+
+// A layer's head: norm(x) @ Wqkv^T for the row x (1, H); Wqkv one GGUF weight or the row
+// ranges of several (a QuantRows: gemv_parts' product).
+at::Tensor decode_layer_head(const at::Tensor& x, const at::Tensor& norm_w, double eps,
+                             const std::vector<at::Tensor>& wqkv, const std::vector<int64_t>& tqkv) {
   TORCH_CHECK(has_decode_chain(), "decode chain: needs the int8 GEMV and set_norm");
+  TORCH_CHECK(!wqkv.empty() && wqkv.size() == tqkv.size(), "decode chain: one type per qkv part");
   check_row(x, "x");
-  return gemm(norm_row(x, norm_w, eps), wqkv, tqkv, c10::nullopt, false, false, false, true);
+  const at::Tensor h = norm_row(x, norm_w, eps);
+  if (wqkv.size() == 1) return gemm(h, wqkv[0], tqkv[0], c10::nullopt, false, false, false, true);
+  return parts_gemv(h, wqkv, tqkv, c10::nullopt);
+}
+
+// The next layer's head where one is given (next_w defined), else None.
+c10::optional<at::Tensor> next_head(const at::Tensor& x2, const c10::optional<at::Tensor>& next_w, double next_eps,
+                                    const std::vector<at::Tensor>& wqkv, const std::vector<int64_t>& tqkv) {
+  if (!next_w) return c10::nullopt;
+  return decode_layer_head(x2, *next_w, next_eps, wqkv, tqkv);
 }
 
 // A pre-norm layer after its attention a (1, q_size), for the residual row x (1, H):
@@ -450,18 +478,35 @@ at::Tensor decode_layer_head(const at::Tensor& x, const at::Tensor& norm_w, doub
 std::tuple<at::Tensor, c10::optional<at::Tensor>> decode_layer_tail(
     const at::Tensor& a, const at::Tensor& x, const at::Tensor& wo, int64_t to, const at::Tensor& post_w,
     double eps, const at::Tensor& wgu, int64_t tgu, int64_t act, const at::Tensor& wd, int64_t td,
-    const c10::optional<at::Tensor>& next_w, double next_eps, const c10::optional<at::Tensor>& wqkv,
-    int64_t tqkv) {
+    const c10::optional<at::Tensor>& next_w, double next_eps, const std::vector<at::Tensor>& wqkv,
+    const std::vector<int64_t>& tqkv) {
   TORCH_CHECK(has_decode_chain(), "decode chain: needs the int8 GEMV and set_norm");
   TORCH_CHECK(act == 1 || act == 2, "decode chain: act 1 (silu) or 2 (gelu_tanh)");
-  TORCH_CHECK(next_w.has_value() == wqkv.has_value(), "decode chain: the next norm and qkv together");
   check_row(a, "a");
   check_row(x, "x");
   const at::Tensor x1 = gemm(a, wo, to, x, false, false, false, true);
   const at::Tensor g = gemm(norm_row(x1, post_w, eps), wgu, tgu, c10::nullopt, true, false, false, true, act == 2);
   at::Tensor x2 = gemm(g, wd, td, x1, false, false, false, true);
-  if (!next_w) return {x2, c10::nullopt};
-  return {x2, decode_layer_head(x2, *next_w, next_eps, *wqkv, tqkv)};
+  return {x2, next_head(x2, next_w, next_eps, wqkv, tqkv)};
+}
+
+// The same for a sandwich layer (Gemma 2 / 3: each block's output normed before its add):
+//   x1 = x + norm(a @ Wo^T, post_attn);  h = norm(x1, pre_ffw)
+//   x2 = x1 + norm(act(gate_up(h)) @ Wdown^T, post_ffw)
+// then the next layer's head on x2, as decode_layer_tail.
+std::tuple<at::Tensor, c10::optional<at::Tensor>> decode_sandwich_tail(
+    const at::Tensor& a, const at::Tensor& x, const at::Tensor& wo, int64_t to, const at::Tensor& post_attn_w,
+    const at::Tensor& pre_ffw_w, double eps, const at::Tensor& wgu, int64_t tgu, int64_t act, const at::Tensor& wd,
+    int64_t td, const at::Tensor& post_ffw_w, const c10::optional<at::Tensor>& next_w, double next_eps,
+    const std::vector<at::Tensor>& wqkv, const std::vector<int64_t>& tqkv) {
+  TORCH_CHECK(has_decode_chain(), "decode chain: needs the int8 GEMV and set_norm");
+  TORCH_CHECK(act == 1 || act == 2, "decode chain: act 1 (silu) or 2 (gelu_tanh)");
+  check_row(a, "a");
+  check_row(x, "x");
+  const at::Tensor x1 = norm_row_add(gemm(a, wo, to, c10::nullopt, false, false, false, true), post_attn_w, x, eps);
+  const at::Tensor g = gemm(norm_row(x1, pre_ffw_w, eps), wgu, tgu, c10::nullopt, true, false, false, true, act == 2);
+  at::Tensor x2 = norm_row_add(gemm(g, wd, td, c10::nullopt, false, false, false, true), post_ffw_w, x1, eps);
+  return {x2, next_head(x2, next_w, next_eps, wqkv, tqkv)};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -488,7 +533,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_parts", &gemv_parts, "a QuantRows weight's parts against one bf16 row, into one output (or None)");
   m.def("set_norm", &set_norm, "bind the decode chain to fused's norm_api() capsule (None unbinds)");
   m.def("has_decode_chain", &has_decode_chain, "whether decode_layer_head / _tail run in this build");
-  m.def("decode_layer_head", &decode_layer_head, "norm(x) @ Wqkv^T for one bf16 row");
+  m.def("decode_layer_head", &decode_layer_head, "norm(x) @ Wqkv^T for one bf16 row (Wqkv in row parts)");
+  m.def("decode_sandwich_tail", &decode_sandwich_tail,
+        "decode_layer_tail for a sandwich layer (each block's output normed before its add)");
   m.def("decode_layer_tail", &decode_layer_tail,
         "o_proj + residual, post norm, gated MLP + residual, and the next layer's head, for one bf16 row");
   m.def("gemv_auto", &gemv_auto, "gemm's auto rule for one bf16 row (the int8 GEMV; act 0/1/2), or None");
