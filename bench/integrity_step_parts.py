@@ -31,7 +31,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the engine's default, bef
 from pagewarden.engine.config import EngineConfig  # noqa: E402
 from pagewarden.engine.core import EngineCore  # noqa: E402
 from pagewarden.sampling_params import SamplingParams  # noqa: E402
-from pagewarden.worker import kv_guard  # noqa: E402
+from pagewarden.worker import integrity, kv_guard  # noqa: E402
 
 GUARD_PARTS = (
     "check_reads",
@@ -85,8 +85,10 @@ class _Current:
     clock: Clock | None = None
 
 
-def _wrap_module_function(module, name: str) -> None:
+def _wrap_module_function(module, name: str, part: str | None = None) -> None:
+    """Time ``module.name`` (a module's function or a class's method) as ``part``."""
     fn = getattr(module, name)
+    part = part or name
 
     @functools.wraps(fn)
     def timed(*args, **kwargs):
@@ -95,7 +97,7 @@ def _wrap_module_function(module, name: str) -> None:
             return fn(*args, **kwargs)
         finally:
             if _Current.clock is not None:
-                _Current.clock.totals[name] += PART_CLOCK() - start
+                _Current.clock.totals[part] += PART_CLOCK() - start
 
     setattr(module, name, timed)
 
@@ -169,8 +171,8 @@ def main() -> None:
         global PART_CLOCK
         PART_CLOCK = time.thread_time
     levels = args.levels.split(",")
-    for name in ("slot_checksums", "allocate_read_checks"):
-        _wrap_module_function(kv_guard, name)
+    _wrap_module_function(kv_guard, "allocate_read_checks")
+    _wrap_module_function(integrity.SlotChecksums, "store", "slot_checksums")
     engines, clocks = {}, {}
     for level in levels:
         engines[level] = EngineCore(

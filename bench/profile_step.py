@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import inspect
 import os
 import random
 import sys
@@ -90,6 +91,10 @@ class PhaseClock:
 def instrument(engine: EngineCore, clock: PhaseClock) -> None:
     """Wrap the engine's phase functions with `clock` (in place, for this process only)."""
     model = engine.loaded.model
+    # The per-layer path, whose GEMMs, norms and attention are calls of their own: a GGUF
+    # kept quantized otherwise decodes one stream through models/decode_chain.py, where
+    # a layer's GEMMs and norms are one C++ call (this profile is of the per-layer path).
+    model._decode_chain = None
     # Every layer's GEMM goes through kernels/cpu/linear.py as imported by the model
     # blocks (models/layers.py, and gemma.py's sandwich layer); the lm_head's call
     # (models/causal_lm.py) stays in its own phase.
@@ -111,7 +116,7 @@ def instrument(engine: EngineCore, clock: PhaseClock) -> None:
     for owner in (runner.guard, engine.integrity):
         for name in dir(owner):
             attr = getattr(owner, name)
-            if not name.startswith("_") and callable(attr):
+            if not name.startswith("_") and inspect.ismethod(attr):  # not its callable state
                 setattr(owner, name, clock.wrap("integrity", attr))
 
 

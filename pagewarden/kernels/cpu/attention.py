@@ -42,6 +42,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -121,6 +122,10 @@ class _StepArgs:
     tables: torch.Tensor  # (S, max_blocks) int64, a view of meta.block_index
     num_splits: int  # of each decode row's key range
     checks: list  # the check arguments (``CpuAttention._check_args``), layer keys unset
+    # The extension's DecodeStep with the step's shared arguments bound (built at the
+    # first ``rope_write_decode``), and the metadata tensors it was bound to.
+    bound: Any = None
+    bound_to: tuple = ()
 
     def current(self, meta: AttentionMetadata) -> bool:
         """Built from ``meta`` as it is now (a fault injector may swap its tensors)."""
@@ -205,11 +210,16 @@ class CpuAttention:
             return None
         w, c = check_window_args(sliding_window, softcap)
         step = self._step_args(meta)
-        return self._ext.rope_write_decode(
-            qkv, cos, sin_signed, cache, meta.slot_mapping, meta.new_tags, meta.slot_tags,
-            step.tables, meta.seq_info, step.decode_rows, scale,
-            *self._layer_checks(step, cache), step.num_splits, w, c,
-        )  # fmt: skip
+        tensors = (meta.slot_mapping, meta.new_tags, meta.slot_tags)
+        if step.bound is None or any(a is not b for a, b in zip(tensors, step.bound_to)):
+            checks = step.checks
+            step.bound = self._ext.DecodeStep(
+                *tensors, step.tables, meta.seq_info, step.decode_rows, *checks[:5], checks[6],
+                step.num_splits,
+            )  # fmt: skip
+            step.bound_to = tensors
+        keys = None if step.checks[3] is None else self._layer_checks(step, cache)[5]
+        return step.bound.rope_write_decode(qkv, cos, sin_signed, cache, scale, keys, w, c)
 
     def attend(
         self,
