@@ -42,7 +42,7 @@ from torch import nn
 from pagewarden.kernels.attention import AttentionMetadata
 from pagewarden.kernels.cpu import quant as cpu_quant
 from pagewarden.kernels.cpu.linear import quant_weight
-from pagewarden.models.layers import Attention, DecoderLayer, RMSNorm
+from pagewarden.models.layers import Attention, RMSNorm
 
 #: Set to 0 to run every decode step through the per-layer path.
 ENV = "PAGEWARDEN_DECODE_CHAIN"
@@ -117,12 +117,13 @@ class DecodeChain:
 def _chain_layer(ext: ModuleType, layer: nn.Module) -> _Layer | None:
     """One layer's part of the chain: a pre-norm ``DecoderLayer`` or a sandwich layer
     (Gemma's), every norm with one eps; None where the chain cannot run it."""
-    from pagewarden.models.gemma import SandwichDecoderLayer  # gemma imports causal_lm
-
-    if type(layer) is DecoderLayer:
+    # The layer class's own ``decode_chain_kind`` (not an inherited one: a subclass may
+    # compute something else); gemma.py's sandwich layer says "sandwich".
+    kind = type(layer).__dict__.get("decode_chain_kind")
+    if kind == "pre_norm":
         norm, attn, o_proj, post_norm, mlp, down_proj = layer._blocks
         norms = [norm, post_norm]
-    elif type(layer) is SandwichDecoderLayer:
+    elif kind == "sandwich":
         norm, attn, o_proj, post_attn, pre_mlp, mlp, post_mlp = layer._blocks
         norms = [norm, post_attn, pre_mlp, post_mlp]
         down_proj = mlp.down_proj

@@ -35,6 +35,8 @@ from pagewarden.models.llama import gguf_rope
 class SandwichDecoderLayer(nn.Module):
     """x + post_norm(attn(pre_norm(x))), then x + post_norm(mlp(pre_norm(x)))."""
 
+    decode_chain_kind = "sandwich"  # what models/decode_chain.py runs it as (this class only)
+
     def __init__(self, c: ModelConfig, layer: int) -> None:
         super().__init__()
         eps, off = c.rms_norm_eps, c.norm_offset

@@ -316,6 +316,8 @@ class DecoderLayer(nn.Module):
     """Pre-norm layer (Llama, Mistral, Qwen, Phi-3): x + attn(norm(x)), then x + mlp(norm(x)),
     the residual adds fused into o_proj's and down_proj's GEMMs."""
 
+    decode_chain_kind = "pre_norm"  # what models/decode_chain.py runs it as (this class only)
+
     def __init__(self, c: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_offset)
