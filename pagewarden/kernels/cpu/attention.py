@@ -218,7 +218,7 @@ class CpuAttention:
                 step.num_splits,
             )  # fmt: skip
             step.bound_to = tensors
-        keys = None if step.checks[3] is None else self._layer_checks(step, cache)[5]
+        keys = None if step.checks[3] is None else self._layer_key(cache)
         return step.bound.rope_write_decode(qkv, cos, sin_signed, cache, scale, keys, w, c)
 
     def attend(
@@ -335,8 +335,12 @@ class CpuAttention:
         if step.checks[3] is None:
             return step.checks
         args = list(step.checks)
-        args[5] = self._layer_keys[self._layer_of[cache.data_ptr()]]
+        args[5] = self._layer_key(cache)
         return args
+
+    def _layer_key(self, cache: torch.Tensor) -> torch.Tensor:
+        """The checksum limb keys of the layer whose cache this is."""
+        return self._layer_keys[self._layer_of[cache.data_ptr()]]
 
 
 def _rows_fit(x: torch.Tensor, cache: torch.Tensor) -> bool:

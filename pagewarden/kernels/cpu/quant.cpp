@@ -430,11 +430,23 @@ void check_row(const at::Tensor& t, const char* what) {
               "decode chain: ", what, " must be one contiguous bf16 row (1, K)");
 }
 
-// RMSNorm of the row x (1, H) by w (H,) (bf16 or float32), as fused.rms_norm computes it.
-at::Tensor norm_row(const at::Tensor& x, const at::Tensor& w, double eps) {
+// The chain's checks of a tail's rows and activation code.
+void check_tail(const at::Tensor& a, const at::Tensor& x, int64_t act) {
+  TORCH_CHECK(has_decode_chain(), "decode chain: needs the int8 GEMV and set_norm");
+  TORCH_CHECK(act == 1 || act == 2, "decode chain: act 1 (silu) or 2 (gelu_tanh)");
+  check_row(a, "a");
+  check_row(x, "x");
+}
+
+void check_norm_weight(const at::Tensor& w, const at::Tensor& x) {
   TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous() &&
                   (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat),
               "decode chain: a norm weight must be contiguous (H,) bf16 or float32");
+}
+
+// RMSNorm of the row x (1, H) by w (H,) (bf16 or float32), as fused.rms_norm computes it.
+at::Tensor norm_row(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_norm_weight(w, x);
   at::Tensor y = at::empty_like(x);
   norm_api()->row_bf16(x.data_ptr(), w.data_ptr(), w.scalar_type() == at::kFloat, y.data_ptr(), x.size(1),
                        static_cast<float>(eps));
@@ -443,9 +455,7 @@ at::Tensor norm_row(const at::Tensor& x, const at::Tensor& w, double eps) {
 
 // y = res + norm(x, w): what fused.rms_norm_add computes, for rows (1, H).
 at::Tensor norm_row_add(const at::Tensor& x, const at::Tensor& w, const at::Tensor& res, double eps) {
-  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous() &&
-                  (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat),
-              "decode chain: a norm weight must be contiguous (H,) bf16 or float32");
+  check_norm_weight(w, x);
   at::Tensor y = at::empty_like(x);
   norm_api()->row_add_bf16(x.data_ptr(), w.data_ptr(), w.scalar_type() == at::kFloat, res.data_ptr(), y.data_ptr(),
                            x.size(1), static_cast<float>(eps));
@@ -480,10 +490,7 @@ std::tuple<at::Tensor, c10::optional<at::Tensor>> decode_layer_tail(
     double eps, const at::Tensor& wgu, int64_t tgu, int64_t act, const at::Tensor& wd, int64_t td,
     const c10::optional<at::Tensor>& next_w, double next_eps, const std::vector<at::Tensor>& wqkv,
     const std::vector<int64_t>& tqkv) {
-  TORCH_CHECK(has_decode_chain(), "decode chain: needs the int8 GEMV and set_norm");
-  TORCH_CHECK(act == 1 || act == 2, "decode chain: act 1 (silu) or 2 (gelu_tanh)");
-  check_row(a, "a");
-  check_row(x, "x");
+  check_tail(a, x, act);
   const at::Tensor x1 = gemm(a, wo, to, x, false, false, false, true);
   const at::Tensor g = gemm(norm_row(x1, post_w, eps), wgu, tgu, c10::nullopt, true, false, false, true, act == 2);
   at::Tensor x2 = gemm(g, wd, td, x1, false, false, false, true);
@@ -499,10 +506,7 @@ std::tuple<at::Tensor, c10::optional<at::Tensor>> decode_sandwich_tail(
     const at::Tensor& pre_ffw_w, double eps, const at::Tensor& wgu, int64_t tgu, int64_t act, const at::Tensor& wd,
     int64_t td, const at::Tensor& post_ffw_w, const c10::optional<at::Tensor>& next_w, double next_eps,
     const std::vector<at::Tensor>& wqkv, const std::vector<int64_t>& tqkv) {
-  TORCH_CHECK(has_decode_chain(), "decode chain: needs the int8 GEMV and set_norm");
-  TORCH_CHECK(act == 1 || act == 2, "decode chain: act 1 (silu) or 2 (gelu_tanh)");
-  check_row(a, "a");
-  check_row(x, "x");
+  check_tail(a, x, act);
   const at::Tensor x1 = norm_row_add(gemm(a, wo, to, c10::nullopt, false, false, false, true), post_attn_w, x, eps);
   const at::Tensor g = gemm(norm_row(x1, pre_ffw_w, eps), wgu, tgu, c10::nullopt, true, false, false, true, act == 2);
   at::Tensor x2 = norm_row_add(gemm(g, wd, td, c10::nullopt, false, false, false, true), post_ffw_w, x1, eps);
