@@ -19,6 +19,7 @@ import torch
 
 from pagewarden.kernels.attention import AttentionMetadata
 from pagewarden.sched.output import KVFault, ScheduledRequest, SchedulerOutput
+from pagewarden.worker import integrity_cpu
 from pagewarden.worker.guard_arrivals import ArrivalChecks
 from pagewarden.worker.integrity import (
     MASK64,
@@ -257,6 +258,14 @@ class ChecksumChecks(ArrivalChecks):
         robin (the cursor moves past them and they count as scrubbed)."""
         if self.scrub_blocks_per_step <= 0:
             return []
+        if self.decode_guard is not None and integrity_cpu.enabled:
+            # The C++ walk over the seal flags from the cursor: the same picks, without
+            # listing every sealed id in Python each step.
+            picked = self.decode_guard.scrub_picks(self._scrub_cursor, self.scrub_blocks_per_step)
+            if picked:
+                self._scrub_cursor = picked[-1] + 1
+                self.counters.scrubbed_blocks += len(picked)
+            return picked
         # Plain lists (numpy's nonzero on the CPU): torch's nonzero and a handful of torch
         # ops on a few ids cost more than the bisect, at one stream a good part of a step.
         if self.sealed.device.type == "cpu":

@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from pagewarden.kernels.attention import AttentionMetadata
+from pagewarden.kernels.attention import AttentionMetadata, ReadChecks
 from pagewarden.kv.swap_space import BlockSwap
 from pagewarden.sched.output import FailureKey, KVFault, ScheduledRequest, SchedulerOutput
 from pagewarden.worker.fused_checks import offset_keys
@@ -29,6 +29,7 @@ from pagewarden.worker.integrity import (
     SlotChecksums,
     SlotTags,
     block_checksums,
+    decode_guard,
     slot_checksums,
 )
 from pagewarden.worker.tag_chains import TagChains
@@ -93,6 +94,9 @@ class GuardState:
         # Scrub picks this step's attention kernel checksums as it reads them, verified
         # after the forward pass (``guard_checksums._fuse_scrub``); None: scrubbed at once.
         self._deferred_scrub: list[int] | None = None
+        # What bind gave a decode step's kernel and checks on the C++ path (KVGuard's
+        # _bind_decode), for after_write: the read checks and the scrub picks.
+        self._decode_step: tuple[ReadChecks, list[int]] | None = None
         # The offset keys as a numpy array, for checks that combine a few slot sums.
         self._offset_keys_np = offset_keys(block_size, torch.device("cpu")).numpy()
         # The host tier's copy of the same state (tags, slot sums, seals, block sums).
@@ -106,6 +110,13 @@ class GuardState:
         # after_write's sums of the slots each step wrote (levels with sums only: off
         # builds no checksum kernel)
         self.slot_checksums = SlotChecksums(caches) if self.sums_on else None
+        # A decode step's checks at standard in two C++ calls (KVGuard._bind_decode);
+        # None where the C++ kernels do not run (the general path serves every step).
+        self.decode_guard = (
+            decode_guard(caches, self.sealed, self.tags.tags, self.slot_sums, self.block_sums)
+            if self.sums_on
+            else None
+        )
 
     def set_level(self, level: str) -> None:
         """Switch between ``standard`` and ``strict`` between two steps (a profile switch).

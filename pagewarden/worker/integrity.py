@@ -66,7 +66,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -262,6 +262,28 @@ class SlotChecksums:
             into.numpy()[slots.numpy()] = self(slots).numpy()  # numpy's: torch's index_put
         else:  # costs tens of microseconds more
             into[slots] = self(slots)
+
+
+def decode_guard(
+    caches: list[torch.Tensor],
+    sealed: torch.Tensor,
+    tags: torch.Tensor,
+    slot_sums: torch.Tensor,
+    block_sums: torch.Tensor,
+) -> Any | None:
+    """The C++ ``DecodeGuard`` (``kernels/cpu/checksum.cpp``) bound to a guard's caches
+    and state, with this module's keys: a decode step's checks at ``standard`` in two
+    calls. None where the C++ kernels do not checksum ``caches`` or the state is not in
+    host memory."""
+    state = (sealed, tags, slot_sums, block_sums)
+    if not integrity_cpu.usable(caches) or any(t.device.type != "cpu" for t in state):
+        return None
+    device = caches[0].device
+    block_size = caches[0].shape[2]
+    keys = _limb_keys(len(caches), _row_limbs(caches[0]), device)
+    return integrity_cpu.decode_guard(
+        caches, sealed, tags.view(-1), slot_sums, block_sums, keys, _offset_keys(block_size, device)
+    )
 
 
 def combine_slot_checksums(slot_sums: torch.Tensor) -> torch.Tensor:

@@ -60,3 +60,19 @@ def slot_sums(
 def cache_sums(caches: list[torch.Tensor], limb_keys: torch.Tensor) -> Any:
     """``slot_sums`` bound to ``caches`` and ``limb_keys`` once (``checksum.cache_sums``)."""
     return checksum.cache_sums(caches, limb_keys)
+
+
+def decode_guard(
+    caches: list[torch.Tensor],
+    sealed: torch.Tensor,
+    tags: torch.Tensor,
+    slot_sums: torch.Tensor,
+    block_sums: torch.Tensor,
+    limb_keys: torch.Tensor,
+    offset_keys: torch.Tensor,
+) -> Any:
+    """A decode step's guard work at ``standard`` in two C++ calls around the forward pass,
+    bound to one guard's state tensors (``checksum.decode_guard``)."""
+    return checksum.decode_guard(
+        caches, limb_keys, offset_keys, sealed, tags, slot_sums, block_sums
+    )

@@ -57,6 +57,14 @@ strict    every block a step reads is verified before its tokens are released (s
           the forward pass, or from a checking kernel's sums after it (fused reads)
 ========  ==================================================================================
 
+Decode steps at ``standard`` with the cpu kernel (one new token per request, every
+step of a stream after its prompt) run the same ``bind`` and ``after_write`` work as two
+C++ calls over the guard's state (``DecodeGuard`` in ``kernels/cpu/checksum.cpp``:
+``_bind_decode``, ``_close_decode``). Only a clean step finishes there; a step in which
+any check fails is handed, unchanged but for its write-time sums, to the general path
+below, which finds and names the fault. ``tests/worker/test_decode_guard.py`` holds the
+two paths to the same tokens, faults, counters and state.
+
 A failed check never raises: it becomes a ``KVFault`` naming the blocks and, for every
 scheduled request that reads one of them, the position to recompute from. The scheduler
 quarantines the blocks and rolls those requests back; no token is sampled from them in
@@ -73,8 +81,9 @@ from __future__ import annotations
 
 import torch
 
-from pagewarden.kernels.attention import AttentionMetadata
+from pagewarden.kernels.attention import AttentionMetadata, ReadChecks
 from pagewarden.sched.output import KVFault, ScheduledRequest, SchedulerOutput
+from pagewarden.worker import integrity_cpu
 from pagewarden.worker.fused_checks import allocate_read_checks, sum_only
 from pagewarden.worker.guard_checksums import ChecksumChecks
 from pagewarden.worker.guard_state import INTEGRITY_LEVELS, GuardCounters, IntegrityLevel
@@ -100,7 +109,11 @@ class KVGuard(ChecksumChecks):
         step was meant to write but did not cannot pass on an earlier owner's tag, and
         they are unsealed (their content is about to change).
         """
+        self._decode_step = None
         if not self.tags_on or out.is_empty:
+            return
+        if self._decode_path(out.requests):
+            self._bind_decode(list(out.requests), meta)
             return
         bs = self.block_size
         new_blocks: list[int] = []
@@ -145,8 +158,12 @@ class KVGuard(ChecksumChecks):
         """
         if not self.tags_on or out.is_empty:
             return []
-        bs = self.block_size
+        step, self._decode_step = self._decode_step, None
         reqs = list(out.requests)
+        if step is not None and not skip and meta.read_checks is step[0]:
+            if self._close_decode(reqs, meta, step[1]):
+                return []  # clean; anything else is found and named by the path below
+        bs = self.block_size
         to_seal: list[int] = []
         fresh: list[int] = []
         for r in reqs:
@@ -184,6 +201,76 @@ class KVGuard(ChecksumChecks):
             if fresh:
                 self._seal_written(fresh)
         return self._attach_readers(faults, reqs)
+
+    def _decode_path(self, reqs) -> bool:
+        """Whether this step's checks run as ``DecodeGuard``'s two C++ calls: a decode
+        step (one new token per request) at ``standard`` with the cpu checking kernel."""
+        return (
+            self.decode_guard is not None
+            and self.fused_reads
+            and not self.strict
+            and integrity_cpu.enabled
+            and all(len(r.positions) == 1 for r in reqs)
+        )
+
+    def _bind_decode(self, reqs: list[ScheduledRequest], meta: AttentionMetadata) -> None:
+        """``bind`` for a decode step, the same state and kernel inputs in one C++ call:
+        blocks written at offset 0 start a new life, the kernel's outputs are zeroed and
+        its sums limited to the scrub picks (``DecodeGuard.open``)."""
+        assert self.decode_guard is not None
+        one = self.chains.one_step(reqs[0]) if len(reqs) == 1 else None
+        expected = self._expected_tags(reqs) if one is None else one  # (S, max stop)
+        meta.slot_tags = self.tags.tags.view(-1)
+        meta.new_tags = self.chains.written(expected, reqs)  # the new tags are in expected
+        picks = self._deferred_scrub or []
+        s, width = meta.num_seqs, meta.max_blocks
+        sums = bool(picks)
+        checks = ReadChecks(
+            expected_tags=expected.contiguous(),
+            tag_faults=torch.empty(s, width, dtype=torch.int32),
+            read_sums=(
+                torch.empty(s, self.caches[0].shape[3], width, dtype=torch.int64) if sums else None
+            ),
+            read_layers=torch.empty(s, width, dtype=torch.int32) if sums else None,
+        )
+        starts = [r.positions.start for r in reqs]
+        read = self.decode_guard.open(
+            meta.block_index, starts, picks, checks.tag_faults, checks.read_sums, checks.read_layers
+        )
+        if sums and not read:
+            checks.read_sums = checks.read_layers = None  # no pick is read: all from the cache
+        meta.read_checks = checks
+        self._decode_step = (checks, picks)
+
+    def _close_decode(
+        self, reqs: list[ScheduledRequest], meta: AttentionMetadata, picks: list[int]
+    ) -> bool:
+        """``after_write`` for a decode step that ``_bind_decode`` opened: write-time sums,
+        the kernel's tag verdicts, the slot mapping, the scrub picks and the seals of
+        filled blocks in one C++ call (``DecodeGuard.close``). True: every check passed
+        and the state moved on as the general path would have moved it. False: something
+        failed, nothing but the write-time sums was recorded, and the general path runs
+        the same checks again to name the fault."""
+        checks = meta.read_checks
+        assert self.decode_guard is not None and checks is not None
+        clean, by_kernel, reread, live, sealed_read, sealed_written = self.decode_guard.close(
+            meta.block_index,
+            meta.slot_mapping,
+            picks,
+            checks.tag_faults,
+            checks.read_sums,
+            checks.read_layers,
+        )
+        if not clean:
+            return False
+        self._deferred_scrub = None
+        counters = self.counters
+        counters.tag_checks += sum(r.positions.stop for r in reqs)
+        counters.scrubbed_blocks -= len(picks) - live  # unsealed since picked: not scrubbed
+        counters.block_verifies += by_kernel + reread
+        counters.seals += sealed_read + sealed_written
+        counters.slot_verifies += sealed_read * self.block_size
+        return True
 
     def _check_tags(self, reqs: list[ScheduledRequest], meta: AttentionMetadata) -> list[KVFault]:
         """Every position ``[0, stop)`` of each request, read through ``meta.block_index``

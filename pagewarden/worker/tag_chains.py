@@ -80,11 +80,38 @@ class TagChains:
         parts = [rows[i, r.positions.start : r.positions.stop] for i, r in enumerate(reqs)]
         return torch.from_numpy(numpy.concatenate(parts))
 
+    def one_step(self, req: ScheduledRequest) -> torch.Tensor | None:
+        """``expected([req])`` for one request writing the one position past its synced
+        chain (one stream's decode step): one ``mix64``, one table entry, no index lists.
+        None where the request is not in that state (``expected`` then does it)."""
+        rid, start = req.req_id, req.positions.start
+        chain = self._lists.get(rid)
+        row = self._rows.get(rid)
+        if (
+            chain is None
+            or row is None
+            or len(chain) != start
+            or self._synced.get(rid) != start
+            or len(req.positions) != 1
+            or start >= self.table.shape[1]
+        ):
+            return None
+        prompt = req.prompt_token_ids
+        token = prompt[start] if start < len(prompt) else req.output_token_ids[start - len(prompt)]
+        tag = mix64(chain[-1] if chain else self.root_tag, token, start)
+        chain.append(tag)
+        self.table.numpy()[row, start] = tag
+        self._synced[rid] = start + 1
+        return self.table[row : row + 1, : start + 1]
+
     def expected(self, reqs: list[ScheduledRequest]) -> torch.Tensor:
         """(S, max stop) int64: the tag of each request's token chain at each position,
-        0 at and past the request's stop."""
+        0 at and past the request's stop. Read only: for one request it is a view of the
+        table's row (no copy, nothing past its stop)."""
         stops = [r.positions.stop for r in reqs]
         rows = self._sync(reqs, stops)
+        if len(rows) == 1:  # one stream: its row of the table, read only (a view)
+            return self.table[rows[0] : rows[0] + 1, : stops[0]]
         width = max(stops)
         # numpy's gather on the table (always in host memory), not torch's: torch's
         # advanced indexing measured ~100x slower at these sizes in the engine's process
@@ -114,7 +141,9 @@ class TagChains:
                 values.extend(self.chain(r, stop)[have:stop])
                 at.extend(range(row * cols + have, row * cols + stop))
                 self._synced[r.req_id] = stop
-        if values:
+        if len(values) == 1:  # a decode step of one stream: one entry, no index array
+            self.table.numpy().reshape(-1)[at[0]] = values[0]
+        elif values:
             self.table.numpy().reshape(-1)[at] = values  # a view of the table: in place
         return rows
 

@@ -58,3 +58,23 @@ def test_rows_grow_past_the_first_table() -> None:
     got = chains.expected(step)
     assert got.tolist() == [_want([i, i + 1], 2, 2) for i in range(20)]
     assert chains.table.shape[0] >= 20
+
+
+def test_one_step_equals_expected_for_one_stream_decoding() -> None:
+    """One request writing the position past its synced chain: ``one_step`` gives what
+    ``expected`` gives; any other state is left to ``expected`` (None)."""
+    fast, slow = TagChains(ROOT_TAG), TagChains(ROOT_TAG)
+    tokens = list(range(300, 400))
+    first = [_req("a", tokens, 0, 9, 9)]
+    assert fast.one_step(first[0]) is None  # nothing synced yet: a prompt
+    fast.expected(first), slow.expected(first)
+    for stop in range(10, 80):  # past the table's first 64 columns too
+        step = [_req("a", tokens, stop - 1, stop, 9)]
+        got = fast.one_step(step[0])
+        if got is None:  # the table must grow first: expected does it
+            assert stop - 1 >= fast.table.shape[1]
+            got = fast.expected(step)
+        assert got.tolist() == slow.expected(step).tolist() == [_want(tokens, stop, stop)]
+    assert fast.one_step(_req("a", tokens, 10, 11, 9)) is None  # not the next position
+    assert fast.one_step(_req("a", tokens, 79, 81, 9)) is None  # two positions
+    assert fast.one_step(_req("b", tokens, 5, 6, 9)) is None  # no chain

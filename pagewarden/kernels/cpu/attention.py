@@ -171,6 +171,8 @@ class CpuAttention:
         self.offset_keys = offset_keys
         # Each layer's (2, limbs per slot row) keys, split once.
         self._layer_keys = list(limb_keys) if limb_keys is not None else []
+        # The same, for the extension's DecodeStep to look up in C++ (rope_write_decode).
+        self._bound_keys = ext.LayerKeys(caches, limb_keys) if limb_keys is not None else None
         self._step: _StepArgs | None = None  # of the step being run
 
     def write_kv(
@@ -215,11 +217,11 @@ class CpuAttention:
             checks = step.checks
             step.bound = self._ext.DecodeStep(
                 *tensors, step.tables, meta.seq_info, step.decode_rows, *checks[:5], checks[6],
-                step.num_splits,
+                step.num_splits, self._bound_keys,
             )  # fmt: skip
             step.bound_to = tensors
-        keys = None if step.checks[3] is None else self._layer_key(cache)
-        return step.bound.rope_write_decode(qkv, cos, sin_signed, cache, scale, keys, w, c)
+        # No keys: the DecodeStep finds this layer's in the bound LayerKeys when it sums.
+        return step.bound.rope_write_decode(qkv, cos, sin_signed, cache, scale, None, w, c)
 
     def attend(
         self,

@@ -25,7 +25,9 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -101,6 +103,23 @@ at::Tensor checked(const at::Tensor& index, int64_t limit, const char* what) {
   return flat;
 }
 
+// The block checksum of block id (checked by the caller); slot: bs words of scratch.
+uint64_t block_sum(const Layers& ls, const uint64_t* keys, const uint64_t* okeys, int64_t id,
+                   std::vector<uint64_t>& slot) {
+  std::fill(slot.begin(), slot.end(), 0);
+  const int64_t block_limbs = ls.bs * ls.row;
+  for (size_t layer = 0; layer < ls.base.size(); ++layer) {
+    for (int64_t kv = 0; kv < 2; ++kv) {
+      const int32_t* block = ls.base[layer] + kv * ls.half + id * block_limbs;
+      const uint64_t* k = keys + (layer * 2 + kv) * ls.row;
+      for (int64_t r = 0; r < ls.bs; ++r) slot[r] += dot(block + r * ls.row, k, ls.row);
+    }
+  }
+  uint64_t total = 0;
+  for (int64_t r = 0; r < ls.bs; ++r) total += okeys[r] * slot[r];
+  return total;
+}
+
 at::Tensor block_sums(const std::vector<at::Tensor>& caches, const at::Tensor& block_ids,
                       const at::Tensor& limb_keys, const at::Tensor& offset_keys) {
   const Layers ls = layers_of(caches, limb_keys);
@@ -113,21 +132,8 @@ at::Tensor block_sums(const std::vector<at::Tensor>& caches, const at::Tensor& b
   const auto* keys = reinterpret_cast<const uint64_t*>(limb_keys.data_ptr<int64_t>());
   const auto* okeys = reinterpret_cast<const uint64_t*>(offset_keys.data_ptr<int64_t>());
   auto* o = reinterpret_cast<uint64_t*>(out.data_ptr<int64_t>());
-  const int64_t block_limbs = ls.bs * ls.row;
   std::vector<uint64_t> slot(ls.bs);
-  for (int64_t j = 0; j < ids.numel(); ++j) {
-    std::fill(slot.begin(), slot.end(), 0);
-    for (size_t layer = 0; layer < ls.base.size(); ++layer) {
-      for (int64_t kv = 0; kv < 2; ++kv) {
-        const int32_t* block = ls.base[layer] + kv * ls.half + id[j] * block_limbs;
-        const uint64_t* k = keys + (layer * 2 + kv) * ls.row;
-        for (int64_t r = 0; r < ls.bs; ++r) slot[r] += dot(block + r * ls.row, k, ls.row);
-      }
-    }
-    uint64_t total = 0;
-    for (int64_t r = 0; r < ls.bs; ++r) total += okeys[r] * slot[r];
-    o[j] = total;
-  }
+  for (int64_t j = 0; j < ids.numel(); ++j) o[j] = block_sum(ls, keys, okeys, id[j], slot);
   return out;
 }
 
@@ -182,6 +188,219 @@ class CacheSums {
   Layers ls_;
 };
 
+// One decode step's guard work at `standard` on the CPU, in two calls around the forward
+// pass (worker/kv_guard.py's decode path, which keeps the general path for everything
+// else and for any step where this one finds something wrong). Every scheduled sequence
+// i writes one token, at position starts[i]; block_index is the step's (S * width)
+// padded tables, the index attention reads through. The guard's state tensors are bound
+// once (they live as long as the guard and are changed in place only):
+//
+//     sealed (num_blocks,) bool   tags, slot_sums (num_blocks * bs,) int64
+//     block_sums (num_blocks,) int64
+//
+// open():  a block the step writes at offset 0 starts a new life (unsealed, tags zeroed);
+//          the kernel's outputs are zeroed, read_layers -1 but where a sequence reads one
+//          of the scrub picks; each sequence's write block is remembered for close().
+// close(): the new slots' write-time sums are stored; then, changing nothing else, the
+//          step must be clean: no tag fault, each slot_mapping entry the slot block_index
+//          reads its position from, every sealed pick's sum (the kernel's where it read
+//          the pick in every layer, else re-read) equal to its seal, a block the step
+//          filled re-reading to its slots' sums. Only then are filled blocks sealed.
+//          Returns (clean, picks verified by the kernel's sums, picks re-read, sealed
+//          picks, blocks sealed after a re-read, blocks sealed as written).
+class DecodeGuard {
+ public:
+  DecodeGuard(std::vector<at::Tensor> caches, at::Tensor limb_keys, at::Tensor offset_keys,
+              at::Tensor sealed, at::Tensor tags, at::Tensor slot_sums, at::Tensor block_sums)
+      : caches_(std::move(caches)),
+        keys_(std::move(limb_keys)),
+        okeys_(std::move(offset_keys)),
+        sealed_(std::move(sealed)),
+        tags_(std::move(tags)),
+        slot_sums_(std::move(slot_sums)),
+        block_sums_(std::move(block_sums)),
+        ls_(layers_of(caches_, keys_)) {
+    const int64_t nb = ls_.num_blocks, slots = nb * ls_.bs;
+    TORCH_CHECK(okeys_.scalar_type() == at::kLong && okeys_.is_contiguous() && okeys_.numel() == ls_.bs,
+                "offset_keys: (block_size,) int64");
+    TORCH_CHECK(sealed_.scalar_type() == at::kBool && sealed_.is_contiguous() && sealed_.numel() == nb &&
+                    sealed_.device().is_cpu(),
+                "sealed: (num_blocks,) bool on the CPU");
+    for (const at::Tensor* t : {&tags_, &slot_sums_})
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == slots && t->device().is_cpu(),
+                  "tags, slot_sums: (num_blocks * block_size,) int64 on the CPU");
+    TORCH_CHECK(block_sums_.scalar_type() == at::kLong && block_sums_.is_contiguous() && block_sums_.numel() == nb &&
+                    block_sums_.device().is_cpu(),
+                "block_sums: (num_blocks,) int64 on the CPU");
+  }
+
+  // The next k sealed block ids from cursor on, wrapping round to the start; fewer when
+  // fewer are sealed.
+  std::vector<int64_t> scrub_picks(int64_t cursor, int64_t k) const {
+    std::vector<int64_t> picks;
+    const bool* sealed = sealed_.data_ptr<bool>();
+    const int64_t nb = ls_.num_blocks;
+    cursor = std::min(std::max<int64_t>(cursor, 0), nb);
+    for (int64_t b = cursor; b < nb && static_cast<int64_t>(picks.size()) < k; ++b)
+      if (sealed[b]) picks.push_back(b);
+    for (int64_t b = 0; b < cursor && static_cast<int64_t>(picks.size()) < k; ++b)
+      if (sealed[b]) picks.push_back(b);
+    return picks;
+  }
+
+  bool open(const at::Tensor& block_index, const std::vector<int64_t>& starts, const std::vector<int64_t>& picks,
+            const at::Tensor& tag_faults, const c10::optional<at::Tensor>& read_sums,
+            const c10::optional<at::Tensor>& read_layers) {
+    const int64_t s = static_cast<int64_t>(starts.size());
+    const int64_t width = table_width(block_index, s);
+    TORCH_CHECK(width > 0, "block_index: (S * width,) int64 on the CPU, S = len(starts)");
+    const int64_t* bi = block_index.data_ptr<int64_t>();
+    for (int64_t j = 0; j < s * width; ++j)
+      TORCH_CHECK_INDEX(bi[j] >= 0 && bi[j] < ls_.num_blocks, "block id ", bi[j], " out of range");
+    check_out(tag_faults, at::kInt, s * width, "tag_faults");
+    starts_ = starts;
+    write_blocks_.assign(s, 0);
+    bool* sealed = sealed_.data_ptr<bool>();
+    int64_t* tags = tags_.data_ptr<int64_t>();
+    for (int64_t i = 0; i < s; ++i) {
+      const int64_t p = starts[i];
+      TORCH_CHECK(p >= 0 && p / ls_.bs < width, "sequence ", i, " writes position ", p, " past its table");
+      const int64_t b = bi[i * width + p / ls_.bs];
+      write_blocks_[i] = b;
+      if (p % ls_.bs == 0) {
+        sealed[b] = false;
+        std::fill(tags + b * ls_.bs, tags + (b + 1) * ls_.bs, 0);
+      }
+    }
+    std::fill_n(tag_faults.data_ptr<int32_t>(), s * width, 0);
+    if (!read_sums.has_value()) return false;
+    TORCH_CHECK(read_layers.has_value(), "read_sums come with read_layers");
+    check_out(*read_layers, at::kInt, s * width, "read_layers");
+    TORCH_CHECK(read_sums->numel() % (s * width) == 0, "read_sums: (S, num_kv_heads, width)");
+    check_out(*read_sums, at::kLong, read_sums->numel(), "read_sums");
+    std::fill_n(read_sums->data_ptr<int64_t>(), read_sums->numel(), 0);
+    int32_t* layers = read_layers->data_ptr<int32_t>();
+    bool any = false;
+    for (int64_t j = 0; j < s * width; ++j) {
+      const bool pick = std::find(picks.begin(), picks.end(), bi[j]) != picks.end();
+      layers[j] = pick ? 0 : -1;
+      any = any || pick;
+    }
+    return any;
+  }
+
+  std::tuple<bool, int64_t, int64_t, int64_t, int64_t, int64_t> close(
+      const at::Tensor& block_index, const at::Tensor& slot_mapping, const std::vector<int64_t>& picks,
+      const at::Tensor& tag_faults, const c10::optional<at::Tensor>& read_sums,
+      const c10::optional<at::Tensor>& read_layers) {
+    const auto dirty = std::make_tuple(false, int64_t{0}, int64_t{0}, int64_t{0}, int64_t{0}, int64_t{0});
+    const int64_t s = static_cast<int64_t>(starts_.size()), bs = ls_.bs, nb = ls_.num_blocks;
+    const int64_t width = table_width(block_index, s);
+    // Anything the general path would treat differently (a swapped index of another
+    // shape, a slot outside the pool) is left to it.
+    if (width <= 0 || slot_mapping.scalar_type() != at::kLong || !slot_mapping.is_contiguous() ||
+        slot_mapping.numel() != s || !slot_mapping.device().is_cpu())
+      return dirty;
+    const int64_t* bi = block_index.data_ptr<int64_t>();
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    for (int64_t j = 0; j < s * width; ++j)
+      if (bi[j] < 0 || bi[j] >= nb) return dirty;
+    for (int64_t i = 0; i < s; ++i)
+      if (slots[i] < 0 || slots[i] >= nb * bs) return dirty;
+    const auto* keys = reinterpret_cast<const uint64_t*>(keys_.data_ptr<int64_t>());
+    const auto* okeys = reinterpret_cast<const uint64_t*>(okeys_.data_ptr<int64_t>());
+    auto* slot_sums = reinterpret_cast<uint64_t*>(slot_sums_.data_ptr<int64_t>());
+    for (int64_t i = 0; i < s; ++i) {  // the write-time sums, first, as the general path
+      uint64_t acc = 0;
+      for (size_t layer = 0; layer < ls_.base.size(); ++layer)
+        for (int64_t kv = 0; kv < 2; ++kv)
+          acc += dot(ls_.base[layer] + kv * ls_.half + slots[i] * ls_.row, keys + (layer * 2 + kv) * ls_.row,
+                     ls_.row);
+      slot_sums[slots[i]] = acc;
+    }
+    const int32_t* faults = tag_faults.data_ptr<int32_t>();
+    for (int64_t j = 0; j < s * width; ++j)
+      if (faults[j]) return dirty;
+    for (int64_t i = 0; i < s; ++i) {
+      const int64_t p = starts_[i];
+      if (slots[i] != bi[i * width + p / bs] * bs + p % bs) return dirty;
+    }
+    // The scrub picks still sealed: by the kernel's sums where it read them whole in
+    // every layer, else from the cache.
+    const bool* sealed = sealed_.data_ptr<bool>();
+    const auto* block_sums = reinterpret_cast<const uint64_t*>(block_sums_.data_ptr<int64_t>());
+    std::vector<int64_t> want, covered;
+    for (int64_t b : picks) {
+      if (b <= 0 || b >= nb) return dirty;
+      if (sealed[b]) want.push_back(b);
+    }
+    if (!want.empty() && read_sums.has_value() && read_layers.has_value()) {
+      const int64_t n_kv = read_sums->numel() / (s * width);
+      const int32_t* layers = read_layers->data_ptr<int32_t>();
+      const auto* sums = reinterpret_cast<const uint64_t*>(read_sums->data_ptr<int64_t>());
+      const int64_t n_layers = static_cast<int64_t>(ls_.base.size());
+      for (int64_t i = 0; i < s; ++i) {
+        for (int64_t lb = 0; lb < starts_[i] / bs; ++lb) {  // full context blocks
+          const int64_t b = bi[i * width + lb];
+          if (layers[i * width + lb] != n_layers || std::find(want.begin(), want.end(), b) == want.end()) continue;
+          uint64_t sum = 0;
+          for (int64_t h = 0; h < n_kv; ++h) sum += sums[(i * n_kv + h) * width + lb];
+          if (sum != block_sums[b]) return dirty;
+          if (std::find(covered.begin(), covered.end(), b) == covered.end()) covered.push_back(b);
+        }
+      }
+    }
+    std::vector<uint64_t> scratch(bs);
+    int64_t reread = 0;
+    for (int64_t b : want) {
+      if (std::find(covered.begin(), covered.end(), b) != covered.end()) continue;
+      ++reread;
+      if (block_sum(ls_, keys, okeys, b, scratch) != block_sums[b]) return dirty;
+    }
+    // Blocks this step filled: re-read where earlier steps wrote some of their slots.
+    std::vector<std::pair<int64_t, uint64_t>> seals;
+    int64_t after_read = 0;
+    for (int64_t i = 0; i < s; ++i) {
+      const int64_t p = starts_[i], b = write_blocks_[i];
+      if ((p + 1) % bs != 0 || b == 0) continue;
+      uint64_t recorded = 0;
+      for (int64_t o = 0; o < bs; ++o) recorded += okeys[o] * slot_sums[b * bs + o];
+      if (p % bs != 0) {
+        ++after_read;
+        if (block_sum(ls_, keys, okeys, b, scratch) != recorded) return dirty;
+      }
+      seals.emplace_back(b, recorded);
+    }
+    bool* sealed_w = sealed_.data_ptr<bool>();
+    auto* block_sums_w = reinterpret_cast<uint64_t*>(block_sums_.data_ptr<int64_t>());
+    for (const auto& [b, sum] : seals) {
+      block_sums_w[b] = sum;
+      sealed_w[b] = true;
+    }
+    const int64_t written = static_cast<int64_t>(seals.size()) - after_read;
+    return std::make_tuple(true, static_cast<int64_t>(covered.size()), reread, static_cast<int64_t>(want.size()),
+                           after_read, written);
+  }
+
+ private:
+  static int64_t table_width(const at::Tensor& block_index, int64_t s) {
+    if (s <= 0 || !block_index.device().is_cpu() || block_index.scalar_type() != at::kLong ||
+        !block_index.is_contiguous() || block_index.numel() % s != 0)
+      return 0;
+    return block_index.numel() / s;
+  }
+
+  static void check_out(const at::Tensor& t, at::ScalarType type, int64_t numel, const char* what) {
+    TORCH_CHECK(t.scalar_type() == type && t.is_contiguous() && t.numel() == numel && t.device().is_cpu(), what,
+                ": contiguous CPU tensor of the step's shape");
+  }
+
+  std::vector<at::Tensor> caches_;
+  at::Tensor keys_, okeys_, sealed_, tags_, slot_sums_, block_sums_;
+  Layers ls_;
+  std::vector<int64_t> starts_, write_blocks_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -194,5 +413,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("slot_sums", &CacheSums::slot_sums, "slot checksums over every layer",
            py::call_guard<py::gil_scoped_release>())
       .def("store_slot_sums", &CacheSums::store_slot_sums, "into[slots] = their slot checksums",
+           py::call_guard<py::gil_scoped_release>());
+  py::class_<DecodeGuard>(m, "DecodeGuard", "a decode step's guard work at standard, around the forward pass")
+      .def(py::init<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                    at::Tensor>())
+      .def("scrub_picks", &DecodeGuard::scrub_picks, "the next k sealed block ids from cursor on, round robin")
+      .def("open", &DecodeGuard::open, "before the forward pass: new lives, zeroed kernel outputs, sum picks")
+      .def("close", &DecodeGuard::close, "after the forward pass: write-time sums, checks, seals",
            py::call_guard<py::gil_scoped_release>());
 }

@@ -73,3 +73,20 @@ def cache_sums(caches: list[torch.Tensor], limb_keys: torch.Tensor) -> Any:
     ext = load()
     assert ext is not None, "check load() first"
     return ext.CacheSums(caches, limb_keys)
+
+
+def decode_guard(
+    caches: list[torch.Tensor],
+    limb_keys: torch.Tensor,
+    offset_keys: torch.Tensor,
+    sealed: torch.Tensor,
+    tags: torch.Tensor,
+    slot_sums: torch.Tensor,
+    block_sums: torch.Tensor,
+) -> Any:
+    """The kernel's ``DecodeGuard`` bound to one guard's caches, keys and state tensors
+    (``checksum.cpp`` says what its ``scrub_picks``, ``open`` and ``close`` do); it keeps
+    the tensors alive, and the guard changes them in place only."""
+    ext = load()
+    assert ext is not None, "check load() first"
+    return ext.DecodeGuard(caches, limb_keys, offset_keys, sealed, tags, slot_sums, block_sums)
