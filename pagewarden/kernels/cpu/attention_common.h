@@ -208,14 +208,36 @@ inline void add_checksum(const Checks& c, const Shape& s, const void* cache, int
   const uint64_t* kk = reinterpret_cast<const uint64_t*>(c.limb_keys) + h * head_limbs;
   const uint64_t* kv = kk + row_limbs;
   uint64_t total = 0;
-  for (int64_t o = 0; o < n; ++o) {
-    const int64_t slot = blk * s.bs + o;
-    const int32_t* k = limbs + slot * row_limbs + h * head_limbs;
-    const int32_t* v = k + s.num_blocks * s.bs * row_limbs;
-    uint64_t slot_sum = 0;
-    for (int64_t j = 0; j < head_limbs; ++j)  // int64 products wrap: arithmetic mod 2^64
-      slot_sum += uint64_t(int64_t(k[j])) * kk[j] + uint64_t(int64_t(v[j])) * kv[j];
-    total += slot_sum * uint64_t(c.offset_keys[o]);
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  if (head_limbs % 8 == 0) {
+    // 8 limbs a lane group; each slot's lanes times its offset key, added lane-wise, and
+    // one horizontal sum per block (the products distribute: the same sum mod 2^64).
+    __m512i tot = _mm512_setzero_si512();
+    for (int64_t o = 0; o < n; ++o) {
+      const int32_t* k = limbs + (blk * s.bs + o) * row_limbs + h * head_limbs;
+      const int32_t* v = k + s.num_blocks * s.bs * row_limbs;
+      __m512i acc = _mm512_setzero_si512();
+      for (int64_t j = 0; j < head_limbs; j += 8) {
+        const __m512i kx = _mm512_cvtepi32_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + j)));
+        const __m512i vx = _mm512_cvtepi32_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + j)));
+        acc = _mm512_add_epi64(acc, _mm512_mullo_epi64(kx, _mm512_loadu_si512(kk + j)));
+        acc = _mm512_add_epi64(acc, _mm512_mullo_epi64(vx, _mm512_loadu_si512(kv + j)));
+      }
+      tot = _mm512_add_epi64(tot, _mm512_mullo_epi64(acc, _mm512_set1_epi64(c.offset_keys[o])));
+    }
+    total = static_cast<uint64_t>(_mm512_reduce_add_epi64(tot));
+  } else
+#endif
+  {
+    for (int64_t o = 0; o < n; ++o) {
+      const int64_t slot = blk * s.bs + o;
+      const int32_t* k = limbs + slot * row_limbs + h * head_limbs;
+      const int32_t* v = k + s.num_blocks * s.bs * row_limbs;
+      uint64_t slot_sum = 0;
+      for (int64_t j = 0; j < head_limbs; ++j)  // int64 products wrap: arithmetic mod 2^64
+        slot_sum += uint64_t(int64_t(k[j])) * kk[j] + uint64_t(int64_t(v[j])) * kv[j];
+      total += slot_sum * uint64_t(c.offset_keys[o]);
+    }
   }
   uint64_t* out = reinterpret_cast<uint64_t*>(c.read_sums) + (r * s.n_kv + h) * s.max_blocks + lb;
   *out += total;
