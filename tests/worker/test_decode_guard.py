@@ -24,14 +24,20 @@ from pagewarden.worker import integrity_cpu
 from pagewarden.worker.integrity import block_checksums
 from pagewarden.worker.kv_guard import KVGuard
 from pagewarden.worker.step_hooks import StepHooks
+from tests.models.tiny_models import make_tiny
 
 BLOCK = 4
 FAULTS = ("none", "flip_sealed", "flip_open", "tag", "slot_mapping", "block_index")
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_llama_dir):
-    return load_model(tiny_llama_dir, torch.float32)
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def loaded(request, tiny_llama_dir, tmp_path_factory):
+    """The tiny Llama, and a tiny Gemma 3 whose sliding-window layers read only the last
+    blocks: a scrub pick they skip is not summed in every layer and is re-read."""
+    if request.param == "llama":
+        return load_model(tiny_llama_dir, torch.float32)
+    path = make_tiny("gemma3", tmp_path_factory.mktemp("tiny_gemma3"))
+    return load_model(path, torch.float32)
 
 
 class _Fault(StepHooks):
