@@ -281,9 +281,8 @@ def decode_guard(
     device = caches[0].device
     block_size = caches[0].shape[2]
     keys = _limb_keys(len(caches), _row_limbs(caches[0]), device)
-    return integrity_cpu.decode_guard(
-        caches, sealed, tags.view(-1), slot_sums, block_sums, keys, _offset_keys(block_size, device)
-    )
+    offsets = _offset_keys(block_size, device)
+    return integrity_cpu.decode_guard(caches, keys, offsets, sealed, tags.view(-1), *state[2:])
 
 
 def combine_slot_checksums(slot_sums: torch.Tensor) -> torch.Tensor:

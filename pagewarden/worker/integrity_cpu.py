@@ -63,16 +63,9 @@ def cache_sums(caches: list[torch.Tensor], limb_keys: torch.Tensor) -> Any:
 
 
 def decode_guard(
-    caches: list[torch.Tensor],
-    sealed: torch.Tensor,
-    tags: torch.Tensor,
-    slot_sums: torch.Tensor,
-    block_sums: torch.Tensor,
-    limb_keys: torch.Tensor,
-    offset_keys: torch.Tensor,
+    caches: list[torch.Tensor], limb_keys: torch.Tensor, offset_keys: torch.Tensor, *state
 ) -> Any:
     """A decode step's guard work at ``standard`` in two C++ calls around the forward pass,
-    bound to one guard's state tensors (``checksum.decode_guard``)."""
-    return checksum.decode_guard(
-        caches, limb_keys, offset_keys, sealed, tags, slot_sums, block_sums
-    )
+    bound to one guard's state tensors (``checksum.decode_guard``: sealed, tags, slot
+    sums, block sums)."""
+    return checksum.decode_guard(caches, limb_keys, offset_keys, *state)

@@ -40,6 +40,22 @@ def loaded(request, tiny_llama_dir, tmp_path_factory):
     return load_model(path, torch.float32)
 
 
+def _engine(loaded, scrub_blocks_per_step: int) -> EngineCore:
+    """Standard integrity on the cpu backend, blocks of ``BLOCK``, prefix caching off."""
+    config = EngineConfig(
+        model="tiny",
+        dtype="float32",
+        block_size=BLOCK,
+        num_kv_blocks=64,
+        integrity="standard",
+        enable_prefix_caching=False,
+        seed=0,
+        attention_backend="cpu",
+        scrub_blocks_per_step=scrub_blocks_per_step,
+    )
+    return EngineCore(config, loaded)
+
+
 class _Fault(StepHooks):
     """Places one fault in the ``at``-th decode step (after ``bind``, before the forward
     pass) and records every step's faults."""
@@ -99,18 +115,7 @@ def _run(loaded, kind: str, decode_path: bool, monkeypatch):
             return clean
 
         monkeypatch.setattr(KVGuard, "_close_decode", counted)
-    config = EngineConfig(
-        model="tiny",
-        dtype="float32",
-        block_size=BLOCK,
-        num_kv_blocks=64,
-        integrity="standard",
-        enable_prefix_caching=False,
-        seed=0,
-        attention_backend="cpu",
-        scrub_blocks_per_step=2,
-    )
-    engine = EngineCore(config, loaded)
+    engine = _engine(loaded, scrub_blocks_per_step=2)
     hooks = _Fault(engine, kind, at=6)
     engine.install_hooks(hooks)
     rng = random.Random(0)
@@ -163,16 +168,7 @@ def test_the_decode_path_equals_the_general_path(loaded, kind, monkeypatch) -> N
 
 def test_scrub_picks_equal_the_python_walk(loaded, monkeypatch) -> None:
     """``DecodeGuard.scrub_picks`` picks what the list walk picks, cursor and all."""
-    config = EngineConfig(
-        model="tiny",
-        dtype="float32",
-        block_size=BLOCK,
-        num_kv_blocks=64,
-        integrity="standard",
-        attention_backend="cpu",
-        scrub_blocks_per_step=3,
-    )
-    guard = EngineCore(config, loaded).runner.guard
+    guard = _engine(loaded, scrub_blocks_per_step=3).runner.guard
     assert guard.decode_guard is not None
     rng = random.Random(3)
     for _ in range(50):
