@@ -264,25 +264,17 @@ class SlotChecksums:
             into[slots] = self(slots)
 
 
-def decode_guard(
-    caches: list[torch.Tensor],
-    sealed: torch.Tensor,
-    tags: torch.Tensor,
-    slot_sums: torch.Tensor,
-    block_sums: torch.Tensor,
-) -> Any | None:
-    """The C++ ``DecodeGuard`` (``kernels/cpu/checksum.cpp``) bound to a guard's caches
-    and state, with this module's keys: a decode step's checks at ``standard`` in two
-    calls. None where the C++ kernels do not checksum ``caches`` or the state is not in
-    host memory."""
-    state = (sealed, tags, slot_sums, block_sums)
+def decode_guard(caches: list[torch.Tensor], *state: torch.Tensor) -> Any | None:
+    """The C++ ``DecodeGuard`` (``kernels/cpu/checksum.cpp``) with this module's keys,
+    bound to ``caches`` and a guard's state (sealed, tags, slot sums, block sums): a decode
+    step's checks at ``standard`` in two calls. None where the C++ kernels do not checksum
+    ``caches`` or the state is not in host memory."""
     if not integrity_cpu.usable(caches) or any(t.device.type != "cpu" for t in state):
         return None
-    device = caches[0].device
-    block_size = caches[0].shape[2]
+    device, block_size = caches[0].device, caches[0].shape[2]
     keys = _limb_keys(len(caches), _row_limbs(caches[0]), device)
     offsets = _offset_keys(block_size, device)
-    return integrity_cpu.decode_guard(caches, keys, offsets, sealed, tags.view(-1), *state[2:])
+    return integrity_cpu.decode_guard(caches, keys, offsets, *(t.view(-1) for t in state))
 
 
 def combine_slot_checksums(slot_sums: torch.Tensor) -> torch.Tensor:
