@@ -81,7 +81,7 @@ from __future__ import annotations
 
 import torch
 
-from pagewarden.kernels.attention import AttentionMetadata, ReadChecks
+from pagewarden.kernels.attention import AttentionMetadata
 from pagewarden.sched.output import KVFault, ScheduledRequest, SchedulerOutput
 from pagewarden.worker import integrity_cpu
 from pagewarden.worker.fused_checks import allocate_read_checks, sum_only
@@ -214,25 +214,16 @@ class KVGuard(ChecksumChecks):
         )
 
     def _bind_decode(self, reqs: list[ScheduledRequest], meta: AttentionMetadata) -> None:
-        """``bind`` for a decode step, the same state and kernel inputs in one C++ call:
-        blocks written at offset 0 start a new life, the kernel's outputs are zeroed and
-        its sums limited to the scrub picks (``DecodeGuard.open``)."""
+        """``bind`` for a decode step, the same state and kernel inputs with one C++ call:
+        blocks written at offset 0 start a new life and the kernel's sums are limited to
+        the scrub picks (``DecodeGuard.open``)."""
         assert self.decode_guard is not None
-        one = self.chains.one_step(reqs[0]) if len(reqs) == 1 else None
-        expected = self._expected_tags(reqs) if one is None else one  # (S, max stop)
+        expected = self._expected_tags(reqs)  # (S, max stop); the new tags are in it
         meta.slot_tags = self.tags.tags.view(-1)
-        meta.new_tags = self.chains.written(expected, reqs)  # the new tags are in expected
+        meta.new_tags = self.chains.written(expected, reqs)
         picks = self._deferred_scrub or []
-        s, width = meta.num_seqs, meta.max_blocks
         sums = bool(picks)
-        checks = ReadChecks(
-            expected_tags=expected.contiguous(),
-            tag_faults=torch.empty(s, width, dtype=torch.int32),
-            read_sums=(
-                torch.empty(s, self.caches[0].shape[3], width, dtype=torch.int64) if sums else None
-            ),
-            read_layers=torch.empty(s, width, dtype=torch.int32) if sums else None,
-        )
+        checks = allocate_read_checks(expected, meta.max_blocks, self.caches[0].shape[3], sums)
         starts = [r.positions.start for r in reqs]
         read = self.decode_guard.open(
             meta.block_index, starts, picks, checks.tag_faults, checks.read_sums, checks.read_layers

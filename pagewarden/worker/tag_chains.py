@@ -82,8 +82,8 @@ class TagChains:
 
     def one_step(self, req: ScheduledRequest) -> torch.Tensor | None:
         """``expected([req])`` for one request writing the one position past its synced
-        chain (one stream's decode step): one ``mix64``, one table entry, no index lists.
-        None where the request is not in that state (``expected`` then does it)."""
+        chain (one stream's decode step; ``expected`` tries it first): one ``mix64``, one
+        table entry, no index lists. None where the request is not in that state."""
         rid, start = req.req_id, req.positions.start
         chain = self._lists.get(rid)
         row = self._rows.get(rid)
@@ -108,9 +108,13 @@ class TagChains:
         """(S, max stop) int64: the tag of each request's token chain at each position,
         0 at and past the request's stop. Read only: for one request it is a view of the
         table's row (no copy, nothing past its stop)."""
+        if len(reqs) == 1:  # one stream: its row of the table, read only (a view)
+            one = self.one_step(reqs[0])  # a decode step: one position past the sync
+            if one is not None:
+                return one
         stops = [r.positions.stop for r in reqs]
         rows = self._sync(reqs, stops)
-        if len(rows) == 1:  # one stream: its row of the table, read only (a view)
+        if len(rows) == 1:
             return self.table[rows[0] : rows[0] + 1, : stops[0]]
         width = max(stops)
         # numpy's gather on the table (always in host memory), not torch's: torch's

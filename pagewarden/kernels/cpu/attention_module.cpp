@@ -10,10 +10,6 @@
 
 namespace {
 
-// What every layer's rope_write_decode of one decode step shares (the step's indices, its
-// tags, the read checks' outputs), converted from Python once per step: passed per layer
-// it was ~15 of the call's ~20 tensor arguments, 30 times a step, each costing more than
-// its share of one stream's attention. Holds the tensors for the step.
 // Each layer's checksum limb keys, found by its cache's storage: a step's layers look
 // theirs up here instead of through a Python dict each (30 lookups a step at one stream).
 class LayerKeys {
@@ -39,6 +35,10 @@ class LayerKeys {
   std::vector<at::Tensor> keys_;
 };
 
+// What every layer's rope_write_decode of one decode step shares (the step's indices, its
+// tags, the read checks' outputs), converted from Python once per step: passed per layer
+// it was ~15 of the call's ~20 tensor arguments, 30 times a step, each costing more than
+// its share of one stream's attention. Holds the tensors for the step.
 class DecodeStep {
  public:
   DecodeStep(at::Tensor slot_mapping, c10::optional<at::Tensor> new_tags, c10::optional<at::Tensor> slot_tags,

@@ -137,19 +137,22 @@ at::Tensor block_sums(const std::vector<at::Tensor>& caches, const at::Tensor& b
   return out;
 }
 
+// The slot checksum of slot (checked by the caller): every layer's K and V row.
+uint64_t slot_sum(const Layers& ls, const uint64_t* keys, int64_t slot) {
+  uint64_t acc = 0;
+  for (size_t layer = 0; layer < ls.base.size(); ++layer)
+    for (int64_t kv = 0; kv < 2; ++kv)
+      acc += dot(ls.base[layer] + kv * ls.half + slot * ls.row, keys + (layer * 2 + kv) * ls.row, ls.row);
+  return acc;
+}
+
 at::Tensor slot_sums_of(const Layers& ls, const at::Tensor& limb_keys, const at::Tensor& slots) {
   const at::Tensor flat = checked(slots, ls.num_blocks * ls.bs, "slot");
   at::Tensor out = at::empty({flat.numel()}, flat.options());
   const int64_t* s = flat.data_ptr<int64_t>();
   const auto* keys = reinterpret_cast<const uint64_t*>(limb_keys.data_ptr<int64_t>());
   auto* o = reinterpret_cast<uint64_t*>(out.data_ptr<int64_t>());
-  for (int64_t j = 0; j < flat.numel(); ++j) {
-    uint64_t acc = 0;
-    for (size_t layer = 0; layer < ls.base.size(); ++layer)
-      for (int64_t kv = 0; kv < 2; ++kv)
-        acc += dot(ls.base[layer] + kv * ls.half + s[j] * ls.row, keys + (layer * 2 + kv) * ls.row, ls.row);
-    o[j] = acc;
-  }
+  for (int64_t j = 0; j < flat.numel(); ++j) o[j] = slot_sum(ls, keys, s[j]);
   return out;
 }
 
@@ -199,8 +202,8 @@ class CacheSums {
 //     block_sums (num_blocks,) int64
 //
 // open():  a block the step writes at offset 0 starts a new life (unsealed, tags zeroed);
-//          the kernel's outputs are zeroed, read_layers -1 but where a sequence reads one
-//          of the scrub picks; each sequence's write block is remembered for close().
+//          read_layers -1 but where a sequence reads one of the scrub picks (the kernel's
+//          outputs come zeroed); each sequence's write block is remembered for close().
 // close(): the new slots' write-time sums are stored; then, changing nothing else, the
 //          step must be clean: no tag fault, each slot_mapping entry the slot block_index
 //          reads its position from, every sealed pick's sum (the kernel's where it read
@@ -272,13 +275,11 @@ class DecodeGuard {
         std::fill(tags + b * ls_.bs, tags + (b + 1) * ls_.bs, 0);
       }
     }
-    std::fill_n(tag_faults.data_ptr<int32_t>(), s * width, 0);
     if (!read_sums.has_value()) return false;
     TORCH_CHECK(read_layers.has_value(), "read_sums come with read_layers");
     check_out(*read_layers, at::kInt, s * width, "read_layers");
     TORCH_CHECK(read_sums->numel() % (s * width) == 0, "read_sums: (S, num_kv_heads, width)");
     check_out(*read_sums, at::kLong, read_sums->numel(), "read_sums");
-    std::fill_n(read_sums->data_ptr<int64_t>(), read_sums->numel(), 0);
     int32_t* layers = read_layers->data_ptr<int32_t>();
     bool any = false;
     for (int64_t j = 0; j < s * width; ++j) {
@@ -310,14 +311,8 @@ class DecodeGuard {
     const auto* keys = reinterpret_cast<const uint64_t*>(keys_.data_ptr<int64_t>());
     const auto* okeys = reinterpret_cast<const uint64_t*>(okeys_.data_ptr<int64_t>());
     auto* slot_sums = reinterpret_cast<uint64_t*>(slot_sums_.data_ptr<int64_t>());
-    for (int64_t i = 0; i < s; ++i) {  // the write-time sums, first, as the general path
-      uint64_t acc = 0;
-      for (size_t layer = 0; layer < ls_.base.size(); ++layer)
-        for (int64_t kv = 0; kv < 2; ++kv)
-          acc += dot(ls_.base[layer] + kv * ls_.half + slots[i] * ls_.row, keys + (layer * 2 + kv) * ls_.row,
-                     ls_.row);
-      slot_sums[slots[i]] = acc;
-    }
+    for (int64_t i = 0; i < s; ++i)  // the write-time sums, first, as the general path
+      slot_sums[slots[i]] = slot_sum(ls_, keys, slots[i]);
     const int32_t* faults = tag_faults.data_ptr<int32_t>();
     for (int64_t j = 0; j < s * width; ++j)
       if (faults[j]) return dirty;
