@@ -282,16 +282,31 @@ class ChecksumChecks(ArrivalChecks):
         self.counters.scrubbed_blocks += k
         return picked
 
+    def _decode_path(self, reqs) -> bool:
+        """Whether this step's checks run as ``DecodeGuard``'s two C++ calls: a decode
+        step (one new token per request) at ``standard`` with the cpu checking kernel."""
+        return (
+            self.decode_guard is not None
+            and self.fused_reads
+            and not self.strict
+            and integrity_cpu.enabled
+            and all(len(r.positions) == 1 for r in reqs)
+        )
+
     def _fuse_scrub(self, out: SchedulerOutput) -> bool:
         """Whether this step's scrub picks are checksummed by the attention kernel as it
-        reads them (``standard`` on the CPU with a checking kernel, a step reading at
-        most ``FUSED_SCRUB_MAX_BLOCKS`` blocks): at one stream the scrubber's separate
-        pass is a fixed read of a few blocks from memory, while the kernel's sums
-        cost a little per block it reads anyway (the picks are its reads at one stream)."""
+        reads them (``standard`` on the CPU with a checking kernel; a decode step that
+        ``DecodeGuard`` checks, or another step reading at most
+        ``FUSED_SCRUB_MAX_BLOCKS`` blocks): the scrubber's separate pass re-reads its
+        picks from memory (at 64 streams ~0.45 ms of a 40 ms step), while the kernel
+        sums a pick as it reads it anyway, and ``DecodeGuard.open`` flags the picks in
+        C++; the general path flags them in Python, a walk of the whole table."""
         if self.strict or not self.fused_reads or self.scrub_blocks_per_step <= 0:
             return False
         if out.is_empty or self.caches[0].device.type != "cpu":
             return False
+        if self._decode_path(out.requests):
+            return True
         bs = self.block_size
         read = sum((r.positions.stop + bs - 1) // bs for r in out.requests)
         return read <= FUSED_SCRUB_MAX_BLOCKS

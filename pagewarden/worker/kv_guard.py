@@ -83,7 +83,6 @@ import torch
 
 from pagewarden.kernels.attention import AttentionMetadata
 from pagewarden.sched.output import KVFault, ScheduledRequest, SchedulerOutput
-from pagewarden.worker import integrity_cpu
 from pagewarden.worker.fused_checks import allocate_read_checks, sum_only
 from pagewarden.worker.guard_checksums import ChecksumChecks
 from pagewarden.worker.guard_state import INTEGRITY_LEVELS, GuardCounters, IntegrityLevel
@@ -201,17 +200,6 @@ class KVGuard(ChecksumChecks):
             if fresh:
                 self._seal_written(fresh)
         return self._attach_readers(faults, reqs)
-
-    def _decode_path(self, reqs) -> bool:
-        """Whether this step's checks run as ``DecodeGuard``'s two C++ calls: a decode
-        step (one new token per request) at ``standard`` with the cpu checking kernel."""
-        return (
-            self.decode_guard is not None
-            and self.fused_reads
-            and not self.strict
-            and integrity_cpu.enabled
-            and all(len(r.positions) == 1 for r in reqs)
-        )
 
     def _bind_decode(self, reqs: list[ScheduledRequest], meta: AttentionMetadata) -> None:
         """``bind`` for a decode step, the same state and kernel inputs with one C++ call:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagewarden.kernels.cpu import hugepages
 from pagewarden.kv.swap_space import BlockSwap
 from pagewarden.kvstore.tier import parse_size
 
@@ -87,19 +88,18 @@ class KVStore:
         if shape.num_blocks < 2:
             raise KVCacheSizeError("the KV cache needs at least 2 blocks (block 0 is reserved)")
         self.shape = shape
-        self.caches: list[torch.Tensor] = [
-            # (2, num_blocks, block_size, num_kv_heads, head_dim)
-            torch.zeros(
-                2,
-                shape.num_blocks,
-                shape.block_size,
-                shape.num_kv_heads,
-                shape.head_dim,
-                dtype=shape.dtype,
-                device=device,
-            )
-            for _ in range(shape.num_layers)
-        ]
+        # (2, num_blocks, block_size, num_kv_heads, head_dim) per layer
+        dims = (2, shape.num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+        if torch.device(device).type == "cpu" and hugepages.enabled():
+            # In huge pages: a decode step reads each sequence's blocks from all over the
+            # pool (and the guard sums single slots), one TLB miss per 4 KiB page
+            # otherwise; bench/integrity_step_parts.py.
+            self.caches = hugepages.zeros(shape.num_layers, dims, shape.dtype)
+        else:
+            self.caches = [
+                torch.zeros(dims, dtype=shape.dtype, device=device)
+                for _ in range(shape.num_layers)
+            ]
         self.num_host_blocks = num_host_blocks
         pin = torch.device(device).type == "cuda"
         self.host_caches: list[torch.Tensor] = (

@@ -134,6 +134,8 @@ def _scrub_detection(tiny_llama_dir, prompt, max_fused_blocks, monkeypatch, befo
     monkeypatch.setattr(guard_checksums, "FUSED_SCRUB_MAX_BLOCKS", max_fused_blocks)
     llm = _llm(tiny_llama_dir, "cpu", integrity="standard", scrub_blocks_per_step=1, **kw)
     engine, guard = llm.engine, llm.engine.runner.guard
+    if not max_fused_blocks:
+        guard.decode_guard = None  # the general path, where the limit applies to decode too
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for i, earlier in enumerate(before):
         engine.add_request(f"before-{i}", earlier, params)
@@ -175,6 +177,22 @@ def test_standard_scrub_picks_are_checksummed_by_the_kernel_as_it_reads_them(
     assert fused[2] == separate[2] == {("checksum", "scrub"): 1}
     assert fused[0] == separate[0]  # detection latency unchanged, in steps
     assert separate[1] and not fused[1]  # the fused run read no block from the cache
+
+
+def test_a_decode_step_fuses_its_scrub_picks_past_the_general_paths_limit(
+    tiny_llama_dir, vocab, monkeypatch
+):
+    """A decode step checked by ``DecodeGuard`` has the kernel sum its picks however many
+    blocks it reads (the C++ flags them; ``FUSED_SCRUB_MAX_BLOCKS`` bounds only the
+    general path's Python walk): with the limit at 1 block, nothing is read from the
+    cache and the flip is found by "scrub" in the same step as the separate pass."""
+    prompt = random_prompts(1, vocab, 40, 40, seed=11)[0]
+    fused = _scrub_detection(tiny_llama_dir, prompt, 1, monkeypatch)
+    monkeypatch.undo()
+    separate = _scrub_detection(tiny_llama_dir, prompt, 0, monkeypatch)
+    assert fused[2] == separate[2] == {("checksum", "scrub"): 1}
+    assert fused[0] == separate[0]
+    assert separate[1] and not fused[1]
 
 
 def test_blocks_freed_without_a_hash_are_unsealed_so_the_scrubber_skips_dead_content(

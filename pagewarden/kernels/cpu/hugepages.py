@@ -61,10 +61,7 @@ def relocate(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         total += _round_up(t.numel() * t.element_size(), ALIGN)
     if total == 0:
         return [t.clone() for t in tensors]
-    mm = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buf = torch.frombuffer(mm, dtype=torch.uint8)  # holds the map; unmapped with the last view
-    start = (-buf.data_ptr()) % HUGE_PAGE
-    mm.madvise(mmap.MADV_HUGEPAGE, start, _round_up(total, HUGE_PAGE))
+    buf, start = _huge_map(total)
     out = []
     for t, off in zip(tensors, offsets):
         n = t.numel() * t.element_size()
@@ -72,6 +69,37 @@ def relocate(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         dst.copy_(t)
         out.append(dst)
     return out
+
+
+def zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+    """``count`` zeroed tensors of ``shape`` in one new anonymous map advised
+    MADV_HUGEPAGE (the KV pool's layer caches): an anonymous map reads as zeros, so
+    nothing is written here and a page becomes resident when first written."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    each = _round_up(elem * _numel(shape), ALIGN)
+    buf, start = _huge_map(each * count)
+    return [
+        buf[start + i * each : start + i * each + elem * _numel(shape)].view(dtype).view(shape)
+        for i in range(count)
+    ]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _huge_map(total: int) -> tuple[torch.Tensor, int]:
+    """A uint8 tensor over a new anonymous map of at least ``total`` bytes past a 2 MiB
+    aligned start, and that start; advised MADV_HUGEPAGE from it on. The tensor holds
+    the map: it is unmapped with the last view of it."""
+    mm = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = torch.frombuffer(mm, dtype=torch.uint8)
+    start = (-buf.data_ptr()) % HUGE_PAGE
+    mm.madvise(mmap.MADV_HUGEPAGE, start, _round_up(total, HUGE_PAGE))
+    return buf, start
 
 
 def release_freed_heap() -> None:
