@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
+import numpy
 import torch
 
-from pagewarden.worker.integrity import ROOT_TAG, token_chain_tags
+from pagewarden.worker.integrity import ROOT_TAG, mix64, mix64_many, token_chain_tags
 from pagewarden.worker.tag_chains import TagChains
 
 
@@ -78,3 +80,44 @@ def test_one_step_equals_expected_for_one_stream_decoding() -> None:
     assert fast.one_step(_req("a", tokens, 10, 11, 9)) is None  # not the next position
     assert fast.one_step(_req("a", tokens, 79, 81, 9)) is None  # two positions
     assert fast.one_step(_req("b", tokens, 5, 6, 9)) is None  # no chain
+
+
+def test_mix64_many_equals_mix64() -> None:
+    rng = random.Random(3)
+    prev = [rng.randrange(-(1 << 63), 1 << 63) for _ in range(200)] + [ROOT_TAG, -1, 0]
+    tokens = [rng.randrange(0, 1 << 20) for _ in prev]
+    positions = [rng.randrange(0, 1 << 40) for _ in prev]
+    got = mix64_many(*(numpy.array(v, dtype=numpy.int64) for v in (prev, tokens, positions)))
+    assert got.tolist() == [mix64(*t) for t in zip(prev, tokens, positions)]
+
+
+def test_a_decode_step_of_several_streams_equals_expected_from_scratch() -> None:
+    """Requests each writing the position past their synced chains take the numpy path
+    (``_decode_rows``); a step with a request in another state (a new prompt) takes the
+    general one. Either way ``expected`` equals a fresh ``TagChains``'s."""
+    fast = TagChains(ROOT_TAG)
+    took: list[bool] = []
+    decode_rows = fast._decode_rows
+
+    def spy(reqs):
+        rows = decode_rows(reqs)
+        took.append(rows is not None)
+        return rows
+
+    fast._decode_rows = spy  # type: ignore[method-assign]
+    toks = {n: list(range(100 * i, 100 * i + 99)) for i, n in enumerate("abcde")}
+    n_prompt = {"a": 9, "b": 20, "c": 33, "d": 5, "e": 12}
+    done = {n: 0 for n in "abcd"}
+    for k in range(45):  # "c" passes the table's first 64 columns
+        if k == 17:
+            done["e"] = 0  # a new prompt joins: this step goes the general way
+        step = [
+            _req(n, toks[n], d, d + (n_prompt[n] if d == 0 else 1), n_prompt[n])
+            for n, d in done.items()
+        ]
+        want = TagChains(ROOT_TAG).expected(step).tolist()
+        assert fast.expected(step).tolist() == want
+        for r in step:
+            done[r.req_id] = r.positions.stop
+    assert not took[0] and not took[17]
+    assert sum(took) >= 40  # the rest, but where the table grew
