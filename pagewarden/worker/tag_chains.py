@@ -77,6 +77,9 @@ class TagChains:
         if len(reqs) == 1:  # one stream: no list, no concatenation
             p = reqs[0].positions
             return torch.from_numpy(rows[0, p.start : p.stop].copy())
+        starts = [r.positions.start for r in reqs]
+        if all(r.positions.stop == s + 1 for r, s in zip(reqs, starts)):  # a decode step
+            return torch.from_numpy(rows[numpy.arange(len(reqs)), starts])
         parts = [rows[i, r.positions.start : r.positions.stop] for i, r in enumerate(reqs)]
         return torch.from_numpy(numpy.concatenate(parts))
 
