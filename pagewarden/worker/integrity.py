@@ -68,7 +68,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import numpy
 import torch
 
 from pagewarden.worker import integrity_cpu
@@ -402,24 +401,6 @@ def mix64(prev_tag: int, token_id: int, position: int) -> int:
     x = splitmix64(x ^ (token_id & MASK64))
     x = splitmix64(x ^ ((position & MASK64) * _GOLDEN & MASK64))
     return to_signed64(x)
-
-
-def mix64_many(prev_tags: numpy.ndarray, token_ids: numpy.ndarray, positions: numpy.ndarray):
-    """``mix64`` of each (prev_tag, token_id, position), elementwise: int64 arrays in,
-    int64 array out (numpy's uint64 arithmetic wraps as the masks above do)."""
-    with numpy.errstate(over="ignore"):
-        x = _splitmix64_numpy(prev_tags.astype(numpy.uint64) ^ numpy.uint64(_MIX1))
-        x = _splitmix64_numpy(x ^ token_ids.astype(numpy.uint64))
-        x = _splitmix64_numpy(x ^ (positions.astype(numpy.uint64) * numpy.uint64(_GOLDEN)))
-    return x.view(numpy.int64)
-
-
-def _splitmix64_numpy(z: numpy.ndarray) -> numpy.ndarray:
-    """``splitmix64`` of each uint64 (wrapping; the caller silences overflow)."""
-    z = z + numpy.uint64(_GOLDEN)
-    z = (z ^ (z >> numpy.uint64(30))) * numpy.uint64(_MIX1)
-    z = (z ^ (z >> numpy.uint64(27))) * numpy.uint64(_MIX2)
-    return z ^ (z >> numpy.uint64(31))
 
 
 def token_chain_tags(prev_tag: int, token_ids: list[int], start_position: int) -> list[int]:

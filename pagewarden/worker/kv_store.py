@@ -97,8 +97,7 @@ class KVStore:
             self.caches = hugepages.zeros(shape.num_layers, dims, shape.dtype)
         else:
             self.caches = [
-                torch.zeros(dims, dtype=shape.dtype, device=device)
-                for _ in range(shape.num_layers)
+                torch.zeros(dims, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)
             ]
         self.num_host_blocks = num_host_blocks
         pin = torch.device(device).type == "cuda"

@@ -21,7 +21,7 @@ import numpy
 import torch
 
 from pagewarden.sched.output import ScheduledRequest
-from pagewarden.worker.integrity import mix64, mix64_many
+from pagewarden.worker.integrity import _GOLDEN, _MIX1, _MIX2, mix64
 
 
 class TagChains:
@@ -217,3 +217,21 @@ class TagChains:
         table = torch.zeros(new_rows, new_cols, dtype=torch.int64)
         table[:have_rows, :have_cols] = self.table
         self.table = table
+
+
+def mix64_many(prev_tags: numpy.ndarray, token_ids: numpy.ndarray, positions: numpy.ndarray):
+    """``mix64`` of each (prev_tag, token_id, position), elementwise: int64 arrays in,
+    int64 array out (numpy's uint64 arithmetic wraps as the masks above do)."""
+    with numpy.errstate(over="ignore"):
+        x = _splitmix64_numpy(prev_tags.astype(numpy.uint64) ^ numpy.uint64(_MIX1))
+        x = _splitmix64_numpy(x ^ token_ids.astype(numpy.uint64))
+        x = _splitmix64_numpy(x ^ (positions.astype(numpy.uint64) * numpy.uint64(_GOLDEN)))
+    return x.view(numpy.int64)
+
+
+def _splitmix64_numpy(z: numpy.ndarray) -> numpy.ndarray:
+    """``splitmix64`` of each uint64 (wrapping; the caller silences overflow)."""
+    z = z + numpy.uint64(_GOLDEN)
+    z = (z ^ (z >> numpy.uint64(30))) * numpy.uint64(_MIX1)
+    z = (z ^ (z >> numpy.uint64(27))) * numpy.uint64(_MIX2)
+    return z ^ (z >> numpy.uint64(31))

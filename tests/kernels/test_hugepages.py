@@ -67,6 +67,40 @@ def test_map_is_advised_for_huge_pages_and_freed_with_its_last_tensor() -> None:
     assert _maps_with_thp_flag(ptr) is None  # unmapped with the last view
 
 
+def test_zeros_are_zero_separate_writable_and_advised() -> None:
+    """The KV pool's layer caches (``KVStore`` on the CPU): zeros, each its own
+    64-byte-aligned region of one advised map, writable without touching the others."""
+    ts = hugepages.zeros(3, (2, 128, 16, 4, 64), torch.bfloat16)  # 2 MiB each
+    assert [t.shape for t in ts] == [torch.Size([2, 128, 16, 4, 64])] * 3
+    assert all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in ts)
+    assert all(torch.count_nonzero(t) == 0 for t in ts)
+    assert ts[0].data_ptr() % hugepages.HUGE_PAGE == 0
+    assert all(t.data_ptr() % hugepages.ALIGN == 0 for t in ts)
+    ts[1].fill_(1.5)
+    assert torch.count_nonzero(ts[0]) == 0 and torch.count_nonzero(ts[2]) == 0
+    assert bool((ts[1] == 1.5).all())
+    if hugepages.thp_mode() in ("always", "madvise"):
+        assert _maps_with_thp_flag(ts[2].data_ptr()) == "1"
+
+
+def test_the_cpu_kv_pool_lives_in_huge_pages(monkeypatch) -> None:
+    from pagewarden.worker.kv_store import KVCacheShape, KVStore
+
+    shape = KVCacheShape(
+        num_layers=2, num_blocks=128, block_size=16, num_kv_heads=4, head_dim=64,
+        dtype=torch.bfloat16,
+    )  # fmt: skip
+    store = KVStore(shape)
+    if hugepages.thp_mode() in ("always", "madvise"):
+        assert all(_maps_with_thp_flag(c.data_ptr()) == "1" for c in store.caches)
+    monkeypatch.setenv("PAGEWARDEN_HUGEPAGES", "0")
+    plain = KVStore(shape)
+    assert _maps_with_thp_flag(plain.caches[0].data_ptr()) != "1" or (
+        hugepages.thp_mode() == "always"
+    )
+    assert all(torch.count_nonzero(c) == 0 for c in store.caches + plain.caches)
+
+
 class _Tied(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import numpy
 import torch
 
-from pagewarden.worker.integrity import ROOT_TAG, mix64, mix64_many, token_chain_tags
-from pagewarden.worker.tag_chains import TagChains
+from pagewarden.worker.integrity import ROOT_TAG, mix64, token_chain_tags
+from pagewarden.worker.tag_chains import TagChains, mix64_many
 
 
 def _req(rid: str, tokens: list[int], start: int, stop: int, n_prompt: int) -> SimpleNamespace:
