@@ -221,7 +221,7 @@ class TagChains:
 
 def mix64_many(prev_tags: numpy.ndarray, token_ids: numpy.ndarray, positions: numpy.ndarray):
     """``mix64`` of each (prev_tag, token_id, position), elementwise: int64 arrays in,
-    int64 array out (numpy's uint64 arithmetic wraps as the masks above do)."""
+    int64 array out (numpy's uint64 arithmetic wraps as ``mix64``'s masks do)."""
     with numpy.errstate(over="ignore"):
         x = _splitmix64_numpy(prev_tags.astype(numpy.uint64) ^ numpy.uint64(_MIX1))
         x = _splitmix64_numpy(x ^ token_ids.astype(numpy.uint64))

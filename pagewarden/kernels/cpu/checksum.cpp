@@ -15,9 +15,10 @@
 // Loop order: blocks one at a time; within one, layer, K/V, then the block's bs rows,
 // which lie next to each other (bs * R limbs read in order), against the R keys of
 // (layer, K/V) held in L1, the next (layer, K/V) part prefetched. Slots: (layer, K/V)
-// outermost, then the slots, each row prefetched a few rows ahead (slot_sums_into). The dot product of one row widens 8 limbs to int64,
-// multiplies with the 8 keys (vpmullq, AVX512DQ) and adds (wrapping); without AVX512DQ it
-// is the scalar loop, which the compiler vectorises for the ISA at hand. Unsigned
+// outermost, then the slots, each row prefetched a few rows ahead (slot_sums_into).
+// The dot product of one row widens 8 limbs to int64, multiplies with the 8 keys
+// (vpmullq, AVX512DQ) and adds (wrapping); without AVX512DQ it is the scalar loop,
+// which the compiler vectorises for the ISA at hand. Unsigned
 // arithmetic: its wrap-around is defined and is the two's-complement wrap of torch's int64.
 // Every index is checked before any read (IndexError, as torch's gather raises).
 // The kernels run on the calling thread with the GIL released.
@@ -176,7 +177,8 @@ at::Tensor slot_sums_of(const Layers& ls, const at::Tensor& limb_keys, const at:
   const at::Tensor flat = checked(slots, ls.num_blocks * ls.bs, "slot");
   at::Tensor out = at::empty({flat.numel()}, flat.options());
   const auto* keys = reinterpret_cast<const uint64_t*>(limb_keys.data_ptr<int64_t>());
-  slot_sums_into(ls, keys, flat.data_ptr<int64_t>(), flat.numel(), reinterpret_cast<uint64_t*>(out.data_ptr<int64_t>()));
+  auto* o = reinterpret_cast<uint64_t*>(out.data_ptr<int64_t>());
+  slot_sums_into(ls, keys, flat.data_ptr<int64_t>(), flat.numel(), o);
   return out;
 }
 

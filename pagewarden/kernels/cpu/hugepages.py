@@ -8,7 +8,10 @@ quantized weights are otherwise views of the file's map (page-cache pages, never
 and the bf16 path's packed tiles come from the allocator in whatever pages it has.
 
 ``relocate`` copies tensors into one map (each 64-byte aligned, the map 2 MiB aligned)
-and returns the copies; the map is unmapped when the last copy is freed. Where the
+and returns the copies; the map is unmapped when the last copy is freed. ``zeros`` gives
+the CPU KV pool's layer caches the same kind of map (``worker/kv_store.py``): a decode
+step reads each sequence's blocks from all over the pool, and the integrity guard sums
+single slots, one TLB miss per 4 KiB page otherwise. Where the
 kernel's THP setting is ``never`` (``/sys/kernel/mm/transparent_hugepage/enabled``) the
 copies sit in ordinary anonymous pages. ``PAGEWARDEN_HUGEPAGES=0`` turns the move off
 (``enabled``). Bench: ``bench/hugepages.py``; docs/quantization.md.
@@ -31,8 +34,8 @@ _THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def enabled() -> bool:
-    """Whether weights are moved: a Linux mmap with MADV_HUGEPAGE and not
-    ``PAGEWARDEN_HUGEPAGES=0``."""
+    """Whether weights are moved (and the CPU KV pool allocated) in huge pages: a Linux
+    mmap with MADV_HUGEPAGE and not ``PAGEWARDEN_HUGEPAGES=0``."""
     return os.environ.get("PAGEWARDEN_HUGEPAGES", "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
 
 
