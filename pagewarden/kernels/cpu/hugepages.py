@@ -76,11 +76,13 @@ def relocate(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
     """``count`` zeroed tensors of ``shape`` in one new anonymous map advised
-    MADV_HUGEPAGE (the KV pool's layer caches): an anonymous map reads as zeros, so
-    nothing is written here and a page becomes resident when first written."""
+    MADV_HUGEPAGE (the KV pool's layer caches). Every page is written here, as
+    ``torch.zeros`` would: a serving step must not pay for first touches (a fault
+    zeroes a whole 2 MiB page, and with THP ``defrag`` at ``madvise`` it may compact)."""
     elem = torch.empty((), dtype=dtype).element_size()
     each = _round_up(elem * _numel(shape), ALIGN)
     buf, start = _huge_map(each * count)
+    buf[start : start + each * count].zero_()
     return [
         buf[start + i * each : start + i * each + elem * _numel(shape)].view(dtype).view(shape)
         for i in range(count)
