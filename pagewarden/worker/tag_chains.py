@@ -85,42 +85,24 @@ class TagChains:
 
     def one_step(self, req: ScheduledRequest) -> torch.Tensor | None:
         """``expected([req])`` for one request writing the one position past its synced
-        chain (one stream's decode step; ``expected`` tries it first): one ``mix64``, one
-        table entry, no index lists. None where the request is not in that state."""
-        rid, start = req.req_id, req.positions.start
-        chain = self._lists.get(rid)
-        row = self._rows.get(rid)
-        if (
-            chain is None
-            or row is None
-            or len(chain) != start
-            or self._synced.get(rid) != start
-            or len(req.positions) != 1
-            or start >= self.table.shape[1]
-        ):
+        chain (one stream's decode step): one ``mix64``, one table entry, a view of its
+        row. None, nothing changed, where the request is not in that state."""
+        rows = self._decode_rows([req])
+        if rows is None:
             return None
-        prompt = req.prompt_token_ids
-        token = prompt[start] if start < len(prompt) else req.output_token_ids[start - len(prompt)]
-        tag = mix64(chain[-1] if chain else self.root_tag, token, start)
-        chain.append(tag)
-        self.table.numpy()[row, start] = tag
-        self._synced[rid] = start + 1
-        return self.table[row : row + 1, : start + 1]
+        return self.table[rows[0] : rows[0] + 1, : req.positions.stop]
 
     def expected(self, reqs: list[ScheduledRequest]) -> torch.Tensor:
         """(S, max stop) int64: the tag of each request's token chain at each position,
         0 at and past the request's stop. Read only: for one request it is a view of the
         table's row (no copy, nothing past its stop)."""
-        if len(reqs) == 1:  # one stream: its row of the table, read only (a view)
-            one = self.one_step(reqs[0])  # a decode step: one position past the sync
-            if one is not None:
-                return one
         stops = [r.positions.stop for r in reqs]
+        # A decode step (each request one position past its synced chain) appends the new
+        # tags itself; anything else syncs every chain up to its stop.
         rows = self._decode_rows(reqs)
-        if rows is not None:  # a decode step of several: the new tags in one numpy call
-            return self._gather(rows, stops)
-        rows = self._sync(reqs, stops)
-        if len(rows) == 1:
+        if rows is None:
+            rows = self._sync(reqs, stops)
+        if len(rows) == 1:  # one stream: its row of the table, read only (a view)
             return self.table[rows[0] : rows[0] + 1, : stops[0]]
         return self._gather(rows, stops)
 
@@ -138,9 +120,10 @@ class TagChains:
 
     def _decode_rows(self, reqs: list[ScheduledRequest]) -> list[int] | None:
         """For a step where every request writes the one position past its synced chain
-        (a decode step of several streams): the new tags (``mix64_many``, one numpy call
-        for all) appended to the chains and written to the table; returns the rows. None,
-        nothing changed, where any request is not in that state."""
+        (a decode step): the new tags (``mix64`` for one stream, ``mix64_many``, one
+        numpy call, for several) appended to the chains and written to the table;
+        returns the rows. None, nothing changed, where any request is not in that
+        state."""
         prev: list[int] = []
         tokens: list[int] = []
         rows: list[int] = []
@@ -164,12 +147,17 @@ class TagChains:
             prev.append(chain[-1] if start else self.root_tag)
             rows.append(row)
             starts.append(start)
-        at = numpy.array(starts, dtype=numpy.int64)
-        tags = mix64_many(
-            numpy.array(prev, dtype=numpy.int64), numpy.array(tokens, dtype=numpy.int64), at
-        )
-        self.table.numpy()[rows, at] = tags
-        for r, start, tag in zip(reqs, starts, tags.tolist()):
+        if len(reqs) == 1:  # one stream: numpy's per-call cost is more than one mix64
+            tags = [mix64(prev[0], tokens[0], starts[0])]
+            self.table.numpy()[rows[0], starts[0]] = tags[0]
+        else:
+            at = numpy.array(starts, dtype=numpy.int64)
+            array = mix64_many(
+                numpy.array(prev, dtype=numpy.int64), numpy.array(tokens, dtype=numpy.int64), at
+            )
+            self.table.numpy()[rows, at] = array
+            tags = array.tolist()
+        for r, start, tag in zip(reqs, starts, tags):
             lists[r.req_id].append(tag)
             synced[r.req_id] = start + 1
         return rows

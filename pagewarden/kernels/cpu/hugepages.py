@@ -20,6 +20,7 @@ copies sit in ordinary anonymous pages. ``PAGEWARDEN_HUGEPAGES=0`` turns the mov
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import os
 from pathlib import Path
@@ -80,20 +81,13 @@ def zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.
     ``torch.zeros`` would: a serving step must not pay for first touches (a fault
     zeroes a whole 2 MiB page, and with THP ``defrag`` at ``madvise`` it may compact)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    each = _round_up(elem * _numel(shape), ALIGN)
+    each = _round_up(elem * math.prod(shape), ALIGN)
     buf, start = _huge_map(each * count)
     buf[start : start + each * count].zero_()
     return [
-        buf[start + i * each : start + i * each + elem * _numel(shape)].view(dtype).view(shape)
+        buf[start + i * each : start + i * each + elem * math.prod(shape)].view(dtype).view(shape)
         for i in range(count)
     ]
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _huge_map(total: int) -> tuple[torch.Tensor, int]:
