@@ -60,16 +60,19 @@ logger = logging.getLogger("pagewarden.engine.proc")
 #: While idle, the core sends a heartbeat this often (seconds).
 HEARTBEAT_S = 0.2
 #: Requests reaching an idle core: it waits for the rest of their burst before its first
-#: step, until no message came for GATHER_QUIET_S or GATHER_MAX_S passed (seconds).
+#: step, until no message came for GATHER_QUIET_S (BURST_QUIET_S once a second request
+#: came), the burst's prompts fill a step's token budget, or GATHER_MAX_S passed (seconds).
 GATHER_QUIET_S = 0.02
-GATHER_MAX_S = 0.1
+BURST_QUIET_S = 0.05
+GATHER_MAX_S = 0.3
 #: Requests reaching a busy core are held (its running requests go on decoding) until
 #: no request came for BUSY_QUIET_S or the first held one waited BUSY_MAX_S (seconds),
 #: then admitted together: one prefill step for the burst, not a small one per arrival.
 BUSY_QUIET_S = 0.015
 BUSY_MAX_S = 0.1
 #: Where the opt-in step trace goes (a file path; unset: no trace): a line per step
-#: ("step", start, seconds, outputs, first tokens, running, waiting) and per arrival.
+#: ("step", start, seconds, outputs, first tokens, running, waiting), per arrival and
+#: per idle gather ("gather", start, seconds, requests still held).
 TRACE_PATH = os.environ.get("PAGEWARDEN_STEP_TRACE")
 
 
@@ -119,6 +122,7 @@ class _Inbox:
         # last of them arrived (see ``release_due``).
         self.held: dict[str, tuple] = {}
         self.first_held = self.last_held = 0.0
+        self.arrived = (0, 0)  # requests and prompt tokens that ever arrived
         self.trace = open(TRACE_PATH, "a", buffering=1) if TRACE_PATH else None  # noqa: SIM115
 
     def run(self) -> None:
@@ -164,6 +168,7 @@ class _Inbox:
                     self.first_held = now
                 self.last_held = now
                 self.held[rid] = msg
+                self.arrived = (self.arrived[0] + 1, self.arrived[1] + len(ids))
 
     def has_held(self) -> bool:
         return bool(self.held)
@@ -303,19 +308,27 @@ class _Dashboard:
             out.send(("dashboard", take_snapshot(core)))
 
 
-def _gather_burst(inbox: _Inbox) -> None:
+def _gather_burst(inbox: _Inbox, since: tuple[int, int], budget: int) -> None:
     """Wait while more requests of a burst are still arriving at an idle core.
 
-    A client that opens many streams at once reaches the core over tens of milliseconds
-    (the HTTP process parses and tokenizes each request). Stepping on the first one
-    spreads the burst's prompts over more prefill steps, and every prefill step stalls
-    the streams that started before it: those stalls are the inter-token latency tail
-    (bench/serve.py). A lone request waits GATHER_QUIET_S."""
+    A client that opens many streams at once reaches the core over tens to hundreds of
+    milliseconds (the HTTP process parses and tokenizes each request; a client opening
+    new connections leaves gaps of 40 ms). Stepping on the first ones spreads the
+    burst's prompts over more prefill steps, and every prefill step stalls the streams
+    that started before it: those stalls are the inter-token latency tail
+    (bench/serve.py). A lone request waits GATHER_QUIET_S; once a second came, the gather
+    waits for BURST_QUIET_S of quiet, and ends as soon as the prompts that came since
+    ``since`` (the inbox's ``arrived`` counts when the core went idle) fill ``budget``
+    tokens: the first step can take no more."""
     deadline = time.monotonic() + GATHER_MAX_S
     while not inbox.stop:
         inbox.wake.clear()
+        count, tokens = (now - then for now, then in zip(inbox.arrived, since, strict=True))
+        if tokens >= budget:
+            return
         left = deadline - time.monotonic()
-        if left <= 0 or not inbox.wake.wait(min(GATHER_QUIET_S, left)):
+        quiet = GATHER_QUIET_S if count < 2 else BURST_QUIET_S
+        if left <= 0 or not inbox.wake.wait(min(quiet, left)):
             return
 
 
@@ -332,7 +345,7 @@ def _loop(core, inbox: _Inbox, out: Connection) -> None:
     last_send = 0.0
     failed_steps = 0
     dashboard = _Dashboard()
-    idle = True
+    idle, idle_since = True, inbox.arrived
     trace = inbox.trace
     while not inbox.stop:
         dashboard.serve(core, inbox, out)
@@ -343,12 +356,16 @@ def _loop(core, inbox: _Inbox, out: Connection) -> None:
             if failed or now - last_send >= HEARTBEAT_S:
                 out.send(("beat", core.stats(), failed))
                 last_send = now
+            if not idle:
+                idle, idle_since = True, inbox.arrived
             inbox.wake.wait(HEARTBEAT_S)
             inbox.wake.clear()
-            idle = True
             continue
         if idle:
-            _gather_burst(inbox)
+            g0 = time.monotonic()
+            _gather_burst(inbox, idle_since, core.scheduler.max_num_batched_tokens)
+            if trace is not None:
+                trace.write(f"gather {g0:.4f} {time.monotonic() - g0:.4f} {len(inbox.held)}\n")
             inbox.release(busy=False)
             idle = False
         try:

@@ -81,6 +81,7 @@ class Scheduler:
         self.num_steps = 0
         self.last_group_step: int | None = None  # see prefill_cap.py
         self.group_wait_since: int | None = None
+        self.group_wait_work = self.group_grew_at = 0
         self.num_preemptions = 0
         # Effective per-step limits: the configured ones, or lower while the engine's
         # batch controller holds the batch down (see ``set_batch_limits``).

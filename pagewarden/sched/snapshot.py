@@ -51,6 +51,8 @@ def capture(sched: Scheduler) -> dict[str, Any]:
         "num_steps": sched.num_steps,
         "last_group_step": sched.last_group_step,
         "group_wait_since": sched.group_wait_since,
+        "group_wait_work": sched.group_wait_work,
+        "group_grew_at": sched.group_grew_at,
         "num_preemptions": sched.num_preemptions,
         "max_num_seqs": sched.max_num_seqs,
         "preemption_mode": sched.preemption_mode,
@@ -74,6 +76,8 @@ def restore(state: dict[str, Any]) -> Scheduler:
     sched.num_steps = state["num_steps"]
     sched.last_group_step = state.get("last_group_step")
     sched.group_wait_since = state.get("group_wait_since")
+    sched.group_wait_work = state.get("group_wait_work", 0)
+    sched.group_grew_at = state.get("group_grew_at", 0)
     sched.num_preemptions = state["num_preemptions"]
     sched.max_num_seqs = state["max_num_seqs"]
     sched.preemption_mode = state["preemption_mode"]

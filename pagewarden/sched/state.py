@@ -42,6 +42,8 @@ class SchedulerState(Protocol):
     num_steps: int
     last_group_step: int | None  # the last step given the whole budget (prefill_cap.py)
     group_wait_since: int | None  # the step since which group-sized work waits (same)
+    group_wait_work: int  # prefill tokens pending at the last step's cap (same)
+    group_grew_at: int  # the last step in which they grew (same)
     preemption_mode: str
 
     def usable_blocks(self) -> int:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from types import SimpleNamespace
+
 import pytest
 
 from pagewarden.engine.core_proc import _Inbox, _loop
@@ -34,6 +38,8 @@ class _Recorder:
 
 class _FakeCore:
     """Steps ``steps`` times; the steps listed in ``fail_at`` raise."""
+
+    scheduler = SimpleNamespace(max_num_batched_tokens=2048)
 
     def __init__(self, steps: int, fail_at: set[int], inbox_ref: list) -> None:
         self.left, self.fail_at, self.n, self.inbox_ref = steps, fail_at, 0, inbox_ref
@@ -105,9 +111,6 @@ def test_a_failed_step_writes_the_flight_record_before_anything_else():
 def test_an_idle_core_waits_for_the_rest_of_a_burst_before_its_first_step():
     # Requests of one burst arrive 1 ms apart (as a client opening many streams reaches
     # the core); the first step must not start on the first of them.
-    import threading
-    import time
-
     core, inbox = _setup(steps=1, fail_at=set(), culprits=set())
     arrived: list[int] = []
     seen_at_first_step: list[int] = []
@@ -125,6 +128,72 @@ def test_an_idle_core_waits_for_the_rest_of_a_burst_before_its_first_step():
     _loop(core, inbox, _Conn())
     feeder.join()
     assert seen_at_first_step == [10]
+
+
+class _BurstCore:
+    """An idle core that takes one step, as soon as it has work, and records what came."""
+
+    def __init__(self, budget: int) -> None:
+        self.scheduler = SimpleNamespace(max_num_batched_tokens=budget)
+        self.added: list[str] = []
+        self.seen_at_step: list[str] = []
+        self.recorder = None
+        self.inbox: _Inbox | None = None
+
+    def add_request(self, rid, ids, params, prompt=None, cache_salt=None) -> None:
+        self.added.append(rid)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.added)
+
+    def step(self):
+        self.seen_at_step = list(self.added)
+        self.inbox.stop = True
+        return []
+
+    def stats(self) -> str:
+        return "stats"
+
+
+def _run_burst(core: _BurstCore, arrivals: list[tuple[float, int]]) -> None:
+    """Drive ``_loop`` while a feeder delivers "add" messages: (delay before, tokens)."""
+    inbox = _Inbox(core, None, lambda ids, params: None)
+    core.inbox = inbox
+
+    def feed() -> None:
+        for i, (delay, n) in enumerate(arrivals):
+            time.sleep(delay)
+            inbox._apply(("add", f"r{i}", [1] * n, SamplingParams(), None, None))
+            inbox.wake.set()
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    _loop(core, inbox, _Conn())
+    feeder.join()
+
+
+def test_an_idle_core_waits_out_a_gap_in_a_burst(monkeypatch):
+    # Once a second request came, the gather waits for BURST_QUIET_S of quiet, not
+    # GATHER_QUIET_S: a burst with a gap (new connections) starts in one step.
+    import pagewarden.engine.core_proc as cp
+
+    monkeypatch.setattr(cp, "GATHER_QUIET_S", 0.05)
+    monkeypatch.setattr(cp, "BURST_QUIET_S", 1.0)
+    monkeypatch.setattr(cp, "GATHER_MAX_S", 3.0)
+    core = _BurstCore(budget=2048)
+    _run_burst(core, [(0.0, 8), (0.0, 8), (0.3, 8), (0.0, 8)])
+    assert core.seen_at_step == ["r0", "r1", "r2", "r3"]
+
+
+def test_an_idle_gather_ends_when_the_burst_fills_a_step(monkeypatch):
+    import pagewarden.engine.core_proc as cp
+
+    monkeypatch.setattr(cp, "BURST_QUIET_S", 5.0)
+    monkeypatch.setattr(cp, "GATHER_MAX_S", 10.0)
+    core = _BurstCore(budget=24)
+    # 24 tokens fill the step: it starts then, not after the quiet that would take r3.
+    _run_burst(core, [(0.0, 8), (0.0, 8), (0.0, 8), (1.0, 8)])
+    assert core.seen_at_step == ["r0", "r1", "r2"]
 
 
 def test_held_requests_reach_an_idle_core_at_once_and_a_busy_one_after_the_burst():

@@ -12,7 +12,7 @@ from pagewarden.sampling_params import SamplingParams
 from pagewarden.sched import Request, Scheduler, SchedulerConfig
 from pagewarden.sched.fake_runner import FakeModelRunner
 from pagewarden.sched.output import SchedulerOutput
-from pagewarden.sched.prefill_cap import MAX_CHUNK_STEPS, prefill_cap
+from pagewarden.sched.prefill_cap import MAX_CHUNK_STEPS, QUIET_STEPS, prefill_cap
 
 BS = 4
 _BASES = itertools.count(1)
@@ -48,6 +48,10 @@ def _decoding(s: Scheduler, runner: FakeModelRunner, n: int, spaced: bool = True
     while spaced and s.num_steps + 1 - s.last_group_step < MAX_CHUNK_STEPS:
         _step(s, runner)
     assert len(s.running) == n
+
+
+def _dec(n: int) -> dict[str, int]:
+    return {f"d{i}": 1 for i in range(n)}
 
 
 def _tokens(out: SchedulerOutput) -> dict[str, int]:
@@ -204,7 +208,7 @@ def test_every_request_finishes_with_the_same_tokens() -> None:
 
 def test_a_part_filled_group_waits_for_more_work() -> None:
     """With many decodes, group work under half a step waits (chunked) for more: the next
-    requests that come join it, and one stall starts them all."""
+    requests that come join it, and one stall starts them all once no more come."""
     s = _sched(max_num_batched_tokens=256)
     runner = FakeModelRunner(BS, verify=True)
     _decoding(s, runner, 10)  # cap 8; small up to 64 tokens; half a step: 123 tokens
@@ -212,11 +216,45 @@ def test_a_part_filled_group_waits_for_more_work() -> None:
     for rid in "ab":
         s.add_request(_req(rid, 40, max_tokens=5))  # 80 tokens: a group, part-filled
     assert [_tokens(_step(s, runner)) for _ in range(4)] == [{**dec, "a": 8}] * 4
-    for rid in "cd":
-        s.add_request(_req(rid, 40, max_tokens=5))  # 48 + 80 = 128 tokens: over half
-    out = _step(s, runner)
-    assert _tokens(out) == {**dec, "a": 8, "b": 40, "c": 40, "d": 40}
+    for rid in "cde":
+        s.add_request(_req(rid, 40, max_tokens=5))  # 48 + 120 = 168 tokens: over half
+    # Over half a step, but the work grew within QUIET_STEPS (requests still arriving).
+    for _ in range(QUIET_STEPS):  # chunks of a and b only: c, d and e wait
+        assert set(_tokens(_step(s, runner))) - set(dec) <= {"a", "b"}
+    out = _step(s, runner)  # nothing more came: one group step starts them all
+    b_left = 40 - 8 * (QUIET_STEPS - 1)  # a's last 8 tokens, then b's chunks
+    assert _tokens(out) == {**dec, "a": 1, "b": b_left, "c": 40, "d": 40, "e": 40}
     assert s.last_group_step == s.num_steps and s.group_wait_since is None
+
+
+def test_a_group_with_no_room_for_another_prompt_of_its_size_starts_at_once() -> None:
+    s = _sched(max_num_batched_tokens=256)
+    runner = FakeModelRunner(BS, verify=True)
+    _decoding(s, runner, 10)  # a full step: 246 tokens
+    for i in range(5):
+        s.add_request(_req(f"g{i}", 44, max_tokens=5))  # 220 + 44 > 246: full
+    out = _step(s, runner)  # still growing, but another 44 would not fit
+    assert _tokens(out) == {**_dec(10), **{f"g{i}": 44 for i in range(5)}}
+    assert s.last_group_step == s.num_steps and s.group_wait_since is None
+
+
+def test_a_group_arriving_over_several_steps_starts_in_one_step() -> None:
+    """Work that keeps growing waits (chunked) while it does, and starts at once when it
+    fills a step: a trickling group costs the decoding streams one stall, not two."""
+    s = _sched(max_num_batched_tokens=256)
+    runner = FakeModelRunner(BS, verify=True)
+    _decoding(s, runner, 10)  # cap 8; half a step: 123 tokens; a full step: 246
+    dec = {f"d{i}": 1 for i in range(10)}
+    last = s.last_group_step
+    for i in range(4):  # 40 tokens a step: over half a step from the third on
+        s.add_request(_req(f"g{i}", 40, max_tokens=5))
+        assert _tokens(_step(s, runner)) == {**dec, "g0": 8}
+    assert s.last_group_step == last  # still growing: no group step yet
+    for i in range(4, 7):
+        s.add_request(_req(f"g{i}", 40, max_tokens=5))  # 7 x 40 - 32 = 248 >= 246
+    out = _step(s, runner)  # a group step: g0's rest and the prompts the budget holds
+    assert _tokens(out) == {**dec, "g0": 8, **{f"g{i}": 40 for i in range(1, 6)}}
+    assert s.last_group_step == s.num_steps
 
 
 def test_a_part_filled_group_waits_at_most_twice_the_spacing() -> None:
