@@ -71,10 +71,9 @@ def prefill_cap(sched: SchedulerState) -> int:
     """The most prefill tokens ``sched``'s step ``num_steps`` may schedule (at most its
     token budget); records a group step in ``last_group_step``, when group-sized work
     started waiting in ``group_wait_since``, the work pending in ``group_wait_work`` and
-    the last step it grew in ``group_grew_at``.
-    Running requests count in order up to ``max_num_seqs`` (the ones a step can take), a
-    request one token behind as a decode; waiting ones count only while a seat is free
-    (otherwise none can start)."""
+    the last step it grew in ``group_grew_at``. Running requests count in order up to
+    ``max_num_seqs`` (the ones a step can take), a request one token behind as a decode;
+    waiting ones count only while a seat is free (otherwise none can start)."""
     budget = sched.max_num_batched_tokens
     num_decodes = pending = 0
     smallest = budget  # the smallest piece of pending work
