@@ -35,6 +35,7 @@ from pagewarden.engine.output_processor import OutputProcessor
 from pagewarden.engine.outputs import RequestOutput
 from pagewarden.engine.profiles import ProfileState, ProfileSwitch
 from pagewarden.engine.safe_mode import SafeMode
+from pagewarden.kernels.cpu.warm import build_all
 from pagewarden.metrics.stats import KVTierStats
 from pagewarden.models.chat_template import read_chat_template
 from pagewarden.models.loader import LoadedModel, load_model
@@ -91,6 +92,8 @@ class EngineCore:
             else load_model(config.model, config.torch_dtype, config.resolved_quantization),
             config.resolved_device,
         )
+        if config.resolved_device.type == "cpu":
+            build_all()  # every CPU extension now, not inside a step (kernels/cpu/warm.py)
         self.tokenizer = self.loaded.tokenizer
         if config.chat_template is not None:
             template = read_chat_template(config.chat_template)
