@@ -13,15 +13,20 @@ ones, before any prefix-cache hit):
   tokens, so a lone request arriving while many streams decode stalls none of them, and
   starts within ``k`` steps. Chunking costs the newcomer a step per chunk and spares each
   of the ``D`` streams one stall, so it is done for no more chunks than ``D``.
-- **A group gets the whole token budget, and group steps are ``MAX_CHUNK_STEPS`` steps
-  apart.** A burst of prompts is prefilled as vLLM does it, in full steps, so each stall
-  is shared by many prompts. A group step is not taken within ``MAX_CHUNK_STEPS`` steps of
-  the last one (meanwhile the work is chunked at ``c``): the streams a group step started
-  are then that many tokens ahead of the next group, so when they finish and come back (a
-  closed-loop client sends its next requests) their prefill step is over before the next
-  group comes back, and neither waits behind the other's. Two groups started in
-  back-to-back steps finish one step apart and keep colliding: every round, the second
-  waits out the first's whole prefill step before its own.
+- **A group gets the whole token budget, and group steps are ``GROUP_SPACING_STEPS``
+  steps apart.** A burst of prompts is prefilled as vLLM does it, in full steps, so each
+  stall is shared by many prompts. A group step is not taken within
+  ``GROUP_SPACING_STEPS`` steps of the last one (meanwhile the work is chunked at ``c``):
+  the streams a group step started are then that many tokens ahead of the next group, so
+  when they finish and come back (a closed-loop client sends its next requests) their
+  prefill step is over before the next group comes back, and neither waits behind the
+  other's. Two groups started in back-to-back steps finish one step apart and keep
+  colliding: every round, the second waits out the first's whole prefill step before its
+  own. The spacing must exceed the steps a returning group takes to arrive (its
+  requests reach a busy engine over 100-300 ms, 4-10 steps, while the other group keeps
+  decoding and so closes the gap): at 8 the other group finished during the first's
+  prefill step every round and then waited out the rest of the spacing (150-230 ms of
+  its time to first token); at 16 it comes back a few steps after that step's end.
 - **A part-filled group waits for more work** while at least ``MAX_CHUNK_STEPS``
   streams decode. Group work that leaves room in a step for another piece as small as
   its smallest (``W + m <= budget - D``, ``m`` the fewest tokens one pending request
@@ -47,7 +52,7 @@ only ever lowers a step below ``max_num_batched_tokens``, which keeps vLLM's mea
     D = 0                                                      budget (a group step)
     W <= min(MAX_CHUNK_STEPS, D) * c                           c        (small work)
     D < MAX_CHUNK_STEPS                                        budget (a group step)
-    s < MAX_CHUNK_STEPS                                        c        (spacing)
+    s < GROUP_SPACING_STEPS                                    c        (spacing)
     W + m > budget - D  or  w >= 2 * MAX_CHUNK_STEPS           budget (a group step)
     W >= (budget - D) / 2  and  W did not grow in QUIET_STEPS  budget (a group step)
     otherwise                                                  c        (waits for more)
@@ -57,11 +62,14 @@ from __future__ import annotations
 
 from pagewarden.sched.state import SchedulerState
 
-__all__ = ["MAX_CHUNK_STEPS", "QUIET_STEPS", "prefill_cap"]
+__all__ = ["GROUP_SPACING_STEPS", "MAX_CHUNK_STEPS", "QUIET_STEPS", "prefill_cap"]
 
-#: Small work is chunked over at most this many steps, and group steps are at least this
-#: many steps apart: this bounds the steps either rule adds to a time to first token.
+#: Small work is chunked over at most this many steps (a bound on what chunking adds to a
+#: time to first token); spacing and waiting apply while at least this many streams decode.
 MAX_CHUNK_STEPS = 8
+#: Group steps are at least this many steps apart while streams decode (the module's
+#: docstring says why 16: more than a returning group's arrival takes).
+GROUP_SPACING_STEPS = 16
 #: Group work over half a step but short of a full one starts once it has not grown for
 #: this many steps (a closed-loop client's requests trickle in over a few steps).
 QUIET_STEPS = 2
@@ -107,7 +115,7 @@ def prefill_cap(sched: SchedulerState) -> int:
     last = sched.last_group_step
     if sched.group_wait_since is None:
         sched.group_wait_since = now
-    if last is not None and now - last < MAX_CHUNK_STEPS:
+    if last is not None and now - last < GROUP_SPACING_STEPS:
         return min(cap, budget)  # spacing
     if pending + smallest > full_step or now - sched.group_wait_since >= 2 * MAX_CHUNK_STEPS:
         return _group_step(sched, budget)  # no room for more such work, or waited enough

@@ -1,7 +1,7 @@
 """The step's cap on prefill tokens (``sched/prefill_cap.py``): a step that decodes
 carries at most half its decode count (rounded up to whole blocks) of prefill tokens
 while the pending prefill work is small; a group gets the whole token budget, at most
-once every ``MAX_CHUNK_STEPS`` steps while that many streams decode, and a part-filled
+once every ``GROUP_SPACING_STEPS`` steps while ``MAX_CHUNK_STEPS`` streams decode, and a part-filled
 group waits for more work."""
 
 from __future__ import annotations
@@ -12,7 +12,12 @@ from pagewarden.sampling_params import SamplingParams
 from pagewarden.sched import Request, Scheduler, SchedulerConfig
 from pagewarden.sched.fake_runner import FakeModelRunner
 from pagewarden.sched.output import SchedulerOutput
-from pagewarden.sched.prefill_cap import MAX_CHUNK_STEPS, QUIET_STEPS, prefill_cap
+from pagewarden.sched.prefill_cap import (
+    GROUP_SPACING_STEPS,
+    MAX_CHUNK_STEPS,
+    QUIET_STEPS,
+    prefill_cap,
+)
 
 BS = 4
 _BASES = itertools.count(1)
@@ -45,7 +50,7 @@ def _decoding(s: Scheduler, runner: FakeModelRunner, n: int, spaced: bool = True
         s.add_request(_req(f"d{i}", 3))
     while s.waiting or any(r.num_computable_tokens - r.num_computed_tokens > 1 for r in s.running):
         _step(s, runner)
-    while spaced and s.num_steps + 1 - s.last_group_step < MAX_CHUNK_STEPS:
+    while spaced and s.num_steps + 1 - s.last_group_step < GROUP_SPACING_STEPS:
         _step(s, runner)
     assert len(s.running) == n
 
@@ -157,30 +162,27 @@ def test_decodes_past_the_seat_limit_do_not_count() -> None:
 
 def test_group_steps_are_spaced() -> None:
     """A group arriving right after a group step is chunked at the cap until
-    MAX_CHUNK_STEPS steps have passed, then gets the whole budget."""
+    GROUP_SPACING_STEPS steps have passed, then gets the whole budget."""
     s = _sched()
     runner = FakeModelRunner(BS, verify=True)
     _decoding(s, runner, 10, spaced=False)  # cap 8 (half of 10, a whole block of 4)
     first = s.last_group_step
-    for rid in "abcde":  # 150 tokens: a group (> 8 chunks of 8)
-        s.add_request(_req(rid, 30))
+    for rid in "abcde":  # 200 tokens: a group (> 8 chunks of 8)
+        s.add_request(_req(rid, 40))
     outs = []
-    while s.num_steps + 1 < first + MAX_CHUNK_STEPS:
+    while s.num_steps + 1 < first + GROUP_SPACING_STEPS:
         outs.append(_tokens(_step(s, runner)))
     dec = {f"d{i}": 1 for i in range(10)}
-    assert first == 1 and outs == [  # steps 2-8: 8 prefill tokens each
-        {**dec, "a": 8},
-        {**dec, "a": 8},
-        {**dec, "a": 8},
-        {**dec, "a": 6, "b": 2},
-        {**dec, "a": 1, "b": 8},
-        {**dec, "a": 1, "b": 8},
-        {**dec, "a": 1, "b": 8},
-    ]
+    assert first == 1 and GROUP_SPACING_STEPS == 16
+    assert outs == (  # steps 2-16: 8 prefill tokens each, then a and b decode
+        [{**dec, "a": 8}] * 5
+        + [{**dec, "a": 1, "b": 8}] * 5
+        + [{**dec, "a": 1, "b": 1, "c": 8}] * 5
+    )
     assert s.last_group_step == first
-    out = _step(s, runner)  # MAX_CHUNK_STEPS steps after the last: the whole budget
-    assert _tokens(out) == {**dec, "a": 1, "b": 4, "c": 30, "d": 19}
-    assert s.last_group_step == first + MAX_CHUNK_STEPS
+    out = _step(s, runner)  # GROUP_SPACING_STEPS steps after the last: the whole budget
+    assert _tokens(out) == {**dec, "a": 1, "b": 1, "c": 1, "d": 40, "e": 11}
+    assert s.last_group_step == first + GROUP_SPACING_STEPS
 
 
 def test_every_request_finishes_with_the_same_tokens() -> None:
