@@ -26,7 +26,8 @@ ones, before any prefix-cache hit):
   requests reach a busy engine over 100-300 ms, 4-10 steps, while the other group keeps
   decoding and so closes the gap): at 8 the other group finished during the first's
   prefill step every round and then waited out the rest of the spacing (150-230 ms of
-  its time to first token); at 16 it comes back a few steps after that step's end.
+  its time to first token); at 16 it is still decoding when that step ends and comes
+  back near the end of the spacing (traced: still 130-270 ms after its last request).
 - **A part-filled group waits for more work** while at least ``MAX_CHUNK_STEPS``
   streams decode. Group work that leaves room in a step for another piece as small as
   its smallest (``W + m <= budget - D``, ``m`` the fewest tokens one pending request
