@@ -81,7 +81,7 @@ from __future__ import annotations
 
 import torch
 
-from pagewarden.kernels.attention import AttentionMetadata
+from pagewarden.kernels.attention import AttentionMetadata, ReadChecks
 from pagewarden.sched.output import KVFault, ScheduledRequest, SchedulerOutput
 from pagewarden.worker.fused_checks import allocate_read_checks, sum_only
 from pagewarden.worker.guard_checksums import ChecksumChecks
@@ -202,22 +202,27 @@ class KVGuard(ChecksumChecks):
         return self._attach_readers(faults, reqs)
 
     def _bind_decode(self, reqs: list[ScheduledRequest], meta: AttentionMetadata) -> None:
-        """``bind`` for a decode step, the same state and kernel inputs with one C++ call:
-        blocks written at offset 0 start a new life and the kernel's sums are limited to
-        the scrub picks (``DecodeGuard.open``)."""
+        """``bind`` for a decode step, the same state and kernel inputs with one C++ call
+        (``DecodeGuard.bind``): each request's new tag into the chain table, the expected
+        tags and the kernel's zeroed outputs, blocks written at offset 0 starting a new
+        life, and the kernel's sums limited to the scrub picks."""
         assert self.decode_guard is not None
-        expected = self._expected_tags(reqs)  # (S, max stop); the new tags are in it
-        meta.slot_tags = self.tags.tags.view(-1)
-        meta.new_tags = self.chains.written(expected, reqs)
+        chains = self.chains
+        rows, starts, tokens = chains.decode_plan(reqs)
         picks = self._deferred_scrub or []
-        sums = bool(picks)
-        checks = allocate_read_checks(expected, meta.max_blocks, self.caches[0].shape[3], sums)
-        starts = [r.positions.start for r in reqs]
-        read = self.decode_guard.open(
-            meta.block_index, starts, picks, checks.tag_faults, checks.read_sums, checks.read_layers
+        expected, meta.new_tags, tag_faults, read_sums, read_layers = self.decode_guard.bind(
+            meta.block_index,
+            chains.table,
+            rows,
+            starts,
+            tokens,
+            chains.root_tag,
+            picks,
+            self.caches[0].shape[3],
         )
-        if sums and not read:
-            checks.read_sums = checks.read_layers = None  # no pick is read: all from the cache
+        chains.decoded(reqs)
+        meta.slot_tags = self.tags.tags.view(-1)
+        checks = ReadChecks(expected, tag_faults, read_sums, read_layers)
         meta.read_checks = checks
         self._decode_step = (checks, picks)
 

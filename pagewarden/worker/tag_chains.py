@@ -9,10 +9,13 @@ instead of one copy per request::
     table[0, :synced["a"]] == chain("a")[:synced["a"]]
     expected([b, a]) -> [[chain b, 0 ...], [chain a, 0 ...]]   (S, max stop), 0 past stop
 
-Invariant: ``table[rows[r], p] == chains[r][p]`` for every ``p < synced[r]``; entries at
-or past ``synced[r]`` hold whatever an earlier owner of the row left and are never read
-(``expected`` zeroes every entry at or past a request's stop, and ``stop <= synced``
-after it syncs).
+Invariant: ``table[rows[r], p]`` is the tag of r's chain at p for every
+``p < synced[r]``; entries at or past ``synced[r]`` hold whatever an earlier owner of the
+row left and are never read (``expected`` zeroes every entry at or past a request's stop,
+and ``stop <= synced`` after it syncs). The list of a request is a prefix of its chain
+that may end before ``synced[r]``: a decode step writes the one new tag of each request
+to the table only (``decode_plan``, then ``DecodeGuard.bind`` or ``expected``, then
+``decoded``), and ``chain`` copies what the list lacks back from the table.
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ class TagChains:
         chain = self._lists.get(req.req_id)
         if chain is None:
             chain = self._lists[req.req_id] = []
+        synced = self._synced.get(req.req_id, 0)
+        if len(chain) < min(synced, upto):  # decode steps wrote the table only
+            row = self._rows[req.req_id]
+            chain.extend(self.table.numpy()[row, len(chain) : synced].tolist())
         if len(chain) < upto:
             prompt, output = req.prompt_token_ids, req.output_token_ids
             n_prompt = len(prompt)
@@ -83,24 +90,16 @@ class TagChains:
         parts = [rows[i, r.positions.start : r.positions.stop] for i, r in enumerate(reqs)]
         return torch.from_numpy(numpy.concatenate(parts))
 
-    def one_step(self, req: ScheduledRequest) -> torch.Tensor | None:
-        """``expected([req])`` for one request writing the one position past its synced
-        chain (one stream's decode step): one ``mix64``, one table entry, a view of its
-        row. None, nothing changed, where the request is not in that state."""
-        rows = self._decode_rows([req])
-        if rows is None:
-            return None
-        return self.table[rows[0] : rows[0] + 1, : req.positions.stop]
-
     def expected(self, reqs: list[ScheduledRequest]) -> torch.Tensor:
         """(S, max stop) int64: the tag of each request's token chain at each position,
         0 at and past the request's stop. Read only: for one request it is a view of the
         table's row (no copy, nothing past its stop)."""
         stops = [r.positions.stop for r in reqs]
-        # A decode step (each request one position past its synced chain) appends the new
-        # tags itself; anything else syncs every chain up to its stop.
-        rows = self._decode_rows(reqs)
-        if rows is None:
+        # A decode step (one position per request) computes only the new tags; anything
+        # else syncs every chain up to its stop.
+        if all(r.positions.stop == r.positions.start + 1 for r in reqs):
+            rows = self._decode(reqs)
+        else:
             rows = self._sync(reqs, stops)
         if len(rows) == 1:  # one stream: its row of the table, read only (a view)
             return self.table[rows[0] : rows[0] + 1, : stops[0]]
@@ -118,48 +117,57 @@ class TagChains:
             expected[past] = 0
         return torch.from_numpy(expected)
 
-    def _decode_rows(self, reqs: list[ScheduledRequest]) -> list[int] | None:
-        """For a step where every request writes the one position past its synced chain
-        (a decode step): the new tags (``mix64`` for one stream, ``mix64_many``, one
-        numpy call, for several) appended to the chains and written to the table;
-        returns the rows. None, nothing changed, where any request is not in that
-        state."""
-        prev: list[int] = []
-        tokens: list[int] = []
+    def decode_plan(self, reqs: list[ScheduledRequest]) -> tuple[list[int], list[int], list[int]]:
+        """For a decode step (each request writes one position): (rows, starts, tokens),
+        each request's table row, the position it writes and the token there, with its
+        chain in the table up to that position and the table wide enough for it (synced
+        here where a request is not yet). The caller writes the new tags to the table
+        (``DecodeGuard.bind``; ``_decode``), then calls ``decoded``."""
         rows: list[int] = []
         starts: list[int] = []
+        tokens: list[int] = []
         cols = self.table.shape[1]
-        lists, table_rows, synced = self._lists, self._rows, self._synced
+        table_rows, synced = self._rows, self._synced
         for r in reqs:
-            rid, pos = r.req_id, r.positions
-            start = pos.start
-            chain = lists.get(rid)
-            row = table_rows.get(rid)
-            if chain is None or row is None or pos.stop != start + 1 or start >= cols:
-                return None
-            if len(chain) != start or synced.get(rid) != start:
-                return None
+            start = r.positions.start
+            row = table_rows.get(r.req_id)
+            if row is None or synced.get(r.req_id) != start or start >= cols:
+                row = -1  # not in state: the step syncs below
+            rows.append(row)
+            starts.append(start)
             prompt = r.prompt_token_ids
             n_prompt = len(prompt)
             tokens.append(
                 prompt[start] if start < n_prompt else r.output_token_ids[start - n_prompt]
             )
-            prev.append(chain[-1] if start else self.root_tag)
-            rows.append(row)
-            starts.append(start)
+        if -1 in rows:
+            rows = self._sync(reqs, starts)
+            self._grow(self._next_row, max(starts) + 1)
+        return rows, starts, tokens
+
+    def decoded(self, reqs: list[ScheduledRequest]) -> None:
+        """The new tags of a ``decode_plan``'s step are in the table: each chain is synced
+        one position further."""
+        synced = self._synced
+        for r in reqs:
+            synced[r.req_id] = r.positions.start + 1
+
+    def _decode(self, reqs: list[ScheduledRequest]) -> list[int]:
+        """A decode step's new tags written to the table (``mix64`` for one stream,
+        ``mix64_many``, one numpy call, for several); returns the rows."""
+        rows, starts, tokens = self.decode_plan(reqs)
+        table = self.table.numpy()
+        prev = [
+            table[row, start - 1] if start else self.root_tag for row, start in zip(rows, starts)
+        ]
         if len(reqs) == 1:  # one stream: numpy's per-call cost is more than one mix64
-            tags = [mix64(prev[0], tokens[0], starts[0])]
-            self.table.numpy()[rows[0], starts[0]] = tags[0]
+            table[rows[0], starts[0]] = mix64(int(prev[0]), tokens[0], starts[0])
         else:
             at = numpy.array(starts, dtype=numpy.int64)
-            array = mix64_many(
+            table[rows, at] = mix64_many(
                 numpy.array(prev, dtype=numpy.int64), numpy.array(tokens, dtype=numpy.int64), at
             )
-            self.table.numpy()[rows, at] = array
-            tags = array.tolist()
-        for r, start, tag in zip(reqs, starts, tags):
-            lists[r.req_id].append(tag)
-            synced[r.req_id] = start + 1
+        self.decoded(reqs)
         return rows
 
     def _sync(self, reqs: list[ScheduledRequest], stops: list[int]) -> list[int]:

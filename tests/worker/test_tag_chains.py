@@ -62,24 +62,35 @@ def test_rows_grow_past_the_first_table() -> None:
     assert chains.table.shape[0] >= 20
 
 
-def test_one_step_equals_expected_for_one_stream_decoding() -> None:
-    """One request writing the position past its synced chain: ``one_step`` gives what
-    ``expected`` gives; any other state is left to ``expected`` (None)."""
-    fast, slow = TagChains(ROOT_TAG), TagChains(ROOT_TAG)
+def test_one_stream_decoding_equals_a_fresh_chain_and_its_list_catches_up() -> None:
+    """One request decoding past the table's first 64 columns: ``expected`` equals a
+    fresh ``TagChains``'s at every step, though the decode steps write the new tags to
+    the table only; ``chain`` then copies them back into the list."""
+    fast = TagChains(ROOT_TAG)
     tokens = list(range(300, 400))
-    first = [_req("a", tokens, 0, 9, 9)]
-    assert fast.one_step(first[0]) is None  # nothing synced yet: a prompt
-    fast.expected(first), slow.expected(first)
-    for stop in range(10, 80):  # past the table's first 64 columns too
+    fast.expected([_req("a", tokens, 0, 9, 9)])
+    for stop in range(10, 80):
         step = [_req("a", tokens, stop - 1, stop, 9)]
-        got = fast.one_step(step[0])
-        if got is None:  # the table must grow first: expected does it
-            assert stop - 1 >= fast.table.shape[1]
-            got = fast.expected(step)
-        assert got.tolist() == slow.expected(step).tolist() == [_want(tokens, stop, stop)]
-    assert fast.one_step(_req("a", tokens, 10, 11, 9)) is None  # not the next position
-    assert fast.one_step(_req("a", tokens, 79, 81, 9)) is None  # two positions
-    assert fast.one_step(_req("b", tokens, 5, 6, 9)) is None  # no chain
+        want = [_want(tokens, stop, stop)]
+        assert fast.expected(step).tolist() == TagChains(ROOT_TAG).expected(step).tolist() == want
+    assert len(fast._lists["a"]) == 9  # the prompt's; the decode steps wrote the table
+    assert fast.chain(_req("a", tokens, 79, 80, 9), 80) == _want(tokens, 80, 80)
+    # A prompt step after decode steps syncs from the caught-up list.
+    step = [_req("a", tokens, 80, 90, 9)]
+    assert fast.expected(step).tolist() == [_want(tokens, 90, 90)]
+
+
+def test_decode_plan_syncs_a_request_not_in_state() -> None:
+    """``decode_plan`` of a request whose chain is behind (never synced, or forgotten)
+    syncs it up to the position it writes and widens the table; the caller's new tag
+    then makes ``expected`` whole."""
+    chains = TagChains(ROOT_TAG)
+    tokens = list(range(10, 90))
+    step = [_req("a", tokens, 70, 71, 9)]  # position 70, never synced, past 64 columns
+    rows, starts, toks = chains.decode_plan(step)
+    assert starts == [70] and toks == [tokens[70]] and chains.table.shape[1] > 70
+    assert chains.table[rows[0], :70].tolist() == _want(tokens, 70, 70)
+    assert chains.expected(step).tolist() == [_want(tokens, 71, 71)]
 
 
 def test_mix64_many_equals_mix64() -> None:
@@ -93,21 +104,26 @@ def test_mix64_many_equals_mix64() -> None:
 
 def test_a_decode_step_of_several_streams_equals_expected_from_scratch() -> None:
     """Requests each writing the position past their synced chains take the numpy path
-    (``_decode_rows``); a step with a request in another state (a new prompt) takes the
+    (``_decode``); a step with a request in another state (a new prompt) takes the
     general one. Either way ``expected`` equals a fresh ``TagChains``'s."""
     fast = TagChains(ROOT_TAG)
-    took: list[bool] = []
-    decode_rows = fast._decode_rows
+    took: list[str] = []  # the paths of the current step
+    decode, sync = fast._decode, fast._sync
 
     def spy(reqs):
-        rows = decode_rows(reqs)
-        took.append(rows is not None)
-        return rows
+        took.append("decode")
+        return decode(reqs)
 
-    fast._decode_rows = spy  # type: ignore[method-assign]
+    def spy_sync(reqs, stops):
+        took.append("sync")
+        return sync(reqs, stops)
+
+    fast._decode = spy  # type: ignore[method-assign]
+    fast._sync = spy_sync  # type: ignore[method-assign]
     toks = {n: list(range(100 * i, 100 * i + 99)) for i, n in enumerate("abcde")}
     n_prompt = {"a": 9, "b": 20, "c": 33, "d": 5, "e": 12}
     done = {n: 0 for n in "abcd"}
+    paths: list[list[str]] = []
     for k in range(45):  # "c" passes the table's first 64 columns
         if k == 17:
             done["e"] = 0  # a new prompt joins: this step goes the general way
@@ -116,8 +132,12 @@ def test_a_decode_step_of_several_streams_equals_expected_from_scratch() -> None
             for n, d in done.items()
         ]
         want = TagChains(ROOT_TAG).expected(step).tolist()
+        took.clear()
         assert fast.expected(step).tolist() == want
+        paths.append(list(took))
         for r in step:
             done[r.req_id] = r.positions.stop
-    assert not took[0] and not took[17]
-    assert sum(took) >= 40  # the rest, but where the table grew
+    assert paths[0] == paths[17] == ["sync"]
+    # the rest decode; where the table grew, after syncing to the written position
+    assert all(p[0] == "decode" for k, p in enumerate(paths) if k not in (0, 17))
+    assert sum(p == ["decode"] for p in paths) >= 40

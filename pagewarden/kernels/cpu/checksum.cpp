@@ -68,6 +68,20 @@ constexpr bool kVector = false;
 inline uint64_t dot(const int32_t* x, const uint64_t* k, int64_t n) { return dot_scalar(x, k, n); }
 #endif
 
+// worker/integrity.py's splitmix64 and mix64, in uint64 (wrapping, as its masks do).
+inline uint64_t splitmix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+inline uint64_t mix64(uint64_t prev_tag, uint64_t token, uint64_t position) {
+  uint64_t x = splitmix64(prev_tag ^ 0xBF58476D1CE4E5B9ULL);
+  x = splitmix64(x ^ token);
+  return splitmix64(x ^ (position * 0x9E3779B97F4A7C15ULL));
+}
+
 struct Layers {
   std::vector<const int32_t*> base;  // layer l's limbs, K at base, V at base + half
   int64_t num_blocks = 0, bs = 0, row = 0, half = 0;
@@ -227,6 +241,13 @@ class CacheSums {
 //     sealed (num_blocks,) bool   tags, slot_sums (num_blocks * bs,) int64
 //     block_sums (num_blocks,) int64
 //
+// bind():  the step's slot tags and the kernel's inputs, then open(): each sequence's
+//          new tag, mix64(tag at start - 1, its token, start) (worker/integrity.py's
+//          mix64; the root tag at 0), written to its row of the tag-chain table (rows,
+//          cols) int64 (worker/tag_chains.py: each row holds its chain up to start);
+//          returns (expected tags (S, max start + 1), 0 past each sequence's stop; for one
+//          sequence a view of its table row; the new tags (S,); tag_faults zeroed;
+//          read_sums zeroed and read_layers where the step reads a scrub pick, else None).
 // open():  a block the step writes at offset 0 starts a new life (unsealed, tags zeroed);
 //          read_layers -1 but where a sequence reads one of the scrub picks (the kernel's
 //          outputs come zeroed); each sequence's write block is remembered for close().
@@ -275,6 +296,58 @@ class DecodeGuard {
     for (int64_t b = 0; b < cursor && static_cast<int64_t>(picks.size()) < k; ++b)
       if (sealed[b]) picks.push_back(b);
     return picks;
+  }
+
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>> bind(
+      const at::Tensor& block_index, const at::Tensor& table, const std::vector<int64_t>& rows,
+      const std::vector<int64_t>& starts, const std::vector<int64_t>& tokens, int64_t root_tag,
+      const std::vector<int64_t>& picks, int64_t num_kv_heads) {
+    const int64_t s = static_cast<int64_t>(starts.size());
+    TORCH_CHECK(s > 0 && static_cast<int64_t>(rows.size()) == s && static_cast<int64_t>(tokens.size()) == s,
+                "rows, starts, tokens: one entry per sequence");
+    TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kLong && table.is_contiguous() &&
+                    table.device().is_cpu(),
+                "table: (rows, cols) int64, contiguous, on the CPU");
+    const int64_t n_rows = table.size(0), cols = table.size(1);
+    int64_t* chains = table.data_ptr<int64_t>();
+    at::Tensor new_tags = at::empty({s}, table.options());
+    int64_t* out = new_tags.data_ptr<int64_t>();
+    int64_t width = 0;
+    for (int64_t i = 0; i < s; ++i) {
+      const int64_t row = rows[i], p = starts[i];
+      TORCH_CHECK_INDEX(row >= 0 && row < n_rows && p >= 0 && p < cols, "row ", row, " position ", p,
+                        " outside the tag table");
+      int64_t* chain = chains + row * cols;
+      const uint64_t prev = static_cast<uint64_t>(p > 0 ? chain[p - 1] : root_tag);
+      chain[p] = out[i] = static_cast<int64_t>(mix64(prev, static_cast<uint64_t>(tokens[i]), static_cast<uint64_t>(p)));
+      width = std::max(width, p + 1);
+    }
+    at::Tensor expected;
+    if (s == 1) {
+      expected = table.narrow(0, rows[0], 1).narrow(1, 0, width);  // a view: (1, width) is contiguous
+    } else {
+      expected = at::empty({s, width}, table.options());
+      int64_t* e = expected.data_ptr<int64_t>();
+      for (int64_t i = 0; i < s; ++i) {
+        const int64_t n = starts[i] + 1;
+        std::copy(chains + rows[i] * cols, chains + rows[i] * cols + n, e + i * width);
+        std::fill(e + i * width + n, e + (i + 1) * width, 0);
+      }
+    }
+    TORCH_CHECK(block_index.numel() % s == 0, "block_index: (S * width,)");
+    const int64_t blocks = block_index.numel() / s;
+    const auto int32 = table.options().dtype(at::kInt);
+    at::Tensor tag_faults = at::zeros({s, blocks}, int32);
+    c10::optional<at::Tensor> read_sums, read_layers;
+    if (!picks.empty()) {
+      read_sums = at::zeros({s, num_kv_heads, blocks}, table.options());
+      read_layers = at::empty({s, blocks}, int32);
+    }
+    if (!open(block_index, starts, picks, tag_faults, read_sums, read_layers)) {
+      read_sums.reset();  // no pick is read: the scrub verifies them from the cache
+      read_layers.reset();
+    }
+    return std::make_tuple(expected, new_tags, tag_faults, read_sums, read_layers);
   }
 
   bool open(const at::Tensor& block_index, const std::vector<int64_t>& starts, const std::vector<int64_t>& picks,
@@ -440,6 +513,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                     at::Tensor>())
       .def("scrub_picks", &DecodeGuard::scrub_picks, "the next k sealed block ids from cursor on, round robin")
+      .def("bind", &DecodeGuard::bind, "before the forward pass: the new tags, the kernel's inputs, then open")
       .def("open", &DecodeGuard::open, "before the forward pass: new lives, zeroed kernel outputs, sum picks")
       .def("close", &DecodeGuard::close, "after the forward pass: write-time sums, checks, seals",
            py::call_guard<py::gil_scoped_release>());
