@@ -44,6 +44,13 @@ class ChecksumChecks(ArrivalChecks):
         """
         if not self.sums_on:
             return []
+        seen = self._seen
+        reqs = out.requests
+        if reqs and self._decode_path(reqs) and all(r.req_id in seen for r in reqs):
+            # A decode step of requests whose context was verified (standard): nothing
+            # to re-read; the kernel sums the scrub picks (_fuse_scrub, _close_decode).
+            self._deferred_scrub = self._scrub_picks() or None
+            return []
         reqs = [r for r in out.requests if r.positions.start > 0]
         faults = self._check_contents(reqs)
         found = {b for f in faults for b in f.block_ids}
