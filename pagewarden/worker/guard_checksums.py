@@ -46,7 +46,12 @@ class ChecksumChecks(ArrivalChecks):
             return []
         seen = self._seen
         reqs = out.requests
-        if reqs and self._decode_path(reqs) and all(r.req_id in seen for r in reqs):
+        if (
+            reqs
+            and not self.strict
+            and self._decode_path(reqs)
+            and all(r.req_id in seen for r in reqs)
+        ):
             # A decode step of requests whose context was verified (standard): nothing
             # to re-read; the kernel sums the scrub picks (_fuse_scrub, _close_decode).
             self._deferred_scrub = self._scrub_picks() or None
@@ -291,11 +296,13 @@ class ChecksumChecks(ArrivalChecks):
 
     def _decode_path(self, reqs) -> bool:
         """Whether this step's checks run as ``DecodeGuard``'s two C++ calls: a decode
-        step (one new token per request) at ``standard`` with the cpu checking kernel."""
+        step (one new token per request) with the cpu checking kernel, at ``standard``
+        or at ``strict`` (where the kernel also sums each open block and no block of the
+        step arrived by swap-in)."""
         return (
             self.decode_guard is not None
             and self.fused_reads
-            and not self.strict
+            and (not self.strict or (self._open_by_kernel and not self._swapped_in))
             and integrity_cpu.enabled
             and all(len(r.positions) == 1 for r in reqs)
         )

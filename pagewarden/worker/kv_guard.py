@@ -57,10 +57,12 @@ strict    every block a step reads is verified before its tokens are released (s
           the forward pass, or from a checking kernel's sums after it (fused reads)
 ========  ==================================================================================
 
-Decode steps at ``standard`` with the cpu kernel (one new token per request, every
-step of a stream after its prompt) run the same ``bind`` and ``after_write`` work as two
-C++ calls over the guard's state (``DecodeGuard`` in ``kernels/cpu/checksum.cpp``:
-``_bind_decode``, ``_close_decode``). Only a clean step finishes there; a step in which
+Decode steps with the cpu kernel (one new token per request, every step of a stream
+after its prompt), at ``standard`` and at ``strict`` (where no block of the step arrived by
+swap-in), run the same ``bind`` and ``after_write`` work as two C++ calls over the
+guard's state (``DecodeGuard`` in ``kernels/cpu/checksum.cpp``: ``_bind_decode``,
+``_close_decode``; at ``strict`` the second also holds every context block to the
+kernel's sum of it). Only a clean step finishes there; a step in which
 any check fails is handed, unchanged but for its write-time sums, to the general path
 below, which finds and names the fault. ``tests/worker/test_decode_guard.py`` holds the
 two paths to the same tokens, faults, counters and state.
@@ -219,6 +221,7 @@ class KVGuard(ChecksumChecks):
             chains.root_tag,
             picks,
             self.caches[0].shape[3],
+            self.strict,
         )
         chains.decoded(reqs)
         meta.slot_tags = self.tags.tags.view(-1)
@@ -237,13 +240,15 @@ class KVGuard(ChecksumChecks):
         the same checks again to name the fault."""
         checks = meta.read_checks
         assert self.decode_guard is not None and checks is not None
-        clean, by_kernel, reread, live, sealed_read, sealed_written = self.decode_guard.close(
-            meta.block_index,
-            meta.slot_mapping,
-            picks,
-            checks.tag_faults,
-            checks.read_sums,
-            checks.read_layers,
+        clean, by_kernel, reread, live, sealed_read, sealed_written, blocks, slots = (
+            self.decode_guard.close(
+                meta.block_index,
+                meta.slot_mapping,
+                picks,
+                checks.tag_faults,
+                checks.read_sums,
+                checks.read_layers,
+            )
         )
         if not clean:
             return False
@@ -251,9 +256,9 @@ class KVGuard(ChecksumChecks):
         counters = self.counters
         counters.tag_checks += sum(r.positions.stop for r in reqs)
         counters.scrubbed_blocks -= len(picks) - live  # unsealed since picked: not scrubbed
-        counters.block_verifies += by_kernel + reread
+        counters.block_verifies += by_kernel + reread + blocks  # blocks, slots: strict's
         counters.seals += sealed_read + sealed_written
-        counters.slot_verifies += sealed_read * self.block_size
+        counters.slot_verifies += sealed_read * self.block_size + slots
         return True
 
     def _check_tags(self, reqs: list[ScheduledRequest], meta: AttentionMetadata) -> list[KVFault]:

@@ -1,6 +1,7 @@
-"""The guard's decode path (``DecodeGuard``'s two C++ calls at ``standard``, with the cpu
-checking kernel) against its general path: the same tokens, faults, counters and state
-after every run, with no fault and with each kind of fault placed in a decode step.
+"""The guard's decode path (``DecodeGuard``'s two C++ calls at ``standard`` and ``strict``,
+with the cpu checking kernel) against its general path: the same tokens, faults, counters
+and state after every run, with no fault and with each kind of fault placed in a decode
+step.
 
 The general path is what the decode path must reproduce: each run is made twice on the
 real tiny Llama, once as shipped and once with ``KVGuard._decode_path`` answering False,
@@ -40,14 +41,14 @@ def loaded(request, tiny_llama_dir, tmp_path_factory):
     return load_model(path, torch.float32)
 
 
-def _engine(loaded, scrub_blocks_per_step: int) -> EngineCore:
-    """Standard integrity on the cpu backend, blocks of ``BLOCK``, prefix caching off."""
+def _engine(loaded, scrub_blocks_per_step: int, level: str = "standard") -> EngineCore:
+    """``level`` integrity on the cpu backend, blocks of ``BLOCK``, prefix caching off."""
     config = EngineConfig(
         model="tiny",
         dtype="float32",
         block_size=BLOCK,
         num_kv_blocks=64,
-        integrity="standard",
+        integrity=level,
         enable_prefix_caching=False,
         seed=0,
         attention_backend="cpu",
@@ -102,7 +103,7 @@ class _Fault(StepHooks):
         )
 
 
-def _run(loaded, kind: str, decode_path: bool, monkeypatch):
+def _run(loaded, kind: str, decode_path: bool, monkeypatch, level: str):
     closes = []
     if not decode_path:
         monkeypatch.setattr(KVGuard, "_decode_path", lambda self, reqs: False)
@@ -115,7 +116,7 @@ def _run(loaded, kind: str, decode_path: bool, monkeypatch):
             return clean
 
         monkeypatch.setattr(KVGuard, "_close_decode", counted)
-    engine = _engine(loaded, scrub_blocks_per_step=2)
+    engine = _engine(loaded, scrub_blocks_per_step=2, level=level)
     hooks = _Fault(engine, kind, at=6)
     engine.install_hooks(hooks)
     rng = random.Random(0)
@@ -141,11 +142,12 @@ def _run(loaded, kind: str, decode_path: bool, monkeypatch):
     return outputs, hooks.steps, dataclasses.asdict(guard.counters), state, closes
 
 
+@pytest.mark.parametrize("level", ["standard", "strict"])
 @pytest.mark.parametrize("kind", FAULTS)
-def test_the_decode_path_equals_the_general_path(loaded, kind, monkeypatch) -> None:
+def test_the_decode_path_equals_the_general_path(loaded, kind, level, monkeypatch) -> None:
     assert integrity_cpu.available(), "the checksum kernels build where the tests run"
-    fast = _run(loaded, kind, True, monkeypatch)
-    general = _run(loaded, kind, False, monkeypatch)
+    fast = _run(loaded, kind, True, monkeypatch, level)
+    general = _run(loaded, kind, False, monkeypatch, level)
     outputs, steps, counters, state, closes = fast
     assert closes.count(True) >= 10  # the decode path ran, and passed clean steps itself
     assert outputs == general[0]

@@ -256,8 +256,10 @@ class CacheSums {
 //          reads its position from, every sealed pick's sum (the kernel's where it read
 //          the pick in every layer, else re-read) equal to its seal, a block the step
 //          filled re-reading to its slots' sums. Only then are filled blocks sealed.
-//          Returns (clean, picks verified by the kernel's sums, picks re-read, sealed
-//          picks, blocks sealed after a re-read, blocks sealed as written).
+//          At strict (bind's flag) the kernel sums every block it reads, and close()
+//          also holds each context block to it (strict_reads). Returns (clean, picks
+//          verified by the kernel's sums, picks re-read, sealed picks, blocks sealed after
+//          a re-read, blocks sealed as written, strict's blocks and slots verified).
 class DecodeGuard {
  public:
   DecodeGuard(std::vector<at::Tensor> caches, at::Tensor limb_keys, at::Tensor offset_keys,
@@ -301,7 +303,7 @@ class DecodeGuard {
   std::tuple<at::Tensor, at::Tensor, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>> bind(
       const at::Tensor& block_index, const at::Tensor& table, const std::vector<int64_t>& rows,
       const std::vector<int64_t>& starts, const std::vector<int64_t>& tokens, int64_t root_tag,
-      const std::vector<int64_t>& picks, int64_t num_kv_heads) {
+      const std::vector<int64_t>& picks, int64_t num_kv_heads, bool strict) {
     const int64_t s = static_cast<int64_t>(starts.size());
     TORCH_CHECK(s > 0 && static_cast<int64_t>(rows.size()) == s && static_cast<int64_t>(tokens.size()) == s,
                 "rows, starts, tokens: one entry per sequence");
@@ -339,11 +341,12 @@ class DecodeGuard {
     const auto int32 = table.options().dtype(at::kInt);
     at::Tensor tag_faults = at::zeros({s, blocks}, int32);
     c10::optional<at::Tensor> read_sums, read_layers;
-    if (!picks.empty()) {
+    if (strict || !picks.empty()) {
       read_sums = at::zeros({s, num_kv_heads, blocks}, table.options());
       read_layers = at::empty({s, blocks}, int32);
     }
-    if (!open(block_index, starts, picks, tag_faults, read_sums, read_layers)) {
+    strict_ = strict;
+    if (!open(block_index, starts, picks, tag_faults, read_sums, read_layers) && !strict) {
       read_sums.reset();  // no pick is read: the scrub verifies them from the cache
       read_layers.reset();
     }
@@ -383,17 +386,18 @@ class DecodeGuard {
     bool any = false;
     for (int64_t j = 0; j < s * width; ++j) {
       const bool pick = std::find(picks.begin(), picks.end(), bi[j]) != picks.end();
-      layers[j] = pick ? 0 : -1;
+      layers[j] = strict_ || pick ? 0 : -1;
       any = any || pick;
     }
     return any;
   }
 
-  std::tuple<bool, int64_t, int64_t, int64_t, int64_t, int64_t> close(
+  std::tuple<bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t> close(
       const at::Tensor& block_index, const at::Tensor& slot_mapping, const std::vector<int64_t>& picks,
       const at::Tensor& tag_faults, const c10::optional<at::Tensor>& read_sums,
       const c10::optional<at::Tensor>& read_layers) {
-    const auto dirty = std::make_tuple(false, int64_t{0}, int64_t{0}, int64_t{0}, int64_t{0}, int64_t{0});
+    constexpr int64_t z = 0;
+    const auto dirty = std::make_tuple(false, z, z, z, z, z, z, z);
     const int64_t s = static_cast<int64_t>(starts_.size()), bs = ls_.bs, nb = ls_.num_blocks;
     const int64_t width = table_width(block_index, s);
     // Anything the general path would treat differently (a swapped index of another
@@ -452,6 +456,9 @@ class DecodeGuard {
       ++reread;
       if (block_sum(ls_, keys, okeys, b, scratch) != block_sums[b]) return dirty;
     }
+    int64_t strict_blocks = 0, strict_slots = 0;
+    if (strict_ && !strict_reads(block_index, read_sums, read_layers, s, width, strict_blocks, strict_slots))
+      return dirty;
     // Blocks this step filled: re-read where earlier steps wrote some of their slots.
     std::vector<std::pair<int64_t, uint64_t>> seals;
     int64_t after_read = 0;
@@ -474,8 +481,77 @@ class DecodeGuard {
     }
     const int64_t written = static_cast<int64_t>(seals.size()) - after_read;
     return std::make_tuple(true, static_cast<int64_t>(covered.size()), reread, static_cast<int64_t>(want.size()),
-                           after_read, written);
+                           after_read, written, strict_blocks, strict_slots);
   }
+
+ private:
+  // strict: every context block the step read, as the kernel summed it (the general
+  // path's _fused_sum_faults and _open_block_faults). A full sealed block by its
+  // kernel sum where every layer read it, else (a sliding-window layer skipped it) re-read
+  // once; the open block's sum over its written slots and the new one by the offset-keyed
+  // write-time sums, or its written slots re-read where not every layer read it. True
+  // where all match; counts the blocks and slots verified.
+  bool strict_reads(const at::Tensor& block_index, const c10::optional<at::Tensor>& read_sums,
+                    const c10::optional<at::Tensor>& read_layers, int64_t s, int64_t width, int64_t& blocks,
+                    int64_t& slots_verified) const {
+    if (!read_sums.has_value() || !read_layers.has_value()) return false;
+    const int64_t bs = ls_.bs, n_layers = static_cast<int64_t>(ls_.base.size());
+    const int64_t n_kv = read_sums->numel() / (s * width);
+    const int64_t* bi = block_index.data_ptr<int64_t>();
+    const int32_t* layers = read_layers->data_ptr<int32_t>();
+    const auto* sums = reinterpret_cast<const uint64_t*>(read_sums->data_ptr<int64_t>());
+    const bool* sealed = sealed_.data_ptr<bool>();
+    const auto* keys = reinterpret_cast<const uint64_t*>(keys_.data_ptr<int64_t>());
+    const auto* okeys = reinterpret_cast<const uint64_t*>(okeys_.data_ptr<int64_t>());
+    const auto* block_sums = reinterpret_cast<const uint64_t*>(block_sums_.data_ptr<int64_t>());
+    const auto* slot_sums = reinterpret_cast<const uint64_t*>(slot_sums_.data_ptr<int64_t>());
+    auto kernel_sum = [&](int64_t i, int64_t lb) {
+      uint64_t sum = 0;
+      for (int64_t h = 0; h < n_kv; ++h) sum += sums[(i * n_kv + h) * width + lb];
+      return sum;
+    };
+    std::vector<int64_t> partial;
+    for (int64_t i = 0; i < s; ++i) {
+      for (int64_t lb = 0; lb < starts_[i] / bs; ++lb) {
+        const int64_t b = bi[i * width + lb], read = layers[i * width + lb];
+        if (b == 0 || !sealed[b] || read == 0) continue;
+        if (read != n_layers) {
+          if (std::find(partial.begin(), partial.end(), b) == partial.end()) partial.push_back(b);
+          continue;
+        }
+        ++blocks;
+        if (kernel_sum(i, lb) != block_sums[b]) return false;
+      }
+    }
+    std::vector<uint64_t> scratch(bs);
+    for (int64_t b : partial) {
+      ++blocks;
+      if (block_sum(ls_, keys, okeys, b, scratch) != block_sums[b]) return false;
+    }
+    std::vector<int64_t> reread;
+    for (int64_t i = 0; i < s; ++i) {
+      const int64_t p = starts_[i], lb = p / bs, b = bi[i * width + lb];
+      if (p % bs == 0 || b == 0) continue;  // no open context block
+      if (layers[i * width + lb] != n_layers) {
+        for (int64_t o = 0; o < p % bs; ++o) reread.push_back(b * bs + o);
+        continue;
+      }
+      const int64_t m = p % bs + 1;  // the written slots and the new one
+      slots_verified += m;
+      uint64_t want = 0;
+      for (int64_t o = 0; o < m; ++o) want += okeys[o] * slot_sums[b * bs + o];
+      if (kernel_sum(i, lb) != want) return false;
+    }
+    if (!reread.empty()) {
+      slots_verified += static_cast<int64_t>(reread.size());
+      std::vector<uint64_t> now(reread.size());
+      slot_sums_into(ls_, keys, reread.data(), static_cast<int64_t>(reread.size()), now.data());
+      for (size_t j = 0; j < reread.size(); ++j)
+        if (now[j] != slot_sums[reread[j]]) return false;
+    }
+    return true;
+  }
+
 
  private:
   static int64_t table_width(const at::Tensor& block_index, int64_t s) {
@@ -494,6 +570,7 @@ class DecodeGuard {
   at::Tensor keys_, okeys_, sealed_, tags_, slot_sums_, block_sums_;
   Layers ls_;
   std::vector<int64_t> starts_, write_blocks_;
+  bool strict_ = false;
 };
 
 }  // namespace
@@ -514,7 +591,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     at::Tensor>())
       .def("scrub_picks", &DecodeGuard::scrub_picks, "the next k sealed block ids from cursor on, round robin")
       .def("bind", &DecodeGuard::bind, "before the forward pass: the new tags, the kernel's inputs, then open")
-      .def("open", &DecodeGuard::open, "before the forward pass: new lives, zeroed kernel outputs, sum picks")
       .def("close", &DecodeGuard::close, "after the forward pass: write-time sums, checks, seals",
            py::call_guard<py::gil_scoped_release>());
 }
