@@ -552,8 +552,6 @@ class DecodeGuard {
     return true;
   }
 
-
- private:
   static int64_t table_width(const at::Tensor& block_index, int64_t s) {
     if (s <= 0 || !block_index.device().is_cpu() || block_index.scalar_type() != at::kLong ||
         !block_index.is_contiguous() || block_index.numel() % s != 0)
