@@ -111,6 +111,7 @@ class FaultAppliers:
     _current: SchedulerOutput
     _redirected: set[str]
     _stale: dict[int, tuple[str, int, int]]
+    _displaced: dict[int, tuple[int, int]]
     _in_host: dict[int, int]
     _foreign_next: int
 
@@ -229,16 +230,11 @@ class FaultAppliers:
         if n_ctx == 0 or not others or sr is not self._original[sr.req_id]:
             return False  # one mapping fault per request and step keeps truth simple
         index = self.rng.randrange(n_ctx)
-        caches = self.engine.kv_store.caches
-        # A block with the same bytes (a sibling of n > 1 with the same tokens) would
-        # read back correct K/V: that redirect alters nothing, so it is not a fault.
-        # Nor would one rewritten with those bytes in this very step, before it is read.
-        others = [
-            b
-            for b in others
-            if b not in self._written
-            and not all(torch.equal(c[:, b], c[:, sr.block_table[index]]) for c in caches)
-        ]
+        # Not a block written in this very step (it may take the entry's bytes before it
+        # is read), nor one that reads back the entry's K/V (``_differing``).
+        others = self._differing(
+            [b for b in others if b not in self._written], sr.req_id, index, sr.block_table[index]
+        )
         if not others:
             return False
         target = self.rng.choice(others)
@@ -249,6 +245,26 @@ class FaultAppliers:
         fault.blocks, fault.req_ids = {old, target}, (sr.req_id,)
         fault.detail = f"{sr.req_id} table[{index}]: block {old} -> {target}"
         return True
+
+    def _differing(self, blocks: list[int], req_id: str, index: int, current: int) -> list[int]:
+        """``blocks`` a redirect of entry ``index`` of ``req_id``'s table (now ``current``)
+        may target: a block with ``current``'s bytes (a sibling of n > 1 with the same
+        tokens) would read back the same K/V, which alters nothing, so it is not a fault;
+        nor one with the bytes of a block that a live coherent wrong ref took that entry
+        away from: it undoes the wrong ref for the step (the request reads its own K/V)."""
+        kept = [current] + [
+            old
+            for f in self.faults
+            if f.kind == "coherent_wrong_ref" and f.live_blocks and f.req_ids == (req_id,)
+            for i, old in [self._displaced[f.fault_id]]
+            if i == index
+        ]
+        caches = self.engine.kv_store.caches
+        return [
+            b
+            for b in blocks
+            if not any(all(torch.equal(c[:, b], c[:, k]) for c in caches) for k in kept)
+        ]
 
     def _written_slot_elsewhere(self, sr: ScheduledRequest):
         """A random written position of another running request, outside ``sr``'s blocks,
@@ -358,8 +374,7 @@ class FaultAppliers:
         index = self.rng.randrange(n_read)
         row = k * meta.max_blocks + index
         old = int(meta.block_index[row])
-        caches = self.engine.kv_store.caches
-        others = [b for b in others if not all(torch.equal(c[:, b], c[:, old]) for c in caches)]
+        others = self._differing(others, sr.req_id, index, old)
         if not others:
             return False
         target = self.rng.choice(others)
@@ -445,6 +460,7 @@ class FaultAppliers:
             f"{req.req_id} table[{index}]: BlockRef({old}) -> BlockRef({target}) (coherent)",
         )
         self._stale[fault.fault_id] = (req.req_id, target, blocks[target].epoch)
+        self._displaced[fault.fault_id] = (index, old)
         return fault
 
     def _other_live_blocks_of(self, req_id: str) -> list[int]:

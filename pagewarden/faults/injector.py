@@ -99,6 +99,7 @@ class FaultInjector(FaultAppliers, StepHooks):
         # or overwrite it, and the ground truth would count a fault that altered nothing.
         self._redirected: set[str] = set()
         self._stale: dict[int, tuple[str, int, int]] = {}  # fault -> (rid, block, epoch)
+        self._displaced: dict[int, tuple[int, int]] = {}  # wrong ref -> (index, old block)
         self._in_host: dict[int, int] = {}  # swap fault -> host block, until swapped in
         self._foreign_next = 0  # round robin over the foreign mutators
         self._written: set[int] = set()

@@ -201,6 +201,27 @@ def _params(max_tokens: int, n: int) -> SamplingParams:
         ("add", False, [3], 2, 1),
     ]
 )
+# Found by hypothesis: a table redirect onto a sibling's block with the bytes of the block
+# a coherent wrong ref had displaced from that entry: it undid the wrong ref for the step
+# (correct K/V read), yet the ground truth counted the token. Such redirects are not
+# faults now; the wrong ref is found by the slot tags of its first read. The second: the
+# same with the forward call's block index redirected.
+@example(
+    ops=[
+        ("add", False, [3, 3, 3], 4, 2),
+        ("step", 4),
+        ("fault", "table_redirect"),
+        ("fault", "coherent_wrong_ref"),
+    ]
+)
+@example(
+    ops=[
+        ("add", False, [3, 3, 3], 4, 2),
+        ("step", 4),
+        ("fault", "index_redirect"),
+        ("fault", "coherent_wrong_ref"),
+    ]
+)
 def test_strict_never_releases_a_token_computed_from_altered_kv(tiny_llama_dir, ops) -> None:
     engine = echo_engine(
         tiny_llama_dir,
