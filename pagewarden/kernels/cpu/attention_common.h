@@ -27,9 +27,8 @@
 
 #pragma once
 
-#include <torch/extension.h>
-
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <immintrin.h>
 
 #include <algorithm>

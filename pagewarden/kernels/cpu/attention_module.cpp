@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "attention_common.h"
+#include "pool_bind.h"
 
 namespace {
 

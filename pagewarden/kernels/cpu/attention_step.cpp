@@ -27,6 +27,8 @@
 // decode_attention's slot_tags), into a new (T, n_heads * D) output. The K/V of the step
 // are written before anything reads the cache, as write_kv then attend order them.
 
+#include <ATen/ops/empty.h>
+
 #include "attention_common.h"
 
 namespace pw_attn {

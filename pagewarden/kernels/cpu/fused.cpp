@@ -70,7 +70,7 @@ the Python wrappers only call here when the layouts hold.
 #include <type_traits>
 
 #include "norm_api.h"
-#include "pool.h"
+#include "pool_bind.h"
 
 namespace {
 

@@ -35,7 +35,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "pool.h"
+#include "pool_bind.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include "gemm_tile.h"

@@ -38,7 +38,7 @@
 #include <thread>
 #include <tuple>
 
-#include "pool.h"
+#include "pool_bind.h"
 
 namespace {
 

@@ -7,12 +7,15 @@
 //
 // Without the pool (not built, busy with another caller, or called from inside one of its
 // items) the same items run through at::parallel_for, shared from an atomic counter.
+//
+// Light on purpose (no torch/extension.h, about 30 s of a translation unit's compile
+// here): the kernels' own files include this; the extension's module file binds the pool
+// through pool_bind.h.
 
 #pragma once
 
-#include <torch/extension.h>
-
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <atomic>
@@ -36,19 +39,6 @@ namespace pw {
 inline const PwPoolApi*& pool_api() {
   static const PwPoolApi* api = nullptr;
   return api;
-}
-
-// Binds this extension to the pool behind `capsule` (cpu_pool's api()); None unbinds.
-inline void set_pool(const pybind11::object& capsule) {
-  if (capsule.is_none()) {
-    pool_api() = nullptr;
-    return;
-  }
-  auto* api = static_cast<const PwPoolApi*>(PyCapsule_GetPointer(capsule.ptr(), kPwPoolCapsuleName));
-  if (api == nullptr) throw pybind11::error_already_set();
-  TORCH_CHECK(api->version == kPwPoolApiVersion, "cpu_pool: api version ", api->version, ", want ",
-              kPwPoolApiVersion);
-  pool_api() = api;
 }
 
 // An upper bound on the `thread` argument parallel_items passes, plus one.

@@ -48,7 +48,7 @@
 #include <vector>
 
 #include "norm_api.h"
-#include "pool.h"
+#include "pool_bind.h"
 #include "quant_int8.h"
 #include "quant_int8_tiles.h"
 #include "quant_scalar.h"

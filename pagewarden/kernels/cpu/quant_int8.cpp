@@ -29,7 +29,8 @@
 // 8 gate + 8 up rows); inside, R (<= 4) activation rows x C weight rows accumulate in
 // float32 lanes, each weight piece decoded once per group of R rows.
 
-#include <torch/extension.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 
 #include <immintrin.h>
 
@@ -162,7 +163,7 @@ struct Int8Gemm {
     if (p.out_f32)
       p.out_f32[i * p.n_out + n] = v;
     else
-      p.out[i * p.n_out + n] = at::BFloat16(v).x;
+      p.out[i * p.n_out + n] = c10::BFloat16(v).x;
   }
   static float bf16_to_float(uint16_t v) {
     const uint32_t bits = uint32_t(v) << 16;
@@ -257,7 +258,7 @@ void run_row(const Int8Problem& p) {
         if (p.out_f32)
           p.out_f32[n + j] = v;
         else
-          p.out[n + j] = at::BFloat16(v).x;
+          p.out[n + j] = c10::BFloat16(v).x;
       }
     }
   });

@@ -27,7 +27,7 @@
 
 #include "quant_int8_tiles.h"
 
-#include <torch/extension.h>
+#include <c10/util/Exception.h>
 
 #include <immintrin.h>
 

@@ -17,7 +17,7 @@
 
 #include "quant_tiles.h"
 
-#include <torch/extension.h>
+#include <c10/util/Exception.h>
 
 #include <immintrin.h>
 
