@@ -516,13 +516,15 @@ class DecodeGuard {
         const int64_t b = bi[i * width + lb], read = layers[i * width + lb];
         if (b == 0 || !sealed[b] || read == 0) continue;
         if (read != n_layers) {
-          if (std::find(partial.begin(), partial.end(), b) == partial.end()) partial.push_back(b);
+          partial.push_back(b);
           continue;
         }
         ++blocks;
         if (kernel_sum(i, lb) != block_sums[b]) return false;
       }
     }
+    std::sort(partial.begin(), partial.end());  // each once, however many requests share it
+    partial.erase(std::unique(partial.begin(), partial.end()), partial.end());
     std::vector<uint64_t> scratch(bs);
     for (int64_t b : partial) {
       ++blocks;
