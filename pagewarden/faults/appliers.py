@@ -252,13 +252,12 @@ class FaultAppliers:
         tokens) would read back the same K/V, which alters nothing, so it is not a fault;
         nor one with the bytes of a block that a live coherent wrong ref took that entry
         away from: it undoes the wrong ref for the step (the request reads its own K/V)."""
-        kept = [current] + [
-            old
-            for f in self.faults
-            if f.kind == "coherent_wrong_ref" and f.live_blocks and f.req_ids == (req_id,)
-            for i, old in [self._displaced[f.fault_id]]
-            if i == index
-        ]
+        kept = [current]
+        for f in self.faults:
+            if f.kind == "coherent_wrong_ref" and f.live_blocks and f.req_ids == (req_id,):
+                i, old = self._displaced[f.fault_id]
+                if i == index:
+                    kept.append(old)
         caches = self.engine.kv_store.caches
         return [
             b

@@ -23,15 +23,21 @@ def build_all() -> None:
     The builds run on as many threads as there are cores (at most 4): most extensions
     are one translation unit, whose compile keeps one core busy, so one after another
     they left the others idle (six builds, 199 s in a row on a 2-core Zen 4, about 30 s
-    apiece for torch/extension.h). An extension that binds to another (every one to the
-    item pool, quant to fused's norm) waits on that one's build lock, not on the rest."""
+    apiece for torch/extension.h). An extension that binds to another (all but checksum
+    to the item pool, quant to fused's norm) waits on that one's build lock, not on the
+    rest."""
     from pagewarden.kernels.cpu import attention, checksum, fused, gemm, quant
     from pagewarden.kernels.cpu import pool as cpu_pool
 
-    # The longest builds first: the pool (every other binds to it) and the two
-    # extensions of several files.
-    loads = [cpu_pool.load, quant.load, attention.load_extension, fused.load, gemm.load]
-    loads.append(checksum.load)
+    # First the pool (the others bind to it) and the two extensions of several files.
+    loads = [
+        cpu_pool.load,
+        quant.load,
+        attention.load_extension,
+        fused.load,
+        gemm.load,
+        checksum.load,
+    ]
     workers = max(1, min(4, os.cpu_count() or 1))
     with ThreadPoolExecutor(workers, thread_name_prefix="pw-build") as ex:
         for f in [ex.submit(load) for load in loads]:
